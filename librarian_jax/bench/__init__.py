@@ -1,0 +1,1 @@
+"""librarian_jax.bench."""
