@@ -1,0 +1,163 @@
+"""Policy losses (a registry), returned as (sum, count) so micro-batching gives the full-batch gradient.
+
+Per token, with `r = exp(clip(logp - logp_old, -20, 20))`:
+  PPO clip      `l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`
+  dual clip     for A < 0: `l = min(l, -c A)` (c = `dual_clip`, 3 by default; 0 turns it off)
+  TIS           `l *= stop_gradient(min(exp(logp_old - logp_sampler), tis_cap))` — truncated importance
+                sampling against the sampler's log-probs (`tis_cap = 0` turns it off)
+  KL (optional) `l += beta * k3`, `k3 = exp(ref - logp) - (ref - logp) - 1` (low-variance estimator)
+Log-probs come from the trainer's logits divided by the sampling temperature (`token_logprobs`).
+
+Aggregations (every one is `sum / count`; sums and counts add over micro-batches):
+  `token_mean`     sum = sum_{b,t} w_b m_bt l_bt,             count = sum_{b,t} w_b m_bt        (DAPO)
+  `sequence_mean`  sum = sum_b w_b (sum_t m l / sum_t m),     count = sum_b w_b [row has tokens] (GRPO)
+  `drgrpo`         sum = sum_{b,t} w_b m_bt l_bt,             count = sum_b w_b * norm_length  (Dr.GRPO)
+with `w_b` the row weights (1 / rows of the episode; 0 for padding) and `m` the loss mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token_mean", "sequence_mean", "drgrpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    name: str = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float = 3.0
+    tis_cap: float = 2.0
+    kl_beta: float = 0.0
+    temperature: float = 1.0
+    aggregation: str = "token_mean"
+    norm_length: int = 0  # Dr.GRPO's L_max; 0 = the padded row length of the batch.
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each token under the previous position's temperature-scaled logits, and the entropy.
+
+    logits `[B, T, V]` (position t predicts token t + 1), tokens int `[B, T]`.
+    Returns (logprobs `[B, T]`, entropy `[B, T]`), both float32, aligned with `tokens`; position 0 (which
+    nothing predicts) gets 0.
+    """
+    logits = logits[:, :-1].astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    lp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return jnp.concatenate([pad, lp], axis=1), jnp.concatenate([pad, ent], axis=1)
+
+
+def aggregate(per_token: jax.Array, loss_mask: jax.Array, row_weights: jax.Array, mode: str,
+              norm_length: int) -> tuple[jax.Array, jax.Array]:
+    """`[B, T]` per-token values -> (sum, count) scalars under aggregation `mode` (see module doc)."""
+    m = loss_mask.astype(jnp.float32)
+    w = row_weights.astype(jnp.float32)
+    if mode == "token_mean":
+        return jnp.sum(w[:, None] * m * per_token), jnp.sum(w[:, None] * m)
+    if mode == "sequence_mean":
+        n = jnp.sum(m, axis=1)
+        seq_mean = jnp.sum(m * per_token, axis=1) / jnp.maximum(n, 1.0)
+        return jnp.sum(w * seq_mean), jnp.sum(w * (n > 0))
+    if mode == "drgrpo":
+        length = norm_length or per_token.shape[1]
+        return jnp.sum(w[:, None] * m * per_token), jnp.sum(w) * float(length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {AGGREGATIONS}")
+
+
+LossFn = Callable[..., tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    def wrap(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss_fn(name: str) -> LossFn:
+    if name not in LOSSES:
+        raise KeyError(f"unknown loss {name!r}; known: {sorted(LOSSES)}")
+    return LOSSES[name]
+
+
+def _metric_sums(values: dict[str, jax.Array], loss_mask: jax.Array) -> dict[str, jax.Array]:
+    m = loss_mask.astype(jnp.float32)
+    out = {k: jnp.sum(v.astype(jnp.float32) * m) for k, v in values.items()}
+    out["tokens"] = jnp.sum(m)
+    return out
+
+
+def _tis_and_kl(loss: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax.Array,
+                ref_logprobs: jax.Array | None, config: LossConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Applies the TIS weight and adds the k3 KL term. Returns (loss, tis weight, k3) all `[B, T]`."""
+    tis = jnp.ones_like(loss)
+    if config.tis_cap:
+        log_w = jnp.clip(old_logprobs - sampler_logprobs, -20.0, 20.0)
+        tis = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), config.tis_cap))
+        loss = loss * tis
+    kl = jnp.zeros_like(loss)
+    if ref_logprobs is not None:
+        d = ref_logprobs - logprobs
+        kl = jnp.exp(d) - d - 1.0
+        if config.kl_beta:
+            loss = loss + config.kl_beta * kl
+    return loss, tis, kl
+
+
+@register_loss("ppo")
+def ppo_loss(logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax.Array,
+             advantages: jax.Array, loss_mask: jax.Array, row_weights: jax.Array,
+             ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None, *,
+             config: LossConfig) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """PPO clip (eps_low/eps_high) + dual clip + TIS + optional k3 KL.
+
+    All per-token inputs `[B, T]` float32 aligned with the tokens; row_weights `[B]`.
+    Returns (loss sum, count, metric sums over loss tokens: `clip`, `dual_clip`, `kl`, `tis`, `ratio`,
+    `entropy`, `tokens`) — divide a metric sum by `tokens` for its mean.
+    """
+    a = advantages
+    ratio = jnp.exp(jnp.clip(logprobs - old_logprobs, -20.0, 20.0))
+    clipped = jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    unclipped_loss = -a * ratio
+    clipped_loss = -a * clipped
+    loss = jnp.maximum(unclipped_loss, clipped_loss)
+    clip_active = clipped_loss > unclipped_loss
+    dual_active = jnp.zeros_like(clip_active)
+    if config.dual_clip:
+        dual = jnp.minimum(loss, -config.dual_clip * a)
+        dual_active = (a < 0) & (dual < loss)
+        loss = jnp.where(a < 0, dual, loss)
+    loss, tis, kl = _tis_and_kl(loss, logprobs, old_logprobs, sampler_logprobs, ref_logprobs, config)
+    total, count = aggregate(loss, loss_mask, row_weights, config.aggregation, config.norm_length)
+    metrics = {"clip": clip_active, "dual_clip": dual_active, "kl": kl, "tis": tis, "ratio": ratio}
+    if entropy is not None:
+        metrics["entropy"] = entropy
+    return total, count, _metric_sums(metrics, loss_mask)
+
+
+@register_loss("pg")
+def pg_loss(logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax.Array,
+            advantages: jax.Array, loss_mask: jax.Array, row_weights: jax.Array,
+            ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None, *,
+            config: LossConfig) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Plain policy gradient `-A * logp` (with TIS and optional KL) — no ratio clipping. `[B, T]` inputs."""
+    loss = -advantages * logprobs
+    loss, tis, kl = _tis_and_kl(loss, logprobs, old_logprobs, sampler_logprobs, ref_logprobs, config)
+    total, count = aggregate(loss, loss_mask, row_weights, config.aggregation, config.norm_length)
+    zeros = jnp.zeros_like(loss)
+    metrics = {"clip": zeros, "dual_clip": zeros, "kl": kl, "tis": tis, "ratio": jnp.ones_like(loss)}
+    if entropy is not None:
+        metrics["entropy"] = entropy
+    return total, count, _metric_sums(metrics, loss_mask)

@@ -1,0 +1,366 @@
+"""The GRPO update: one jit-compiled, sharded optimizer step over a batch of training rows.
+
+`Trainer(model, TrainConfig, mesh=None, rules=None)` splits an `nnx.Module` into its trainable parameters
+(`nnx.Param`, or only `nnx.LoRAParam` when the model was wrapped by `apply_lora`) and everything else
+(frozen), builds an optax AdamW with warmup + cosine/linear decay and global-norm clipping, and compiles
+`update(batch)`:
+
+  rows `[rows, seq]` -> `[micro_batches, rows / micro_batches, seq]` -> `lax.scan` over micro-batches
+  accumulating loss sums, counts and gradients of the sums -> divide by the total count once (so the
+  gradient equals the full-batch gradient exactly) -> clip -> AdamW -> a non-finite loss or gradient keeps
+  the old params and optimizer state (the step is logged as skipped; the run goes on).
+
+One optimizer update per rollout batch. The PPO ratio's old log-probs are either the trainer's own
+(`old_logprobs="trainer"`: `stop_gradient(logp)`, exact for one update per batch; TIS then corrects the
+sampler/trainer mismatch) or the sampler's (`"sampler"`: the ratio itself measures the mismatch).
+With `kl_beta > 0` a frozen reference is kept: the initial params (full fine-tuning) or the base model
+(LoRA: the same graph with every LoRA param zeroed, i.e. no adapter).
+
+New weights reach a generation engine with `engine.update_params(trainer.policy_state())`: the state is
+made of the device arrays the step produced (no host round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from librarian_jax.rl import losses as losses_lib
+from librarian_jax.rl.rows import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    decay: str = "cosine"  # "cosine" | "linear" | "constant"
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    loss: losses_lib.LossConfig = dataclasses.field(default_factory=losses_lib.LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    micro_batches: int = 1
+    old_logprobs: str = "trainer"  # "trainer" | "sampler"
+    remat: bool = False
+
+
+# ----------------------------------------------------------------------------------------------- optimizer
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `learning_rate`, then cosine / linear decay to `end_lr_ratio * lr`."""
+    lr, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_ratio
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    if cfg.decay == "cosine":
+        decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=cfg.end_lr_ratio)
+    elif cfg.decay == "linear":
+        decay = optax.linear_schedule(lr, end, decay_steps)
+    elif cfg.decay == "constant":
+        decay = optax.constant_schedule(lr)
+    else:
+        raise ValueError(f"train.optim.decay: unknown schedule {cfg.decay!r} (cosine | linear | constant)")
+    if cfg.warmup_steps <= 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW on the schedule."""
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+
+
+def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = ".*", *, seed: int = 0,
+               example_len: int = 8) -> nnx.Module:
+    """Wraps `model` with qwix LoRA adapters (`nnx.LoRAParam`, A he-uniform, B zero) on every matmul whose
+    module path matches the regex `module_path`. Returns a new module; the input model is not changed.
+
+    qwix 0.1.8 creates the adapters by running the model once on `example_len` dummy tokens.
+    """
+    import qwix  # local import: only LoRA runs need it
+
+    provider = qwix.LoraProvider(module_path=module_path, rank=rank, alpha=alpha)
+    tokens = jnp.zeros((1, example_len), jnp.int32)
+    lora_model = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(seed))
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
+    if n == 0:
+        raise ValueError(f"apply_lora: module_path {module_path!r} matched no matmul of the model")
+    return lora_model
+
+
+def has_lora(model: nnx.Module) -> bool:
+    return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+
+
+# ----------------------------------------------------------------------------------------------- sharding
+
+
+def batch_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """Mesh axes the rows of a batch are split over (data and fsdp, where present)."""
+    if mesh is None:
+        return ()
+    return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def data_parallel_size(mesh: Mesh | None) -> int:
+    return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)])) if mesh is not None else 1
+
+
+def shard_state(state: Any, mesh: Mesh | None, rules: Any = None) -> Any:
+    """Places an nnx.State on `mesh` following its params' logical axis names and `rules` (logical -> mesh
+    axis). Uses the engine's sharding helper when it exists, otherwise flax's logical-axis mapping; any axis
+    that does not divide its dimension is replicated."""
+    if mesh is None:
+        return state
+    try:  # the engine owns the canonical rules; prefer its helper
+        from librarian_jax.engine import sharding as engine_sharding  # type: ignore
+
+        if hasattr(engine_sharding, "shard_state"):
+            return engine_sharding.shard_state(state, mesh, rules)
+    except ImportError:
+        pass
+    from flax import linen as nn
+
+    if rules is None:
+        try:
+            from librarian_jax.models.partitioning import DEFAULT_RULES as rules  # type: ignore
+        except ImportError:
+            rules = ()
+    rules = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(rules)
+    specs = nnx.get_partition_spec(state)
+
+    def place(x: Any, spec: Any) -> Any:
+        if not isinstance(x, jax.Array | np.ndarray):
+            return x
+        spec = spec if isinstance(spec, P) else P()
+        sharding = nn.logical_to_mesh_sharding(spec, mesh, rules) if spec else NamedSharding(mesh, P())
+        mesh_spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+        for i, ax in enumerate(mesh_spec[: x.ndim]):
+            names = ax if isinstance(ax, tuple) else (ax,) if ax else ()
+            size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+            if x.shape[i] % size:
+                mesh_spec[i] = None
+        return jax.device_put(x, NamedSharding(mesh, P(*mesh_spec[: x.ndim])))
+
+    return jax.tree.map(place, state, specs)
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+
+
+def _tree_where(cond: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(cond, n, o), new, old)
+
+
+class Trainer:
+    """Owns the trainable state and the compiled update of one policy model (full or LoRA)."""
+
+    def __init__(self, model: nnx.Module, config: TrainConfig, *, mesh: Mesh | None = None,
+                 rules: Any = None):
+        self.config = config
+        self.mesh = mesh
+        self.lora = has_lora(model)
+        self.wrt = nnx.LoRAParam if self.lora else nnx.Param
+        if config.loss.aggregation not in losses_lib.AGGREGATIONS:
+            raise ValueError(f"train.loss.aggregation: unknown {config.loss.aggregation!r}; "
+                             f"known: {losses_lib.AGGREGATIONS}")
+        if config.old_logprobs not in ("trainer", "sampler"):
+            raise ValueError(f"train.old_logprobs: {config.old_logprobs!r} is not 'trainer' or 'sampler'")
+        self.loss_fn = losses_lib.get_loss_fn(config.loss.name)
+        self.graphdef, params, rest = nnx.split(model, self.wrt, ...)
+        # The trainer owns a copy of the trainable arrays (its update donates them); the caller's model and
+        # any engine built from it stay valid until they receive `policy_state()`.
+        self.params = jax.tree.map(jnp.copy, shard_state(params, mesh, rules))
+        self.rest = shard_state(rest, mesh, rules)
+        self.tx = make_optimizer(config.optim)
+        self.opt_state = jax.jit(self.tx.init)(self.params)
+        self.step = 0
+        self.ref_params = None
+        if config.loss.kl_beta:
+            if self.lora:  # the base model: every adapter zeroed
+                self.ref_params = jax.tree.map(jnp.zeros_like, self.params)
+            else:
+                self.ref_params = jax.tree.map(jnp.copy, self.params)
+        self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+
+    # -- public ---------------------------------------------------------------------------------------
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(self.params))
+
+    def model(self) -> nnx.Module:
+        """The current policy as an nnx.Module (shares the trainer's arrays)."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def policy_state(self) -> nnx.State:
+        """Every variable of the current policy (trainable and frozen), as device arrays."""
+        return nnx.state(self.model())
+
+    def row_multiple(self) -> int:
+        """Row counts must be a multiple of this (micro-batches x data-parallel shards)."""
+        return self.config.micro_batches * data_parallel_size(self.mesh)
+
+    def update(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, float]:
+        """One optimizer step on `batch` (rows `[R, S]` with R a multiple of `row_multiple()`).
+
+        Returns host-side float metrics: loss, grad_norm, lr, clip_frac, dual_clip_frac, kl, tis, ratio,
+        entropy, loss_tokens, skipped (1.0 when a non-finite loss/gradient skipped the update), time_s.
+        """
+        t0 = time.perf_counter()
+        arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
+        device_batch = self._device_batch(arrays)
+        self.params, self.opt_state, metrics = self._update(
+            self.params, self.opt_state, self.rest, self.ref_params, device_batch, jnp.asarray(self.step))
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.step += 1
+        out["time_s"] = time.perf_counter() - t0
+        if out["skipped"]:
+            logging.warning("train step %d: non-finite loss (%s) or gradient norm (%s); update skipped",
+                            self.step - 1, out["loss"], out["grad_norm"])
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trainer: trainable params, optimizer state, step."""
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.step}
+
+    def set_state(self, params: Any, opt_state: Any, step: int) -> None:
+        self.params = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+                                   params, self.params)
+        self.opt_state = jax.tree.map(
+            lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding)
+            if isinstance(old, jax.Array) else new, opt_state, self.opt_state)
+        self.step = int(step)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _device_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        m = self.config.micro_batches
+        rows = arrays["tokens"].shape[0]
+        if rows % self.row_multiple():
+            raise ValueError(f"batch has {rows} rows; it must be a multiple of {self.row_multiple()} "
+                             f"(micro_batches={m} x data-parallel shards={data_parallel_size(self.mesh)})")
+        out = {}
+        sharding = NamedSharding(self.mesh, P(None, batch_axes(self.mesh) or None)) if self.mesh else None
+        for k, v in arrays.items():
+            v = np.asarray(v).reshape(m, rows // m, *np.shape(v)[1:])
+            out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
+        return out
+
+    def _forward_logprobs(self, params: Any, rest: Any, tokens: jax.Array, valid: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
+        """Trainer log-probs and entropies `[B, T]` of `tokens` under temperature-scaled logits."""
+        model = nnx.merge(self.graphdef, params, rest)
+
+        def run(model: nnx.Module, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+            return model(tokens, mask=valid)[0]
+
+        if self.config.remat:
+            run = nnx.remat(run)
+        logits = run(model, tokens, valid)
+        return losses_lib.token_logprobs(logits, tokens, self.config.loss.temperature)
+
+    def _accumulate(self, params: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array]
+                    ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        """Loss and gradient over every micro-batch: (loss, grads, metric sums), exact full-batch values."""
+        cfg = self.config
+
+        def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+            lp, ent = self._forward_logprobs(p, rest, mb["tokens"], mb["valid"])
+            old = jax.lax.stop_gradient(lp) if cfg.old_logprobs == "trainer" else mb["sampler_logprobs"]
+            ref = None
+            if ref_params is not None:
+                ref = jax.lax.stop_gradient(self._forward_logprobs(ref_params, rest, mb["tokens"],
+                                                                   mb["valid"])[0])
+            total, count, sums = self.loss_fn(lp, old, mb["sampler_logprobs"], mb["advantages"],
+                                              mb["loss_mask"], mb["row_weights"], ref, ent, config=cfg.loss)
+            return total, (count, sums)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(carry: Any, mb: dict[str, jax.Array]) -> tuple[Any, None]:
+            g_acc, tot_acc, cnt_acc, sums_acc = carry
+            (total, (count, sums)), g = grad_fn(params, mb)
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+            return (g_acc, tot_acc + total, cnt_acc + count, sums_acc), None
+
+        zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+        first = jax.tree.map(lambda x: x[0], batch)
+        zero_sums = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
+                                 jax.eval_shape(micro_loss, params, first)[1][1])
+        init = (zero_g, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_sums)
+        (g_sum, total, count, sums), _ = jax.lax.scan(body, init, batch)
+        denom = jnp.maximum(count, 1e-9)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+        return total / denom, grads, sums
+
+    def loss_and_grads(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> tuple[float, Any]:
+        """The batch loss and its gradient w.r.t. the trainable params, without updating (for tests and
+        diagnostics; micro-batched exactly like `update`)."""
+        arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
+        loss, grads, _ = jax.jit(self._accumulate)(self.params, self.rest, self.ref_params,
+                                                   self._device_batch(arrays))
+        return float(loss), grads
+
+    def _update_impl(self, params: Any, opt_state: Any, rest: Any, ref_params: Any,
+                     batch: dict[str, jax.Array], step: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
+        loss, grads, sums = self._accumulate(params, rest, ref_params, batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+        updates, new_opt = self.tx.update(safe_grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params = _tree_where(finite, new_params, params)
+        opt_state = _tree_where(finite, new_opt, opt_state)
+        tokens = jnp.maximum(sums["tokens"], 1.0)
+        metrics = {
+            "loss": loss, "grad_norm": grad_norm, "lr": make_schedule(self.config.optim)(step),
+            "skipped": 1.0 - finite.astype(jnp.float32), "loss_tokens": sums["tokens"],
+            "clip_frac": sums["clip"] / tokens, "dual_clip_frac": sums["dual_clip"] / tokens,
+            "kl": sums["kl"] / tokens, "tis": sums["tis"] / tokens, "ratio": sums["ratio"] / tokens,
+            "entropy": sums.get("entropy", jnp.zeros(())) / tokens,
+        }
+        return params, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _logprobs_jit(graphdef: Any, params: Any, tokens: jax.Array, valid: jax.Array,
+                  temperature: float) -> jax.Array:
+    model = nnx.merge(graphdef, params)
+    return losses_lib.token_logprobs(model(tokens, mask=valid)[0], tokens, temperature)[0]
+
+
+def sequence_logprobs(model: nnx.Module, tokens: np.ndarray, valid: np.ndarray, temperature: float = 1.0
+                      ) -> np.ndarray:
+    """Log-probs `[B, T]` of `tokens` under `model` (position 0 gets 0) — for tests and diagnostics."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_logprobs_jit(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), temperature))
