@@ -1,0 +1,190 @@
+"""Chat templates that produce token ids directly: ChatML (Qwen) and Gemma.
+
+    chatml:  [BOS if the tokenizer adds one]<|im_start|>system\\n{system}<|im_end|>\\n
+             <|im_start|>{role}\\n{content}<|im_end|>\\n ...
+    gemma:   <bos><start_of_turn>user\\n{system}\\n\\n{content}<end_of_turn>\\n
+             <start_of_turn>model\\n{content}<end_of_turn>\\n ...   (roles user/model; "assistant" -> "model",
+             "tool" -> "user"; the system prompt is folded into the first turn, as Gemma's own template does)
+
+Every piece of a conversation is encoded once, where it enters the conversation; a turn boundary is always an
+atomic turn marker, so the ids built turn by turn equal `tokenizer.encode(template.render(messages))`. Model
+output is appended as the sampled ids between `open_turn` and `close_turn`, never decoded and re-encoded.
+
+A ChatTemplate is cheap. ChatML templates are stateless; a Gemma template given a system prompt in `start`
+holds it until the next turn, so use one Gemma template per conversation (or `encode_messages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from librarian_jax.tokenizers.tokenizer import Tokenizer
+
+STYLES = ("chatml", "gemma")
+_MARKERS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+}
+_CHATML_ROLES = ("system", "user", "assistant", "tool")
+_GEMMA_ROLES = {"user": "user", "model": "model", "assistant": "model", "tool": "user"}
+
+
+class ChatTemplate:
+    """Builds the ids of a conversation turn by turn for one tokenizer and style."""
+
+    def __init__(self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None) -> None:
+        if style not in STYLES:
+            raise ValueError(f"unknown chat template style {style!r}; expected one of {STYLES}")
+        atomic = tokenizer.atomic_tokens
+        missing = [m for m in _MARKERS[style] if m not in atomic]
+        if missing:
+            raise ValueError(
+                f"chat style {style!r} needs special tokens {missing} that {tokenizer.path} lacks (they must "
+                "be added/special tokens or user-defined pieces, so text never merges across them)"
+            )
+        self.tokenizer = tokenizer
+        self.style = style
+        self.open_marker, self.close_marker = _MARKERS[style]
+        if add_bos is None:
+            add_bos = tokenizer.bos_id is not None if style == "gemma" else tokenizer.add_bos
+        if add_bos and tokenizer.bos_id is None:
+            raise ValueError(f"add_bos=True but {tokenizer.path} has no BOS token")
+        self.add_bos = add_bos
+        end_id = tokenizer.token_to_id(self.close_marker)
+        assert end_id is not None
+        stops = [end_id]
+        extra = [tokenizer.eos_id]
+        if style == "chatml":  # Qwen base models end documents with <|endoftext|>
+            extra.append(atomic.get("<|endoftext|>"))
+        stops += [i for i in dict.fromkeys(extra) if i is not None and i not in stops]
+        self.stop_ids: tuple[int, ...] = tuple(stops)
+        self._pending_system: str | None = None
+
+    # ---- text form -----------------------------------------------------------------------------------------
+    def _role(self, role: str) -> str:
+        if self.style == "chatml":
+            if role not in _CHATML_ROLES:
+                raise ValueError(f"unknown chatml role {role!r}; expected one of {_CHATML_ROLES}")
+            return role
+        if role not in _GEMMA_ROLES:
+            raise ValueError(f"unknown gemma role {role!r}; expected one of {tuple(_GEMMA_ROLES)}")
+        return _GEMMA_ROLES[role]
+
+    def _bos_text(self) -> str:
+        if not self.add_bos:
+            return ""
+        assert self.tokenizer.bos_id is not None
+        return self.tokenizer.id_to_token(self.tokenizer.bos_id)
+
+    def _open_text(self, role: str) -> str:
+        text = f"{self.open_marker}{self._role(role)}\n"
+        if self._pending_system is not None:
+            text += self._pending_system + "\n\n"
+            self._pending_system = None
+        return text
+
+    def _close_text(self) -> str:
+        return f"{self.close_marker}\n"
+
+    # ---- ids -----------------------------------------------------------------------------------------------
+    def start(self, system: str | None = None) -> list[int]:
+        """Ids that begin a conversation: BOS (when the model uses one) and, for ChatML, the system turn.
+
+        For Gemma the system prompt is kept and folded into the next turn (`{system}\\n\\n{content}`).
+        """
+        self._pending_system = None
+        ids = [self.tokenizer.bos_id] if self.add_bos else []
+        assert all(i is not None for i in ids)
+        if system is not None:
+            if self.style == "chatml":
+                ids += self.turn("system", system)
+            else:
+                self._pending_system = system
+        return ids  # type: ignore[return-value]
+
+    def turn(self, role: str, content: str) -> list[int]:
+        """A closed turn: open marker, role, content, close marker, newline."""
+        return self.tokenizer.encode(self._open_text(role) + content + self._close_text())
+
+    def open_turn(self, role: str) -> list[int]:
+        """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`)."""
+        return self.tokenizer.encode(self._open_text(role))
+
+    def close_turn(self) -> list[int]:
+        """Ids that close a turn opened with `open_turn` after its content (end marker and newline)."""
+        return self.tokenizer.encode(self._close_text())
+
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
+        """The conversation as text (`messages`: dicts with "role" and "content", system first if any)."""
+        saved = self._pending_system
+        try:
+            system, rest = _split_system(messages)
+            self._pending_system = None
+            text = self._bos_text()
+            if system is not None:
+                if self.style == "chatml":
+                    text += self._open_text("system") + system + self._close_text()
+                else:
+                    self._pending_system = system
+            for m in rest:
+                text += self._open_text(m["role"]) + m["content"] + self._close_text()
+            if add_generation_prompt:
+                text += self._open_text(self._assistant_role())
+            return text
+        finally:
+            self._pending_system = saved
+
+    def encode_messages(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False
+    ) -> list[int]:
+        """The ids of `render(messages)`, built turn by turn (leaves this template's state untouched)."""
+        saved = self._pending_system
+        try:
+            system, rest = _split_system(messages)
+            ids = self.start(system)
+            for m in rest:
+                ids += self.turn(m["role"], m["content"])
+            if add_generation_prompt:
+                ids += self.open_turn(self._assistant_role())
+            return ids
+        finally:
+            self._pending_system = saved
+
+    def _assistant_role(self) -> str:
+        return "assistant" if self.style == "chatml" else "model"
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(style={self.style!r}, add_bos={self.add_bos}, stop_ids={self.stop_ids})"
+
+
+def _split_system(messages: Sequence[Mapping[str, str]]) -> tuple[str | None, list[Mapping[str, str]]]:
+    for k, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"message {k} needs 'role' and 'content' keys, got {sorted(m)}")
+        if m["role"] == "system" and k > 0:
+            raise ValueError(f"message {k}: a system message may only come first")
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], list(messages[1:])
+    return None, list(messages)
+
+
+def detect_style(tokenizer: Tokenizer) -> str:
+    """The chat style ("chatml" or "gemma") whose turn markers the vocabulary has; ChatML wins a tie."""
+    atomic = tokenizer.atomic_tokens
+    for style in STYLES:
+        if all(m in atomic for m in _MARKERS[style]):
+            return style
+    raise ValueError(
+        f"cannot detect a chat style for {tokenizer.path}: it has neither {_MARKERS['chatml']} nor "
+        f"{_MARKERS['gemma']}; pass style= explicitly after adding the markers"
+    )
+
+
+def chat_template(
+    tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None
+) -> ChatTemplate:
+    """A ChatTemplate for `tokenizer`; `style` is "chatml", "gemma", or None to detect it from the vocab.
+
+    `add_bos` defaults to True for Gemma and to `tokenizer.add_bos` for ChatML (Qwen has no BOS).
+    """
+    return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos)
