@@ -1,1 +1,33 @@
-"""librarian_jax.workspace."""
+"""librarian_jax.workspace: the corpus filesystem (raw documents + synthetic source-linked files) as host-side
+state, with the builder's actions (create / merge / delete), the readers' actions (list / read), provenance,
+staleness, serialisation, export and the hierarchy ablations. No model, no jax. See `workspace.py`."""
+
+from librarian_jax.workspace.results import ERROR_CODES, OK, ActionResult
+from librarian_jax.workspace.workspace import (
+    DIRECTORY,
+    FILE,
+    HISTORY_DIR,
+    MAX_READ_CHARS,
+    MAX_READ_LINES,
+    RAW_DIR,
+    README,
+    RawDoc,
+    SyntheticNode,
+    Workspace,
+)
+
+__all__ = [
+    "ERROR_CODES",
+    "OK",
+    "ActionResult",
+    "DIRECTORY",
+    "FILE",
+    "HISTORY_DIR",
+    "MAX_READ_CHARS",
+    "MAX_READ_LINES",
+    "RAW_DIR",
+    "README",
+    "RawDoc",
+    "SyntheticNode",
+    "Workspace",
+]

@@ -1,0 +1,208 @@
+"""Path rules for the workspace: every path a model writes goes through `normalize` first.
+
+A workspace path is relative to the workspace root and uses `/` as its separator. `normalize` is strict about
+safety and lenient about spelling:
+
+- Accepted and rewritten: surrounding whitespace, a leading `./`, repeated `/` (`a//b`), a trailing `/`,
+  `.` segments, `\\` used as a separator (becomes `/`), and `..` segments that stay inside the root
+  (`a/../b` is `b`). `""`, `"."` and `"./"` name the root, returned as `""`.
+- Refused with `path_escape`: an absolute path (`/x`, `\\x`, `C:/x`, `~/x`, `file:` / `http:` URLs) and any
+  `..` that would climb above the root.
+- Refused with `invalid_path`: a non-string, NUL or other control characters, a path longer than
+  `MAX_PATH_CHARS` characters, a segment longer than `MAX_SEGMENT_CHARS`, or more than `MAX_DEPTH` segments.
+
+Lookup of a normalised path against the names that exist (`resolve_name`) is forgiving only in these
+documented ways, tried in order:
+  1. exact match;
+  2. case-insensitive match;
+  3. the same path with `.txt` or `.md` added (exact, then case-insensitive);
+  4. a handle: the last segment (extension dropped) equals a node's short id (`raw_0001`, `cluster_0003`,
+     `merge_0002`), case-insensitive;
+  5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere.
+Otherwise the lookup fails, with up to `MAX_SUGGESTIONS` close matches from `difflib`.
+
+Names the workspace itself produces come from `slugify` (lowercase ASCII letters, digits and `_`), so they can
+never contain a separator, a dot segment or a control character.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+
+MAX_PATH_CHARS = 512
+MAX_SEGMENT_CHARS = 255
+MAX_DEPTH = 64
+MAX_SUGGESTIONS = 3
+SLUG_MAX_CHARS = 48
+FORGIVEN_EXTENSIONS = (".txt", ".md")
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:", re.IGNORECASE)
+_NON_ALNUM = re.compile(r"[^a-z0-9]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathError:
+    """Why a path was refused: `code` is `path_escape` or `invalid_path`; `message` names the bad path."""
+
+    code: str
+    message: str
+
+
+def normalize(path: object) -> str | PathError:
+    """Normalise a model-written path (see the module docstring); returns the path or a `PathError`."""
+    if not isinstance(path, str):
+        return PathError("invalid_path", f"path must be a string, got {type(path).__name__}: {path!r:.80}")
+    if len(path) > MAX_PATH_CHARS:
+        return PathError(
+            "invalid_path", f"path is {len(path)} characters long; the limit is {MAX_PATH_CHARS}"
+        )
+    raw = path.strip()
+    if _CONTROL.search(raw):
+        return PathError("invalid_path", f"path {raw!r:.120} contains a NUL or control character")
+    if raw.startswith("~"):
+        return PathError(
+            "path_escape",
+            f"path {raw!r} refers to a home directory; use a workspace path such as 'raw_docs/'",
+        )
+    if _URL.match(raw):
+        return PathError("path_escape", f"path {raw!r} is a URL; use a workspace path such as 'raw_docs/'")
+    text = raw.replace("\\", "/")
+    if text.startswith("/") or _DRIVE.match(text):
+        return PathError(
+            "path_escape",
+            f"path {raw!r} is absolute; workspace paths are relative to the root "
+            f"(e.g. 'raw_docs/raw_0001__title.txt')",
+        )
+    parts: list[str] = []
+    for seg in text.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if not parts:
+                return PathError("path_escape", f"path {raw!r} climbs above the workspace root with '..'")
+            parts.pop()
+            continue
+        if len(seg) > MAX_SEGMENT_CHARS:
+            return PathError(
+                "invalid_path",
+                f"path segment {seg[:40]!r}... is {len(seg)} characters long; "
+                f"the limit is {MAX_SEGMENT_CHARS}",
+            )
+        parts.append(seg)
+        if len(parts) > MAX_DEPTH:
+            return PathError("invalid_path", f"path {raw!r:.120} is deeper than {MAX_DEPTH} levels")
+    return "/".join(parts)
+
+
+def join(*parts: str) -> str:
+    """Join normalised workspace paths (empty parts, i.e. the root, are skipped)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def basename(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def dirname(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def strip_extension(name: str) -> str:
+    for ext in FORGIVEN_EXTENSIONS:
+        if name.lower().endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+def slugify(text: str, fallback: str = "untitled", max_chars: int = SLUG_MAX_CHARS) -> str:
+    """Lowercase `text`, collapse every run of non-alphanumerics to `_`, trim `_`, cap at `max_chars`."""
+    slug = _NON_ALNUM.sub("_", text.lower()).strip("_")[:max_chars].strip("_")
+    return slug or fallback
+
+
+def is_safe_name(name: str) -> bool:
+    """A single path segment that is safe to write on disk: no separator, no dot segment, no control char."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and not _CONTROL.search(name)
+        and len(name) <= MAX_SEGMENT_CHARS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """The outcome of `resolve_name`: `path` when found (with `rule` naming the forgiving rule used, `exact`
+    otherwise), or `path=None` with `suggestions` (and `ambiguous` listing every candidate of rule 5)."""
+
+    path: str | None
+    rule: str = "exact"
+    suggestions: tuple[str, ...] = ()
+    ambiguous: tuple[str, ...] = ()
+
+
+class NameIndex:
+    """Lookup tables over every path that exists, built once per workspace state.
+
+    `paths` are the normalised names (directories without a trailing slash); `handles` maps lowercase short
+    ids (`raw_0001`) to a path.
+    """
+
+    def __init__(self, paths: Iterable[str], handles: Mapping[str, str]):
+        self.paths: tuple[str, ...] = tuple(paths)
+        self._exact = set(self.paths)
+        self._lower: dict[str, str] = {}
+        self._base: dict[str, list[str]] = {}
+        for p in self.paths:
+            self._lower.setdefault(p.lower(), p)
+            b = basename(p).lower()
+            self._base.setdefault(b, []).append(p)
+            stem = strip_extension(b)
+            if stem != b:
+                self._base.setdefault(stem, []).append(p)
+        self._handles = {k.lower(): v for k, v in handles.items()}
+
+    def resolve(self, norm: str) -> Match:
+        """Find `norm` (already normalised) by the rules of the module docstring."""
+        if norm in self._exact:
+            return Match(norm)
+        low = norm.lower()
+        if low in self._lower:
+            return Match(self._lower[low], "case_insensitive")
+        for ext in FORGIVEN_EXTENSIONS:
+            if norm + ext in self._exact:
+                return Match(norm + ext, "added_extension")
+            if low + ext in self._lower:
+                return Match(self._lower[low + ext], "added_extension")
+        stem = strip_extension(basename(low))
+        if stem in self._handles:
+            return Match(self._handles[stem], "handle")
+        cands = self._base.get(basename(low), []) or self._base.get(stem, [])
+        cands = sorted(set(cands))
+        if len(cands) == 1:
+            return Match(cands[0], "unique_basename")
+        if cands:
+            return Match(None, suggestions=tuple(cands[:MAX_SUGGESTIONS]), ambiguous=tuple(cands))
+        return Match(None, suggestions=self.suggest(norm))
+
+    def suggest(self, norm: str) -> tuple[str, ...]:
+        """Up to `MAX_SUGGESTIONS` close matches by full path, then by basename."""
+        low = norm.lower()
+        by_lower = {p.lower(): p for p in self.paths}
+        out = difflib.get_close_matches(low, list(by_lower), n=MAX_SUGGESTIONS, cutoff=0.6)
+        result = [by_lower[o] for o in out]
+        if len(result) < MAX_SUGGESTIONS:
+            base_map = {}
+            for p in self.paths:
+                base_map.setdefault(basename(p).lower(), p)
+            for o in difflib.get_close_matches(basename(low), list(base_map), n=MAX_SUGGESTIONS, cutoff=0.6):
+                if base_map[o] not in result:
+                    result.append(base_map[o])
+        return tuple(result[:MAX_SUGGESTIONS])
