@@ -1,0 +1,741 @@
+"""A seeded synthetic world: small corpora of invented people, organisations, cities and projects.
+
+Each task is a self-contained world. Entities have attributes (a person's profession, birthplace and employer;
+an organisation's lab city, founding year and founder; a project's leader, launch year and funder), and every
+such fact is stated in exactly one document, but the facts of one entity are spread over several documents:
+a profile, an organisation page, a project report, meeting notes that mention several entities. Distractor
+documents describe look-alike entities ("Orlen Vasko" next to "Orlen Vask", "Project Kestrin" next to
+"Project Kestrel") with different facts. Questions are single-hop ("In which city was Orlen Vask born?") or
+multi-hop chains whose facts sit in at least two documents ("In which city is the lab of the organisation
+that employs the person who leads Project Kestrel?"), with short gold answers and aliases. A workspace that
+links an entity's scattered facts (and keeps look-alikes apart) genuinely shortens the answerer's path.
+
+Everything is drawn from `random.Random` seeded by `(seed, task index)` strings, so a task is identical for
+the same seed whatever the Python hash seed and whatever `num_tasks` is. Names come from syllable tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from absl import logging
+
+from librarian_jax.data.schema import CorpusTask, Document, Question
+
+# ----------------------------------------------------------------------------------------------------------
+# Tables.
+
+_ONSETS = (
+    "b",
+    "br",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "kr",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "st",
+    "t",
+    "tr",
+    "v",
+    "z",
+    "th",
+    "sh",
+    "c",
+    "j",
+    "w",
+)
+_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ae", "io", "ai", "ou")
+_CODAS = ("", "", "", "n", "r", "l", "s", "k", "th", "m", "nd", "st", "x", "v", "rn", "sk")
+_CITY_ENDINGS = ("", "", "", "vik", "holm", "ford", "mere", "ton", "wick", "dal", "burg", "stead")
+_ORG_KINDS = (
+    "Institute",
+    "Laboratory",
+    "Foundation",
+    "Observatory",
+    "Works",
+    "Collective",
+    "Academy",
+    "Research Group",
+    "Society",
+    "Trust",
+)
+_ROLES = (
+    "hydrologist",
+    "archivist",
+    "structural engineer",
+    "botanist",
+    "cartographer",
+    "geologist",
+    "statistician",
+    "glassmaker",
+    "marine chemist",
+    "astronomer",
+    "economist",
+    "architect",
+    "epidemiologist",
+    "linguist",
+    "metallurgist",
+    "ornithologist",
+    "surveyor",
+    "acoustician",
+)
+_TOPICS = (
+    "river levels",
+    "old maps",
+    "harbour tides",
+    "soil samples",
+    "glass furnaces",
+    "bridge loads",
+    "orchard pests",
+    "mill wheels",
+    "canal locks",
+    "lighthouse lenses",
+    "bird counts",
+    "salt marshes",
+    "weather logs",
+    "copper alloys",
+    "city archives",
+    "printing presses",
+    "wind gauges",
+    "seed banks",
+)
+_MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
+
+# Relations: name -> (subject kind, object kind). Object kinds "role" and "year" are literals.
+RELATIONS: dict[str, tuple[str, str]] = {
+    "role": ("person", "role"),
+    "born_in": ("person", "city"),
+    "works_at": ("person", "org"),
+    "lab_city": ("org", "city"),
+    "founded_year": ("org", "year"),
+    "founded_by": ("org", "person"),
+    "led_by": ("project", "person"),
+    "launch_year": ("project", "year"),
+    "funded_by": ("project", "org"),
+}
+
+_STATEMENTS: dict[str, tuple[str, ...]] = {
+    "role": ("{S} is {A} by training.", "{S} works as {A}.", "By profession, {S} is {A}."),
+    "born_in": ("{S} was born in {O}.", "{S} was born in the city of {O}."),
+    "works_at": ("{S} works at {O}.", "{S} is on the staff of {O}.", "{O} employs {S}."),
+    "lab_city": (
+        "{S} keeps its main lab in {O}.",
+        "The lab of {S} is in {O}.",
+        "{S} runs its lab out of {O}.",
+    ),
+    "founded_year": ("{S} was founded in {O}.", "{S} was established in {O}."),
+    "founded_by": ("{S} was founded by {O}.", "{O} founded {S}."),
+    "led_by": ("{S} is led by {O}.", "{O} leads {S}.", "{O} heads {S}."),
+    "launch_year": ("{S} was launched in {O}.", "{S} started in {O}."),
+    "funded_by": ("{S} is funded by {O}.", "{O} funds {S}.", "{O} pays for {S}."),
+}
+
+# Questions: {S} is the subject's name or a noun phrase that describes it.
+_QUESTIONS: dict[str, str] = {
+    "role": "What is the profession of {S}?",
+    "born_in": "In which city was {S} born?",
+    "works_at": "Which organisation employs {S}?",
+    "lab_city": "In which city is the lab of {S}?",
+    "founded_year": "In which year was {S} founded?",
+    "founded_by": "Who founded {S}?",
+    "led_by": "Who leads {S}?",
+    "launch_year": "In which year was {S} launched?",
+    "funded_by": "Which organisation funds {S}?",
+}
+# Noun phrases naming a relation's object through its subject (only relations whose object has relations).
+_DESCRIBE: dict[str, str] = {
+    "works_at": "the organisation that employs {S}",
+    "founded_by": "the founder of {S}",
+    "led_by": "the person who leads {S}",
+    "funded_by": "the organisation that funds {S}",
+}
+
+_NOTE_LEADS = (
+    "It was noted that ",
+    "The group confirmed that ",
+    "For the record, ",
+    "Someone pointed out that ",
+)
+
+_FILLER: tuple[str, ...] = (
+    "The text was checked by the records office before it was filed.",
+    "Questions about this page can be sent to the editors.",
+    "{X} gave a short talk on {T} and {T2}.",
+    "{X} once attended a public lecture in {C}.",
+    "{X} and {Y} have worked together on a study of {T}.",
+    "Plans for a workshop in {C} were discussed but not settled.",
+    "A copy of this page is kept in the shared archive.",
+    "The schedule for the coming season did not change.",
+    "Visitors often ask about {T}, which remains a popular subject.",
+    "{X} has written several notes on {T}.",
+    "The weather during the last field visit was cold and wet.",
+    "Earlier drafts of this text mentioned {T} in more detail.",
+    "Photographs from the visit to {C} are stored with the originals.",
+    "{X} wants to compare the findings with older records on {T}.",
+    "No decision was taken on the budget for {T}.",
+    "The next review is expected before the end of the year.",
+)
+_MEETING_FILLER: tuple[str, ...] = (
+    "The minutes of the previous meeting were approved without changes.",
+    "Action item: {X} will circulate a summary on {T}.",
+    "{X} asked for more time to finish the notes on {T}.",
+    "The meeting closed with a short discussion of {T}.",
+    "{X} and {Y} agreed to meet again in {C}.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# World state.
+
+
+@dataclasses.dataclass
+class _Entity:
+    key: str
+    kind: str  # person | org | city | project
+    name: str
+    first: str = ""
+    last: str = ""
+    distractor_of: str | None = None
+
+
+@dataclasses.dataclass
+class _Fact:
+    subject: str  # entity key
+    relation: str
+    obj: str  # entity key, or a literal (role, year)
+    home: int = -1  # index of the one document that states it
+
+
+@dataclasses.dataclass
+class _Doc:
+    kind: str  # profile | org_profile | report | meeting | distractor
+    subject: str | None
+    title: str
+    lead: str
+    facts: list[int] = dataclasses.field(default_factory=list)
+    mentions: list[str] = dataclasses.field(default_factory=list)
+
+
+class _Names:
+    """Invents pronounceable names from syllables, never repeating one (case-insensitively) in a world."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.used: set[str] = set()
+
+    def word(self, syllables: int) -> str:
+        """Open syllables (onset + vowel) with one optional closing consonant: "Orlen", "Kestavo", "Brisk"."""
+        r = self.rng
+        while True:
+            parts = []
+            for i in range(syllables):
+                onset = "" if i == 0 and r.random() < 0.2 else r.choice(_ONSETS)
+                parts.append(onset + r.choice(_VOWELS))
+            w = "".join(parts) + r.choice(_CODAS)
+            if len(w) >= 3:
+                return w[:1].upper() + w[1:]
+
+    def fresh(self, make: Any) -> str:
+        for _ in range(1000):
+            name = make()
+            if name.lower() not in self.used and len(name) >= 3:
+                self.used.add(name.lower())
+                return name
+        raise RuntimeError("name space exhausted")  # practically unreachable: ~10^7 names per pattern
+
+    def claim(self, name: str) -> bool:
+        if name.lower() in self.used:
+            return False
+        self.used.add(name.lower())
+        return True
+
+
+def _mutate(word: str, rng: random.Random) -> str:
+    """A look-alike of `word`: one vowel changed, or a letter added or dropped at the end."""
+    vowels = "aeiou"
+    choice = rng.randrange(3)
+    positions = [i for i, c in enumerate(word) if c in vowels and i > 0]
+    if choice == 0 and positions:
+        i = rng.choice(positions)
+        return word[:i] + rng.choice([v for v in vowels if v != word[i]]) + word[i + 1 :]
+    if choice == 1 or len(word) <= 3:
+        return word + (rng.choice("aeio") if word[-1] not in vowels else rng.choice("nrs"))
+    return word[:-1]
+
+
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation.
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldConfig:
+    """Sizes of each synthetic task. The defaults suit a tiny CPU model (8 documents of 60-120 words)."""
+
+    docs_per_task: int = 8
+    min_words: int = 60
+    max_words: int = 120
+    questions_per_task: int = 4
+    reuse_questions_per_task: int = 4
+    multi_hop_fraction: float = 0.5
+    max_hops: int = 3
+    distractor_fraction: float = 0.125
+    spread_probability: float = 0.5
+    task_prefix: str = "synth"
+
+    def validate(self) -> None:
+        checks = [
+            ("docs_per_task", self.docs_per_task >= 1, ">= 1"),
+            ("min_words", self.min_words >= 1, ">= 1"),
+            ("max_words", self.max_words >= self.min_words, f">= min_words ({self.min_words})"),
+            ("questions_per_task", self.questions_per_task >= 0, ">= 0"),
+            ("reuse_questions_per_task", self.reuse_questions_per_task >= 0, ">= 0"),
+            ("multi_hop_fraction", 0.0 <= self.multi_hop_fraction <= 1.0, "in [0, 1]"),
+            ("max_hops", self.max_hops >= 1, ">= 1"),
+            ("distractor_fraction", 0.0 <= self.distractor_fraction < 1.0, "in [0, 1)"),
+            ("spread_probability", 0.0 <= self.spread_probability <= 1.0, "in [0, 1]"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"WorldConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
+
+class _World:
+    def __init__(self, rng: random.Random, cfg: WorldConfig):
+        self.rng, self.cfg = rng, cfg
+        self.names = _Names(rng)
+        self.entities: dict[str, _Entity] = {}
+        self.facts: list[_Fact] = []
+        self.docs: list[_Doc] = []
+
+    # -- entities --------------------------------------------------------------------------------------------
+    def add(self, kind: str, **fields: Any) -> _Entity:
+        key = f"{kind}:{sum(e.kind == kind for e in self.entities.values())}"
+        e = _Entity(key=key, kind=kind, **fields)
+        self.entities[key] = e
+        return e
+
+    def new_person(self) -> _Entity:
+        n = self.names
+        while True:
+            first = n.word(2)
+            last = n.word(self.rng.choice((1, 1, 2)))
+            if first.lower() != last.lower() and n.claim(f"{first} {last}"):
+                return self.add("person", name=f"{first} {last}", first=first, last=last)
+
+    def new_org(self) -> _Entity:
+        kind = self.rng.choice(_ORG_KINDS)
+        return self.add(
+            "org", name=self.names.fresh(lambda: f"{self.names.word(self.rng.choice((2, 3)))} {kind}")
+        )
+
+    def new_city(self) -> _Entity:
+        n = self.names
+        return self.add(
+            "city", name=n.fresh(lambda: n.word(self.rng.choice((1, 2))) + self.rng.choice(_CITY_ENDINGS))
+        )
+
+    def new_project(self) -> _Entity:
+        return self.add("project", name=self.names.fresh(lambda: f"Project {self.names.word(2)}"))
+
+    def look_alike(self, e: _Entity) -> _Entity:
+        for _ in range(100):
+            if e.kind == "person":
+                first, last = e.first, e.last
+                if self.rng.random() < 0.5:
+                    last = _mutate(last, self.rng)
+                else:
+                    first = _mutate(first, self.rng)
+                name = f"{first} {last}"
+                if self.names.claim(name):
+                    return self.add("person", name=name, first=first, last=last, distractor_of=e.key)
+            else:
+                head, _, tail = e.name.partition(" ")
+                if e.kind == "project":
+                    name = f"{head} {_mutate(tail, self.rng)}"
+                elif self.rng.random() < 0.5:
+                    name = f"{_mutate(head, self.rng)} {tail}"
+                else:
+                    name = f"{head} {self.rng.choice([k for k in _ORG_KINDS if k != tail])}"
+                if self.names.claim(name):
+                    return self.add(e.kind, name=name, distractor_of=e.key)
+        raise RuntimeError(f"no look-alike name for {e.name}")
+
+    def of_kind(self, kind: str, *, real: bool = True) -> list[_Entity]:
+        return [e for e in self.entities.values() if e.kind == kind and (e.distractor_of is None) == real]
+
+    def surface(self, value: str) -> str:
+        e = self.entities.get(value)
+        return e.name if e is not None else value
+
+    # -- facts -----------------------------------------------------------------------------------------------
+    def draw_object(self, relation: str, subject: _Entity) -> str | None:
+        kind = RELATIONS[relation][1]
+        if kind == "role":
+            return self.rng.choice(_ROLES)
+        if kind == "year":
+            return str(
+                self.rng.randint(1890, 1990) if relation == "founded_year" else self.rng.randint(1995, 2024)
+            )
+        pool = [e for e in self.of_kind(kind) if e.key != subject.key]
+        return self.rng.choice(pool).key if pool else None
+
+    def attributes(self, e: _Entity) -> list[_Fact]:
+        facts = []
+        for relation, (subject_kind, _) in RELATIONS.items():
+            if subject_kind != e.kind:
+                continue
+            obj = self.draw_object(relation, e)
+            if obj is not None:
+                facts.append(_Fact(e.key, relation, obj))
+        return facts
+
+
+def _layout(k: int, distractor_fraction: float) -> tuple[int, int, int, int, int]:
+    """(people, orgs, projects, meetings, distractors) documents for a corpus of `k` documents."""
+    n_dis = 0 if k < 4 else max(1, int(k * distractor_fraction + 0.5)) if distractor_fraction > 0 else 0
+    r = k - n_dis
+    people = max(1, math.ceil(0.35 * r))
+    orgs = int(0.25 * r + 0.5)
+    projects = int(0.2 * r + 0.5)
+    while people + orgs + projects > r:
+        if projects > 0:
+            projects -= 1
+        elif orgs > 0:
+            orgs -= 1
+        else:
+            people -= 1
+    return people, orgs, projects, r - people - orgs - projects, n_dis
+
+
+def _date(rng: random.Random) -> str:
+    return f"{rng.randint(1, 28)} {rng.choice(_MONTHS)} {rng.randint(2000, 2024)}"
+
+
+def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
+    w = _World(rng, cfg)
+    n_people, n_orgs, n_projects, n_meetings, n_dis = _layout(cfg.docs_per_task, cfg.distractor_fraction)
+    people = [w.new_person() for _ in range(n_people)]
+    orgs = [w.new_org() for _ in range(n_orgs)]
+    projects = [w.new_project() for _ in range(n_projects)]
+    for _ in range(max(2, n_orgs + 1 + n_people // 3)):
+        w.new_city()
+
+    # One primary document per real entity, then meeting notes.
+    primary: dict[str, int] = {}
+    for e in people:
+        primary[e.key] = len(w.docs)
+        w.docs.append(_Doc("profile", e.key, f"Profile: {e.name}", f"This profile describes {e.name}."))
+    for e in orgs:
+        primary[e.key] = len(w.docs)
+        w.docs.append(
+            _Doc("org_profile", e.key, f"About the {e.name}", f"This page introduces the {e.name}.")
+        )
+    for e in projects:
+        primary[e.key] = len(w.docs)
+        w.docs.append(_Doc("report", e.key, f"Report: {e.name}", f"This report covers {e.name}."))
+    meetings = []
+    for _ in range(n_meetings):
+        date = _date(rng)
+        meetings.append(len(w.docs))
+        w.docs.append(_Doc("meeting", None, f"Meeting notes, {date}", f"Notes from the meeting of {date}."))
+
+    # Facts about real entities: each lands in exactly one document, often not the subject's own page.
+    for e in [*people, *orgs, *projects]:
+        for fact in w.attributes(e):
+            home = primary[e.key]
+            others = list(meetings)
+            if fact.relation in ("works_at", "funded_by", "founded_by") and fact.obj in primary:
+                others.append(primary[fact.obj])
+            if (
+                fact.relation not in ("role", "born_in", "lab_city", "led_by")
+                and others
+                and rng.random() < cfg.spread_probability
+            ):
+                home = rng.choice(others)
+            fact.home = home
+            w.docs[home].facts.append(len(w.facts))
+            w.facts.append(fact)
+
+    # Distractors: look-alikes of real entities, each with its own page of different facts.
+    real = [*people, *orgs, *projects]
+    for target in rng.sample(real, min(n_dis, len(real))) + [
+        rng.choice(real) for _ in range(n_dis - len(real))
+    ]:
+        twin = w.look_alike(target)
+        kind = {"person": "Profile: {}", "org": "About the {}", "project": "Report: {}"}[twin.kind]
+        lead = {
+            "person": "This profile describes {}.",
+            "org": "This page introduces the {}.",
+            "project": "This report covers {}.",
+        }[twin.kind]
+        doc = len(w.docs)
+        w.docs.append(_Doc("distractor", twin.key, kind.format(twin.name), lead.format(twin.name)))
+        original = {(f.relation): f.obj for f in w.facts if f.subject == target.key}
+        for fact in w.attributes(twin):
+            if fact.obj == original.get(fact.relation):  # keep look-alikes' facts different
+                alt = w.draw_object(fact.relation, twin)
+                fact.obj = alt if alt is not None else fact.obj
+            fact.home = doc
+            w.docs[doc].facts.append(len(w.facts))
+            w.facts.append(fact)
+
+    # Meeting attendees: a few people, look-alikes included.
+    everyone = w.of_kind("person") + w.of_kind("person", real=False)
+    for i in meetings:
+        w.docs[i].mentions = [e.key for e in rng.sample(everyone, min(len(everyone), rng.randint(2, 4)))]
+    return w
+
+
+def _render(w: _World, doc: _Doc, target_words: int) -> str:
+    rng = w.rng
+    sentences: list[str] = []
+    for fi in doc.facts:
+        f = w.facts[fi]
+        obj = w.surface(f.obj)
+        s = rng.choice(_STATEMENTS[f.relation]).format(S=w.surface(f.subject), O=obj, A=_article(obj))
+        if doc.kind == "meeting":
+            s = rng.choice(_NOTE_LEADS) + (s[0].lower() + s[1:] if s.startswith("The ") else s)
+        sentences.append(s)
+    rng.shuffle(sentences)
+    head = [doc.lead]
+    if doc.kind == "meeting" and doc.mentions:
+        names = [w.surface(k) for k in doc.mentions]
+        attendees = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        head.append(f"Attendees: {attendees}.")
+    people = [e.name for e in w.entities.values() if e.kind == "person"]
+    cities = [e.name for e in w.entities.values() if e.kind == "city"]
+    table = list(_FILLER + (_MEETING_FILLER if doc.kind == "meeting" else ()))
+    unused: list[str] = []
+    body = list(sentences)
+    words = sum(len(s.split()) for s in head + body)
+    while words < target_words:
+        if not unused:  # each filler template once per document until all are used
+            unused = rng.sample(table, len(table))
+        x, y = rng.sample(people, 2) if len(people) >= 2 else (people[0], people[0])
+        if doc.subject is not None and w.entities[doc.subject].kind == "person" and rng.random() < 0.5:
+            x = w.entities[doc.subject].name
+        t, t2 = rng.sample(_TOPICS, 2)
+        s = unused.pop().format(X=x, Y=y, T=t, T2=t2, C=rng.choice(cities))
+        body.insert(rng.randint(0, len(body)), s)
+        words += len(s.split())
+    return " ".join(head + body)
+
+
+def _answer(w: _World, value: str) -> tuple[str, tuple[str, ...]]:
+    e = w.entities.get(value)
+    if e is None:
+        return (value, ()) if value.isdigit() else (value, (_article(value),))
+    if e.kind == "person":
+        return e.name, (f"{e.last}, {e.first}",)
+    if e.kind == "org":
+        return e.name, (f"the {e.name}",)
+    if e.kind == "city":
+        return e.name, (f"the city of {e.name}",)
+    return e.name, ()
+
+
+def _candidates(w: _World, doc_ids: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Single-hop and multi-hop question candidates over real facts."""
+    by_subject: dict[str, dict[str, int]] = {}
+    for i, f in enumerate(w.facts):
+        if w.entities[f.subject].distractor_of is None:
+            by_subject.setdefault(f.subject, {})[f.relation] = i
+
+    def phrase(e: _Entity) -> str:
+        return f"the {e.name}" if e.kind == "org" else e.name
+
+    singles, multis = [], []
+    for subject, rels in by_subject.items():
+        for relation, fi in rels.items():
+            singles.append(
+                {"chain": [fi], "text": _QUESTIONS[relation].format(S=phrase(w.entities[subject]))}
+            )
+
+    def extend(chain: list[int], np: str, visited: set[str]) -> None:
+        last = w.facts[chain[-1]]
+        for relation, fi in by_subject.get(last.obj, {}).items():
+            f = w.facts[fi]
+            if f.obj in visited:
+                continue
+            new = [*chain, fi]
+            homes = {w.facts[c].home for c in new}
+            if len(homes) >= 2:
+                multis.append({"chain": new, "text": _QUESTIONS[relation].format(S=np)})
+            if relation in _DESCRIBE and len(new) < w.cfg.max_hops:
+                extend(new, _DESCRIBE[relation].format(S=np), visited | {f.obj})
+
+    if w.cfg.max_hops >= 2:
+        for subject, rels in by_subject.items():
+            for relation, fi in rels.items():
+                if relation in _DESCRIBE:
+                    np = _DESCRIBE[relation].format(S=phrase(w.entities[subject]))
+                    extend([fi], np, {subject, w.facts[fi].obj})
+    for c in singles + multis:
+        c["support"] = list(dict.fromkeys(doc_ids[w.facts[i].home] for i in c["chain"]))
+    return singles, multis
+
+
+def _make_questions(
+    w: _World, cands: tuple[list[dict[str, Any]], list[dict[str, Any]]], n: int, prefix: str
+) -> list[Question]:
+    singles, multis = cands
+    n_multi = min(len(multis), int(n * w.cfg.multi_hop_fraction + 0.5))
+    n_single = min(len(singles), n - n_multi)
+    n_multi = min(len(multis), n - n_single)  # top up with multi-hop if single-hop ran out
+    chosen = [multis.pop() for _ in range(n_multi)] + [singles.pop() for _ in range(n_single)]
+    w.rng.shuffle(chosen)
+    out = []
+    for j, c in enumerate(chosen):
+        last = w.facts[c["chain"][-1]]
+        gold, aliases = _answer(w, last.obj)
+        hops = len(c["chain"])
+        out.append(
+            Question(
+                question_id=f"{prefix}{j}",
+                question=c["text"],
+                gold_answer=gold,
+                aliases=aliases,
+                question_type="single_hop" if hops == 1 else "multi_hop",
+                meta={
+                    "hops": hops,
+                    "support_doc_ids": c["support"],
+                    "relations": [w.facts[i].relation for i in c["chain"]],
+                    "subject": w.surface(w.facts[c["chain"][0]].subject),
+                },
+            )
+        )
+    return out
+
+
+def generate_task(seed: int, index: int, config: WorldConfig | None = None) -> CorpusTask:
+    """Task `index` of the world seeded by `seed` (what `generate_world` returns at that position)."""
+    cfg = config or WorldConfig()
+    cfg.validate()
+    rng = random.Random(f"librarian-synthetic:{seed}:{index}")
+    task_id = f"{cfg.task_prefix}-{seed}-{index:05d}"
+    w = _build_world(rng, cfg)
+    order = list(range(len(w.docs)))
+    rng.shuffle(order)
+    width = max(3, len(str(len(order) - 1)))
+    doc_ids = [""] * len(order)
+    for pos, i in enumerate(order):
+        doc_ids[i] = f"d{pos:0{width}d}"
+    documents = []
+    for i in order:
+        doc = w.docs[i]
+        text = _render(w, doc, rng.randint(cfg.min_words, cfg.max_words))
+        facts = [
+            [w.surface(w.facts[f].subject), w.facts[f].relation, w.surface(w.facts[f].obj)] for f in doc.facts
+        ]
+        documents.append(
+            Document(
+                doc_id=doc_ids[i],
+                text=text,
+                title=doc.title,
+                url=f"synthetic://{task_id}/{doc_ids[i]}",
+                meta={
+                    "kind": doc.kind,
+                    "distractor": doc.kind == "distractor",
+                    "subject": w.surface(doc.subject) if doc.subject else "",
+                    "facts": facts,
+                },
+            )
+        )
+    singles, multis = _candidates(w, doc_ids)
+    rng.shuffle(singles)
+    rng.shuffle(multis)
+    cands = (singles, multis)
+    hidden = _make_questions(w, cands, cfg.questions_per_task, f"{task_id}/q")
+    reuse = _make_questions(w, cands, cfg.reuse_questions_per_task, f"{task_id}/r")
+    if len(hidden) < cfg.questions_per_task or len(reuse) < cfg.reuse_questions_per_task:
+        logging.warning(
+            "task %s: only %d hidden and %d reuse questions fit %d documents (asked for %d and %d)",
+            task_id,
+            len(hidden),
+            len(reuse),
+            cfg.docs_per_task,
+            cfg.questions_per_task,
+            cfg.reuse_questions_per_task,
+        )
+    return CorpusTask(
+        task_id=task_id,
+        documents=tuple(documents),
+        questions=tuple(hidden),
+        reuse_questions=tuple(reuse),
+        meta={
+            "source": "synthetic",
+            "seed": seed,
+            "index": index,
+            "num_entities": sum(e.distractor_of is None for e in w.entities.values()),
+            "num_distractors": sum(e.distractor_of is not None for e in w.entities.values()),
+        },
+    )
+
+
+def generate_world(
+    seed: int, num_tasks: int, config: WorldConfig | None = None, **overrides: Any
+) -> list[CorpusTask]:
+    """`num_tasks` synthetic tasks; the same `seed` (and sizes) always gives identical tasks.
+
+    Sizes come from `config` (a `WorldConfig`) and/or keyword overrides of its fields, e.g.
+    `generate_world(0, 100, docs_per_task=40, max_words=300)`.
+    """
+    if num_tasks < 0:
+        raise ValueError(f"num_tasks must be >= 0, got {num_tasks}")
+    cfg = dataclasses.replace(config or WorldConfig(), **overrides)
+    cfg.validate()
+    return [generate_task(seed, i, cfg) for i in range(num_tasks)]
+
+
+def world_texts(tasks: Iterable[CorpusTask]) -> list[str]:
+    """Every text of the tasks (document titles and bodies, questions, answers and aliases): the training set
+    of the tiny tokenizer."""
+    out: list[str] = []
+    for t in tasks:
+        for d in t.documents:
+            if d.title:
+                out.append(d.title)
+            out.append(d.text)
+        for q in (*t.questions, *t.reuse_questions):
+            out.append(q.question)
+            out.extend(q.answers)
+    return out
+
+
+def answer_in_corpus(
+    task: CorpusTask, question: Question, documents: Sequence[Document] | None = None
+) -> bool:
+    """Whether the question's gold answer appears verbatim in one of the task's documents."""
+    return any(
+        question.gold_answer in d.text for d in (documents if documents is not None else task.documents)
+    )
