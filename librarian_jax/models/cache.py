@@ -1,0 +1,66 @@
+"""The decode cache: per-row lengths, per-layer K/V (attention) or conv/recurrent state (linear attention)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from librarian_jax.models.config import ModelConfig
+
+KV_AXES = ("cache_batch", "cache_seq", "kv_heads", "head_dim")
+
+
+@struct.dataclass
+class Cache:
+    """lengths int32 `[batch]` (tokens already in each row); layers: one dict per layer.
+
+    Attention layers: {"k", "v": `[batch, max_len, kv_heads, head_dim]`}; linear-attention layers:
+    {"conv": `[batch, conv_dim, kernel - 1]`, "state": `[batch, v_heads, k_head_dim, v_head_dim]` float32}.
+    """
+
+    lengths: Any
+    layers: tuple[dict[str, Any], ...]
+
+    @property
+    def max_len(self) -> int:
+        for layer in self.layers:
+            if "k" in layer:
+                return int(layer["k"].shape[1])
+        raise ValueError("Cache has no attention layer, so no max_len")
+
+
+def _gated_deltanet():
+    from librarian_jax.models.gated_deltanet import GatedDeltaNet  # lazy: only hybrid configs need it
+
+    return GatedDeltaNet
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
+    """An empty cache (all lengths 0) for `batch_size` rows of up to `max_len` tokens.
+
+    K/V in `dtype` (default `config.dtype`); linear-attention state in the dtypes its layer declares.
+    """
+    dtype = jnp.dtype(dtype or config.dtype)
+    layers: list[dict[str, jax.Array]] = []
+    for t in config.layer_types:
+        if t == "linear_attention":
+            shapes = _gated_deltanet().cache_shapes(config, batch_size)
+            layers.append({name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()})
+        else:
+            shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+            layers.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+    return Cache(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
+
+
+def cache_logical_axes(config: ModelConfig) -> Cache:
+    """Same tree as `init_cache(config, ...)` with tuples of logical axis names in the leaves."""
+    layers: list[dict[str, tuple[str, ...]]] = []
+    for t in config.layer_types:
+        if t == "linear_attention":
+            layers.append(dict(_gated_deltanet().cache_axes()))
+        else:
+            layers.append({"k": KV_AXES, "v": KV_AXES})
+    return Cache(lengths=("cache_batch",), layers=tuple(layers))

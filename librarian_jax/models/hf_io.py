@@ -1,0 +1,450 @@
+"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors <-> Transformer parameters.
+
+`load_hf` builds the model abstractly (`nnx.eval_shape`) and fills every parameter from the (possibly sharded)
+safetensors files, one tensor at a time, straight to its NamedSharding when a mesh is given, so a large model
+is never randomly initialised nor fully copied onto every device. `save_hf` writes HF names and layouts
+(`[out, in]` linear weights), so transformers' `from_pretrained` loads the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from librarian_jax.models.config import ModelConfig
+from librarian_jax.models.partitioning import Rules, named_sharding, variable_axes
+from librarian_jax.models.transformer import Transformer
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5")
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+}
+_EMBED_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def _rope_block(d: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of a config dict in either HF v5 (`rope_parameters`) or v4 (`rope_theta`,
+    `rope_scaling`) form, for one layer type when the model keeps them per layer type (Gemma 3)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        return dict(params[layer_type] or {})
+    if isinstance(params, dict) and layer_type is None and "rope_theta" in params:
+        return dict(params)
+    block: dict[str, Any] = {}
+    if d.get("rope_scaling"):
+        block.update(d["rope_scaling"])
+    if layer_type == "sliding_attention":
+        block = {"rope_type": "default"}
+        if "rope_local_base_freq" in d:
+            block["rope_theta"] = d["rope_local_base_freq"]
+    elif "rope_theta" in d:
+        block["rope_theta"] = d["rope_theta"]
+    return block
+
+
+def _rope_fields(block: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    rope_type = block.get("rope_type", block.get("type", "default")) or "default"
+    out: dict[str, Any] = {"rope_theta": float(block.get("rope_theta", default_theta))}
+    if rope_type == "default":
+        return out
+    if rope_type == "linear":
+        return out | {"rope_type": "linear", "rope_factor": float(block["factor"])}
+    if rope_type == "llama3":
+        return out | {
+            "rope_type": "llama3", "rope_factor": float(block["factor"]),
+            "rope_low_freq_factor": float(block["low_freq_factor"]),
+            "rope_high_freq_factor": float(block["high_freq_factor"]),
+            "rope_original_max_position": int(block["original_max_position_embeddings"]),
+        }
+    raise NotImplementedError(
+        f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3)"
+    )
+
+
+def _activation(d: dict[str, Any]) -> str:
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if act == "silu":
+        return "silu"
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
+    raise NotImplementedError(f"config.json: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+
+
+def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: Any = None) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict (qwen3, llama, gemma3_text / gemma3 text part,
+    qwen3_5_text / qwen3_5 text part)."""
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"config.json: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    top = d
+    if model_type in ("gemma3", "qwen3_5"):
+        if "text_config" not in d:
+            raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' entry")
+        d = dict(d["text_config"])
+        tie_default = model_type == "gemma3"
+        tie = bool(top.get("tie_word_embeddings", d.get("tie_word_embeddings", tie_default)))
+        model_type = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}[model_type]
+    else:
+        tie = bool(d.get("tie_word_embeddings", model_type == "gemma3_text"))
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise NotImplementedError(f"config.json: {key}=true is not supported")
+    if d.get("use_sliding_window") and model_type == "qwen3":
+        raise NotImplementedError("config.json: use_sliding_window=true is not supported for qwen3")
+    if d.get("use_bidirectional_attention"):
+        raise NotImplementedError("config.json: use_bidirectional_attention=true is not supported")
+
+    n_layers = int(d["num_hidden_layers"])
+    heads = int(d["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=tie, model_type=model_type,
+        max_position_embeddings=int(d.get("max_position_embeddings", 32_768)), activation=_activation(d),
+        dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
+    )
+    layer_types = d.get("layer_types")
+    if model_type in ("qwen3", "llama"):
+        fields |= _rope_fields(_rope_block(d), 1_000_000.0 if model_type == "qwen3" else 500_000.0)
+        fields |= dict(qk_norm=model_type == "qwen3", layer_types=("full_attention",) * n_layers)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} for {model_type}")
+    elif model_type == "gemma3_text":
+        if not layer_types:
+            every = int(d.get("sliding_window_pattern", 6))
+            layer_types = [
+                "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)
+            ]
+        local = _rope_block(d, "sliding_attention")
+        if local.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"config.json: sliding-layer rope {local} is not supported")
+        if d.get("attn_logit_softcapping"):
+            logging.warning("config.json: attn_logit_softcapping is ignored (HF Gemma 3 does not apply it)")
+        fields |= _rope_fields(_rope_block(d, "full_attention"), 1_000_000.0)
+        fields |= dict(
+            layer_types=tuple(layer_types), sliding_window=int(d.get("sliding_window") or 4096),
+            rope_local_theta=float(local.get("rope_theta", 10_000.0)), qk_norm=True, norm_plus_one=True,
+            post_norms=True, embed_scale=True,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+        )
+    else:  # qwen3_5_text
+        if not layer_types:
+            every = int(d.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
+            ]
+        rope = _rope_block(d)
+        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+        fields |= _rope_fields(rope, 10_000.0)
+        fields |= dict(
+            layer_types=tuple(layer_types), qk_norm=True, norm_plus_one=True,
+            attn_output_gate=bool(d.get("attn_output_gate", True)), partial_rotary_factor=partial,
+            linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        )
+    return ModelConfig(**fields)
+
+
+def _rope_params_hf(config: ModelConfig) -> dict[str, Any]:
+    block: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type == "linear":
+        block["factor"] = config.rope_factor
+    elif config.rope_type == "llama3":
+        block |= dict(factor=config.rope_factor, low_freq_factor=config.rope_low_freq_factor,
+                      high_freq_factor=config.rope_high_freq_factor,
+                      original_max_position_embeddings=config.rope_original_max_position)
+    return block
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config.json dict (transformers v5 form) for `config`."""
+    mt = config.model_type
+    if mt not in _ARCHITECTURES:
+        raise ValueError(f"save_hf: ModelConfig.model_type {mt!r} is not one of {sorted(_ARCHITECTURES)}")
+    d: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[mt]], "model_type": mt, "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_position_embeddings, "attention_bias": False,
+        "attention_dropout": 0.0, "dtype": config.param_dtype, "layer_types": list(config.layer_types),
+    }
+    act = "silu" if config.activation == "silu" else "gelu_pytorch_tanh"
+    if mt == "gemma3_text":
+        d |= {
+            "hidden_activation": act, "sliding_window": config.sliding_window,
+            "query_pre_attn_scalar": config.query_pre_attn_scalar,
+            "final_logit_softcapping": config.final_logit_softcapping,
+            "rope_parameters": {
+                "full_attention": _rope_params_hf(config),
+                "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_theta},
+            },
+        }
+    else:
+        d["hidden_act"] = act
+        d["rope_parameters"] = _rope_params_hf(config)
+    if mt == "llama":
+        d["mlp_bias"] = False
+    if mt == "qwen3_5_text":
+        d["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
+        d |= {
+            "partial_rotary_factor": config.partial_rotary_factor,
+            "attn_output_gate": config.attn_output_gate,
+            "linear_num_key_heads": config.linear_num_key_heads,
+            "linear_num_value_heads": config.linear_num_value_heads,
+            "linear_key_head_dim": config.linear_key_head_dim,
+            "linear_value_head_dim": config.linear_value_head_dim,
+            "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        }
+    return d
+
+
+# ----------------------------------------------------------------------------------------------- names
+
+
+def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool]]:
+    """nnx parameter path -> (HF tensor name without the "model." prefix, transpose?).
+
+    The embedding is "embed_tokens.weight" and the untied head "lm_head.weight" (kept without prefix).
+    """
+    names: dict[tuple[Any, ...], tuple[str, bool]] = {
+        ("embed_tokens", "embedding"): ("embed_tokens.weight", False),
+        ("norm", "weight"): ("norm.weight", False),
+    }
+    if not config.tie_embeddings:
+        names[("lm_head", "kernel")] = ("lm_head.weight", True)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.post_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for i, layer_type in enumerate(config.layer_types):
+        pre = f"layers.{i}."
+        for n in norms:
+            names[("layers", i, n, "weight")] = (f"{pre}{n}.weight", False)
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            names[("layers", i, "mlp", p, "kernel")] = (f"{pre}mlp.{p}.weight", True)
+        if layer_type == "linear_attention":
+            from librarian_jax.models.gated_deltanet import HF_PARAMS
+
+            for suffix, (attr, transpose) in HF_PARAMS.items():
+                path = ("layers", i, "linear_attn", *attr.split("."))
+                names[path] = (f"{pre}linear_attn.{suffix}", transpose)
+        else:
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names[("layers", i, "self_attn", p, "kernel")] = (f"{pre}self_attn.{p}.weight", True)
+            if config.qk_norm:
+                for p in ("q_norm", "k_norm"):
+                    names[("layers", i, "self_attn", p, "weight")] = (f"{pre}self_attn.{p}.weight", False)
+    return names
+
+
+def _to_ours(arr: np.ndarray, transpose: bool) -> np.ndarray:
+    return np.swapaxes(arr, -1, -2) if transpose and arr.ndim >= 2 else arr
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+class _Tensors:
+    """Lazy view of the safetensors files of a checkpoint folder: key -> (file, shape)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(x for x in os.listdir(directory) if x.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        self.handles = [safe_open(os.path.join(directory, f), framework="np") for f in files]
+        self.where: dict[str, Any] = {}
+        for h in self.handles:
+            for k in h.keys():
+                self.where[k] = h
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.where[key].get_slice(key).get_shape())
+
+    def get(self, key: str) -> np.ndarray:
+        return self.where[key].get_tensor(key)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.where)
+
+
+def _find_prefix(tensors: _Tensors, directory: str) -> str:
+    for prefix in _EMBED_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in tensors:
+            return prefix
+    raise KeyError(
+        f"missing tensor: none of {[p + 'embed_tokens.weight' for p in _EMBED_PREFIXES]} in {directory}"
+    )
+
+
+def load_hf(
+    directory: str,
+    dtype: Any = jnp.float32,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> Transformer:
+    """Transformer with the weights of the HF checkpoint in `directory` (config.json + *.safetensors).
+
+    Params and activations in `dtype`. With `mesh`, each tensor is placed straight onto its NamedSharding
+    (logical axes of the parameter mapped through `rules`, default `DEFAULT_RULES`); each device receives
+    only its slice. Raises ValueError for an unknown model_type or a shape mismatch, KeyError for a missing
+    tensor; both name the tensor key and shapes.
+    """
+    with open(os.path.join(directory, "config.json")) as f:
+        config = config_from_hf(json.load(f), dtype=dtype)
+    tensors = _Tensors(directory)
+    prefix = _find_prefix(tensors, directory)
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    names = hf_param_names(config)
+    target_dtype = config.jnp_param_dtype
+    used: set[str] = set()
+    new_leaves = []
+    for path, var in flat:
+        if path not in names:
+            raise KeyError(f"load_hf: model variable {_path_str(path)} has no Hugging Face tensor name")
+        name, transpose = names[path]
+        key = name if name == "lm_head.weight" else prefix + name
+        if key == "lm_head.weight":
+            key = next((k for k in _LM_HEAD_KEYS if k in tensors), key)
+        expected = tuple(var.get_value().shape)
+        if key not in tensors:
+            hf_expected = expected[::-1] if transpose else expected
+            raise KeyError(
+                f"load_hf: missing tensor {key!r} (expected HF shape {hf_expected}, model shape {expected}) "
+                f"in {directory}"
+            )
+        hf_shape = tensors.shape(key)
+        ours = hf_shape[::-1] if transpose and len(hf_shape) == 2 else hf_shape
+        if ours != expected:
+            raise ValueError(
+                f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint shape {hf_shape} "
+                f"(as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
+            )
+        host = np.ascontiguousarray(_to_ours(tensors.get(key), transpose).astype(target_dtype))
+        if mesh is None:
+            value = jnp.asarray(host)
+        else:
+            sharding = named_sharding(variable_axes(var), mesh, expected, rules)
+            value = jax.make_array_from_callback(expected, sharding, lambda idx, h=host: h[idx])
+        used.add(key)
+        new_leaves.append((path, var.replace(value)))
+
+    ignored = [k for k in tensors.keys() if k not in used]
+    if config.tie_embeddings:
+        ignored = [k for k in ignored if k not in _LM_HEAD_KEYS]
+    if ignored:
+        logging.info("load_hf: ignored %d tensors not used by the text model (e.g. %s) in %s",
+                     len(ignored), ignored[0], directory)
+    state = nnx.from_flat_state(new_leaves)
+    model = nnx.merge(graphdef, state)
+    logging.info("load_hf: %s (%s, %d layers) from %s", config.model_type, config.param_dtype,
+                 config.num_layers, directory)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save_hf(model: Transformer, directory: str, *, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Writes config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when larger
+    than `max_shard_bytes`) in Hugging Face names and layouts. Only process 0 writes."""
+    config = model.config
+    names = hf_param_names(config)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in flat:
+        if path not in names:
+            raise KeyError(f"save_hf: model variable {_path_str(path)} has no Hugging Face tensor name")
+        name, transpose = names[path]
+        key = name if name == "lm_head.weight" else "model." + name
+        tensors[key] = np.ascontiguousarray(_to_ours(_host(var.get_value()), transpose))
+    if jax.process_index() != 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config_to_hf(config), f, indent=2, sort_keys=True)
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata=meta)
+        for stale in os.listdir(directory):  # a previous sharded save would shadow this file
+            if stale == "model.safetensors.index.json" or (stale.startswith("model-") and "-of-" in stale):
+                os.remove(os.path.join(directory, stale))
+    else:
+        n = len(shards)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file(shard, os.path.join(directory, fname), metadata=meta)
+            weight_map |= {k: fname for k in shard}
+        total = int(sum(t.nbytes for t in tensors.values()))
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    logging.info("save_hf: %d tensors (%.1f MB) in %d file(s) to %s", len(tensors),
+                 sum(t.nbytes for t in tensors.values()) / 1e6, len(shards), directory)
+
+
+def num_bytes(model: Transformer) -> int:
+    """Bytes of all parameters."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves))

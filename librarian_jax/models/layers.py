@@ -1,0 +1,223 @@
+"""Building blocks: RMSNorm, RoPE, gated MLP and (GQA, cached, sliding-window, gated-output) attention.
+
+Parameter attribute names follow the Hugging Face submodule names (`q_proj`, `input_layernorm`, ...) so the
+safetensors mapping in `hf_io.py` is mechanical. Linear kernels are `[in, out]` (HF stores `[out, in]`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from librarian_jax.models.config import ModelConfig
+
+INIT_STD = 0.02
+_NEG = float(np.finfo(np.float32).min)
+
+
+def dense(config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.Linear:
+    """Bias-free linear layer `[.., d_in] -> [.., d_out]` with logical axes on its `[d_in, d_out]` kernel."""
+    return nnx.Linear(
+        d_in, d_out, use_bias=False, dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype,
+        kernel_init=nnx.with_partitioning(nnx.initializers.normal(INIT_STD), axes, eager_sharding=False),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last dim. `plus_one` (Gemma, Qwen3.5): `x_hat * (1 + w)` with w initialised at 0.
+
+    Statistics in float32; output in the input's dtype (rounding as HF: Gemma casts after the multiply,
+    Llama/Qwen3 cast x_hat before it).
+    """
+
+    def __init__(self, dim: int, *, eps: float, plus_one: bool, param_dtype: jnp.dtype):
+        init = nnx.initializers.zeros if plus_one else nnx.initializers.ones
+        self.weight = nnx.Param(init(jax.random.key(0), (dim,), param_dtype), out_sharding=("norm",),
+                                eager_sharding=False)
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x `[..., dim]` -> same shape and dtype."""
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...]
+        if self.plus_one:
+            return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        return w.astype(x.dtype) * xf.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig, layer_type: str) -> np.ndarray:
+    """Inverse frequencies `[rotary_dim // 2]` float32 for a layer type, as HF's rope init functions.
+
+    Gemma 3 sliding layers use `rope_local_theta` with default RoPE; other layers use `rope_theta` and
+    `rope_type` ("default", "linear": / factor, "llama3": the Llama 3.1 frequency-dependent scaling).
+    """
+    dim = config.rotary_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    if layer_type == "sliding_attention" and config.rope_local_theta is not None:
+        return (1.0 / (np.float32(config.rope_local_theta) ** exponent)).astype(np.float32)
+    inv = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    if config.rope_type == "linear":
+        inv = (inv / np.float32(config.rope_factor)).astype(np.float32)
+    elif config.rope_type == "llama3":
+        factor, lo, hi = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old = config.rope_original_max_position
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions int `[batch, seq]` -> (cos, sin), each float32 `[batch, seq, rotary_dim // 2]`."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on the first `2 * cos.shape[-1]` dims of x `[batch, seq, heads, head_dim]`."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- MLP
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        e, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = dense(config, e, m, ("embed", "mlp"), rngs)
+        self.up_proj = dense(config, e, m, ("embed", "mlp"), rngs)
+        self.down_proj = dense(config, m, e, ("mlp", "embed"), rngs)
+        self.activation = config.activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x `[batch, seq, hidden]` -> `[batch, seq, hidden]`."""
+        g = self.gate_proj(x)
+        g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down_proj(g * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float
+) -> jax.Array:
+    """Grouped-query softmax attention.
+
+    q `[batch, seq, heads, head_dim]`, k/v `[batch, keys, kv_heads, head_dim]`, allowed bool
+    `[batch, seq, keys]` -> `[batch, seq, heads, head_dim]`. Scores and softmax in float32; probabilities
+    are cast to v's dtype for the value product. A query with no allowed key gets a uniform average
+    (never NaN); callers only produce that for padding.
+    """
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, h // kvh, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with GQA, RoPE (optionally partial), optional q/k RMSNorm, optional sliding
+    window, optional sigmoid output gate (Qwen3.5), reading and writing a per-row KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs):
+        e, h, kvh, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        q_width = h * d * (2 if config.attn_output_gate else 1)
+        self.q_proj = dense(config, e, q_width, ("embed", "heads"), rngs)
+        self.k_proj = dense(config, e, kvh * d, ("embed", "kv_heads"), rngs)
+        self.v_proj = dense(config, e, kvh * d, ("embed", "kv_heads"), rngs)
+        self.o_proj = dense(config, h * d, e, ("heads", "embed"), rngs)
+        if config.qk_norm:
+            norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one,
+                        param_dtype=config.jnp_param_dtype)
+            self.q_norm = RMSNorm(d, **norm)
+            self.k_norm = RMSNorm(d, **norm)
+        self.qk_norm = config.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.gated = config.attn_output_gate
+        self.window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+
+    def __call__(
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        *,
+        mask: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array] | None = None,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """Self-attention over the new tokens (and the cache when given).
+
+        x `[batch, seq, hidden]`; rope = (cos, sin) `[batch, seq, rotary_dim // 2]`; mask bool `[batch, seq]`
+        (True = real token, padding a suffix); positions int32 `[batch, seq]` (window distances without a
+        cache). With `cache` = {"k", "v": `[batch, max_len, kv_heads, head_dim]`} and `lengths` int32
+        `[batch]`: new token t of row b is written at cache index lengths[b] + t (padded tokens are not
+        written) and attends to cache indices <= lengths[b] + t. Returns (y `[batch, seq, hidden]`, new cache
+        or None).
+        """
+        b, s, _ = x.shape
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q = q.reshape(b, s, h, 2 * d)
+            q, gate = q[..., :d], q[..., d:].reshape(b, s, h * d)
+        q = q.reshape(b, s, h, d)
+        k = self.k_proj(x).reshape(b, s, kvh, d)
+        v = self.v_proj(x).reshape(b, s, kvh, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is None:
+            idx = jnp.arange(s)
+            allowed = (idx[None, :, None] >= idx[None, None, :]) & mask[:, None, :]
+            if self.window is not None:
+                allowed &= (positions[:, :, None] - positions[:, None, :]) < self.window
+            new_cache = None
+        else:
+            max_len = cache["k"].shape[1]
+            q_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
+            write_idx = jnp.where(mask, q_idx, max_len)  # padded tokens -> out of range -> dropped
+            rows = jnp.arange(b)[:, None]
+            new_cache = {
+                "k": cache["k"].at[rows, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
+                "v": cache["v"].at[rows, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
+            }
+            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+            k_idx = jnp.arange(max_len, dtype=jnp.int32)
+            allowed = k_idx[None, None, :] <= q_idx[:, :, None]
+            if self.window is not None:
+                allowed &= (q_idx[:, :, None] - k_idx[None, None, :]) < self.window
+
+        out = attend(q, k, v, allowed, self.scale).reshape(b, s, h * d)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out), new_cache
