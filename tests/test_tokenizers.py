@@ -298,6 +298,10 @@ def test_chatml_text_format(hf_qwen):
         "<|im_start|>user\nWhere are the river ledgers?<|im_end|>\n<|im_start|>assistant\n"
     )
     assert chat.stop_ids == (hf_qwen.token_to_id("<|im_end|>"), hf_qwen.token_to_id("<|endoftext|>"))
+    # A tool result is a user turn wrapped in <tool_response>, as Qwen's own template writes it.
+    assert chat.render([{"role": "tool", "content": "ok"}]) == (
+        "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+    )
 
 
 def test_gemma_text_format_folds_system_into_first_turn(sp_gemma):

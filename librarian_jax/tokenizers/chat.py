@@ -1,7 +1,9 @@
 """Chat templates that produce token ids directly: ChatML (Qwen) and Gemma.
 
     chatml:  [BOS if the tokenizer adds one]<|im_start|>system\\n{system}<|im_end|>\\n
-             <|im_start|>{role}\\n{content}<|im_end|>\\n ...
+             <|im_start|>{role}\\n{content}<|im_end|>\\n ...   (roles system/user/assistant; a "tool" turn is
+             written as Qwen's template writes a tool result:
+             <|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n)
     gemma:   <bos><start_of_turn>user\\n{system}\\n\\n{content}<end_of_turn>\\n
              <start_of_turn>model\\n{content}<end_of_turn>\\n ...   (roles user/model; "assistant" -> "model",
              "tool" -> "user"; the system prompt is folded into the first turn, as Gemma's own template does)
@@ -102,9 +104,14 @@ class ChatTemplate:
                 self._pending_system = system
         return ids  # type: ignore[return-value]
 
+    def _turn_text(self, role: str, content: str) -> str:
+        if self.style == "chatml" and role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        return self._open_text(role) + content + self._close_text()
+
     def turn(self, role: str, content: str) -> list[int]:
         """A closed turn: open marker, role, content, close marker, newline."""
-        return self.tokenizer.encode(self._open_text(role) + content + self._close_text())
+        return self.tokenizer.encode(self._turn_text(role, content))
 
     def open_turn(self, role: str) -> list[int]:
         """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`)."""
@@ -123,11 +130,11 @@ class ChatTemplate:
             text = self._bos_text()
             if system is not None:
                 if self.style == "chatml":
-                    text += self._open_text("system") + system + self._close_text()
+                    text += self._turn_text("system", system)
                 else:
                     self._pending_system = system
             for m in rest:
-                text += self._open_text(m["role"]) + m["content"] + self._close_text()
+                text += self._turn_text(m["role"], m["content"])
             if add_generation_prompt:
                 text += self._open_text(self._assistant_role())
             return text

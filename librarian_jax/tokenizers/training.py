@@ -3,8 +3,9 @@
 Layout of a trained vocabulary (fixed, whatever the text):
 
     id 0 <pad>   id 1 </s> (EOS)   id 2 <s> (BOS)   id 3 <unk>
-    ids 4 .. 4+len(special_tokens)-1: the special tokens, in order (by default <|im_start|>, <|im_end|>,
-        <tool_call>, </tool_call>), each a user-defined piece so it is one token wherever it appears
+    ids 4 .. 4+len(special_tokens)-1: the special tokens, in order (by default 4 <|im_start|>, 5 <|im_end|>,
+        6 <tool_call>, 7 </tool_call>, 8 <tool_response>, 9 </tool_response>: Qwen's chat and tool markers),
+        each a user-defined piece so it is one token wherever it appears
     the next 256 ids: byte-fallback pieces <0x00> .. <0xFF>, so any text round-trips exactly
     the rest: BPE pieces learned from the text (`vocab_size` is an upper bound: a small text yields fewer)
 
@@ -25,7 +26,14 @@ from absl import logging
 from librarian_jax.tokenizers.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 # SentencePiece skips sentences longer than this many bytes (its default is 4192); longer lines are cut at
 # spaces into chunks of at most this size before training.
