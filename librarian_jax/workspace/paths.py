@@ -193,16 +193,21 @@ class NameIndex:
         return Match(None, suggestions=self.suggest(norm))
 
     def suggest(self, norm: str) -> tuple[str, ...]:
-        """Up to `MAX_SUGGESTIONS` close matches by full path, then by basename."""
+        """Up to `MAX_SUGGESTIONS` close matches, scoring each path by the better of its full-path and its
+        basename similarity to `norm` (difflib ratio >= 0.6)."""
         low = norm.lower()
-        by_lower = {p.lower(): p for p in self.paths}
-        out = difflib.get_close_matches(low, list(by_lower), n=MAX_SUGGESTIONS, cutoff=0.6)
-        result = [by_lower[o] for o in out]
-        if len(result) < MAX_SUGGESTIONS:
-            base_map = {}
-            for p in self.paths:
-                base_map.setdefault(basename(p).lower(), p)
-            for o in difflib.get_close_matches(basename(low), list(base_map), n=MAX_SUGGESTIONS, cutoff=0.6):
-                if base_map[o] not in result:
-                    result.append(base_map[o])
-        return tuple(result[:MAX_SUGGESTIONS])
+        base = basename(low)
+        scored: list[tuple[float, str]] = []
+        sm_full = difflib.SequenceMatcher(b=low, autojunk=False)
+        sm_base = difflib.SequenceMatcher(b=base, autojunk=False)
+        for p in self.paths:
+            pl = p.lower()
+            best = 0.0
+            for sm, cand in ((sm_full, pl), (sm_base, basename(pl))):
+                sm.set_seq1(cand)
+                if sm.real_quick_ratio() > best and sm.quick_ratio() > best:
+                    best = max(best, sm.ratio())
+            if best >= 0.6:
+                scored.append((best, p))
+        scored.sort(key=lambda t: (-t[0], t[1]))
+        return tuple(p for _, p in scored[:MAX_SUGGESTIONS])

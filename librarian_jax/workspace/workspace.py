@@ -1034,7 +1034,7 @@ class Workspace:
         srcs = self._sources(paths, as_child=False)
         if isinstance(srcs, ActionResult):
             return srcs
-        items: list[tuple[str, str, str]] = []  # header, body excerpt, path
+        items: list[tuple[str, str, str, bool]] = []  # header, body excerpt, path, lines cut
         for kind, ref in srcs:
             if kind == "raw":
                 d = self._raw_by_handle[ref]
@@ -1042,10 +1042,12 @@ class Workspace:
             else:
                 node = self._nodes[ref]
                 title, body, path = node.title, node.body, self._index.file_path(node)
-            excerpt = "\n".join(R.display_lines(body)[: max(0, int(max_lines))])
-            items.append((f"=== SOURCE {len(items) + 1}: {path} ===\nTITLE: {title}\n", excerpt, path))
+            all_lines = R.display_lines(body)
+            excerpt = "\n".join(all_lines[: max(0, int(max_lines))])
+            header = f"=== SOURCE {len(items) + 1}: {path} ===\nTITLE: {title}\n"
+            items.append((header, excerpt, path, len(all_lines) > max_lines))
         marker = "\n[... excerpt cut]"
-        fixed = sum(len(h) + len(marker) + 2 for h, _, _ in items)
+        fixed = sum(len(h) + len(marker) + 2 for h, _, _, _ in items)
         budget = max(0, max_chars - fixed)
         alloc = [0] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i][1]))
@@ -1056,8 +1058,8 @@ class Workspace:
             remaining -= alloc[i]
         parts: list[str] = []
         info = []
-        for (h, body, path), a in zip(items, alloc, strict=True):
-            cut = len(body) > a
+        for (h, body, path, lines_cut), a in zip(items, alloc, strict=True):
+            cut = lines_cut or len(body) > a
             parts.append(h + body[:a] + (marker if cut else ""))
             info.append({"path": path, "chars": a, "truncated": cut})
         text = "\n\n".join(parts)
