@@ -68,25 +68,31 @@ _KIND_NAMES = {
 # Reading and validating JSON rows.
 
 
-def _open_text(path: pathlib.Path) -> io.TextIOBase:
+def _open_binary(path: pathlib.Path) -> io.BufferedIOBase:
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")  # type: ignore[return-value]
-    return open(path, encoding="utf-8")  # noqa: SIM115
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")  # noqa: SIM115
 
 
 def iter_json_rows(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yields `(line_number, row)` for every non-blank line of a JSONL file (1-based line numbers).
 
     Raises `DataError` on a missing file, undecodable bytes, invalid JSON or a line that is not a JSON object.
+    Lines are decoded one at a time, so a bad byte is reported on its own line.
     """
     p = pathlib.Path(path)
     if not p.is_file():
         raise DataError(str(path), "no such file")
     line_no = 0
     try:
-        with _open_text(p) as f:
-            for line_no, line in enumerate(f, 1):  # noqa: B007 (line_no is read after the loop on errors)
-                text = line.strip()
+        with _open_binary(p) as f:
+            for line_no, raw in enumerate(f, 1):  # noqa: B007 (line_no is read after the loop on errors)
+                try:
+                    text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        str(path), f"not UTF-8 text ({e.reason} at byte {e.start})", line=line_no
+                    ) from e
                 if not text:
                     continue
                 try:
@@ -100,9 +106,7 @@ def iter_json_rows(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
                         str(path), f"expected a JSON object, got {json_type_name(row)}", line=line_no
                     )
                 yield line_no, row
-    except UnicodeDecodeError as e:
-        raise DataError(str(path), f"not UTF-8 text ({e.reason})", line=line_no + 1) from e
-    except (OSError, EOFError) as e:  # e.g. a truncated .gz
+    except (OSError, EOFError) as e:  # e.g. a truncated or corrupt .gz
         raise DataError(str(path), f"cannot read: {e}", line=line_no + 1) from e
 
 
