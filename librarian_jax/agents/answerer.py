@@ -1,0 +1,153 @@
+"""The answerer: a frozen model that navigates a workspace (snapshot) to answer one question.
+
+Protocol (one of the options the design allowed, chosen so every agent speaks `agents.protocol`): the answer
+is a tool call, `answer(text)`, like `list_files(path=".")` and `read_file(path, start_line=1,
+num_lines=100)`. One call per reply (`max_calls_per_turn`, default 1; more are `too_many_calls` errors and
+not run). Malformed replies get the protocol's error observation (no reward is involved here).
+
+The first prompt holds the workspace README, the root listing and the question. Raw documents stay reachable
+(`raw_docs/` is part of every workspace), so the answerer can always fall back on them.
+
+Budgets: at most `max_turns` replies (default 32) of at most `max_new_tokens` each; when the turns are
+spent or the context would pass `context_budget` tokens, the last observation ends with the forced-answer
+request (`prompts/answerer_forced.txt`) and one more reply (<= `forced_max_new_tokens`) must answer. If that
+reply holds no valid `answer` call, its text (tool-call markup removed) is taken as the answer. Answers are
+cut to `answer_max_words` (128) words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from librarian_jax.agents import prompt_text
+from librarian_jax.agents.builder import render_result
+from librarian_jax.agents.protocol import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Param,
+    ProtocolConfig,
+    ToolSpec,
+    parse_tool_calls,
+    render_error,
+    render_response,
+    render_tools,
+)
+from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+
+ANSWERER_TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec("list_files", (Param("path", "str", False, "."),), "list a directory"),
+    ToolSpec(
+        "read_file",
+        (
+            Param("path", "str"),
+            Param("start_line", "int", False, 1, min_value=1),
+            Param("num_lines", "int", False, 100, min_value=1, max_value=100),
+        ),
+        "read up to 100 numbered lines of a file",
+    ),
+    ToolSpec("answer", (Param("text", "str", max_chars=4000),), "give your final answer (short)"),
+)
+
+_MARKUP = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(TOOL_CALL_CLOSE))
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswererConfig:
+    """Answerer budgets; defaults follow the paper (32 turns, temperature 0, 128-word answers)."""
+
+    max_turns: int = 32
+    max_new_tokens: int = 1024
+    forced_max_new_tokens: int = 128
+    temperature: float = 0.0
+    max_calls_per_turn: int = 1
+    context_budget: int = 32_768
+    observation_max_chars: int = 16_000
+    answer_max_words: int = 128
+
+
+@dataclasses.dataclass
+class AnswerOutcome:
+    answer: str
+    turns: int
+    forced: bool
+    prompt_tokens: int  # tokens the model read (prompt + observations)
+    generated_tokens: int
+    actions: list[str]
+    status: str = "ok"  # "ok" | "cache_full"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def cut_words(text: str, max_words: int) -> str:
+    words = text.split()
+    return " ".join(words[:max_words])
+
+
+def answer_question(ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig) -> AgentGen:
+    """Generator: one answerer run on `workspace`; returns an `AnswerOutcome`."""
+    cfg = config
+    tpl = ctx.template
+    proto = ProtocolConfig(max_calls=cfg.max_calls_per_turn)
+    system = prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
+    readme = workspace.readme()
+    user = prompt_text.render(
+        "answerer_user",
+        readme=readme if isinstance(readme, str) else render_result(readme),
+        listing=render_result(workspace.list_dir(".")),
+        question=question,
+    )
+    log = SessionLog(ctx, FROZEN, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    actions: list[str] = []
+    turns = 0
+    forced = cfg.max_turns <= 0 or len(log) >= cfg.context_budget
+    try:
+        while True:
+            turns += 1
+            max_new = cfg.forced_max_new_tokens if forced else cfg.max_new_tokens
+            result = yield from log.generate(max_new, Sampling(cfg.temperature, seed=ctx.next_seed()))
+            gen = [int(x) for x in result.tokens]
+            text = ctx.decode_new(gen)
+            parsed = parse_tool_calls(text, ANSWERER_TOOLS, proto)
+            answers = [c.arguments["text"] for c in parsed.calls if c.name == "answer"]
+            status = "cache_full" if result.status == "cache_full" else "ok"
+            if answers or forced:
+                # A forced reply without a valid answer call: its text (markup removed) is the answer.
+                answer = answers[0] if answers else _MARKUP.sub(" ", text).strip()
+                actions.append("forced_answer" if forced else "answer")
+                return AnswerOutcome(
+                    cut_words(answer, cfg.answer_max_words),
+                    turns,
+                    forced,
+                    log.num_observed,
+                    log.num_generated,
+                    actions,
+                    status,
+                )
+            if status == "cache_full":
+                return AnswerOutcome("", turns, False, log.num_observed, log.num_generated, actions, status)
+            responses = {e.index: render_error(e) for e in parsed.errors}
+            for call in parsed.calls:
+                a = call.arguments
+                if call.name == "list_files":
+                    r = workspace.list_dir(a["path"])
+                else:
+                    r = workspace.read_file(a["path"], start_line=a["start_line"], num_lines=a["num_lines"])
+                actions.append(f"{call.name} {a.get('path', '')}")
+                responses[call.index] = render_response(call.name, r.ok, render_result(r), r.code)
+            obs = "\n".join(responses[i] for i in sorted(responses))
+            if len(obs) > cfg.observation_max_chars:
+                obs = obs[: cfg.observation_max_chars] + "\n[... observation truncated]"
+            obs_ids = tpl.turn("user", obs)
+            forced = turns >= cfg.max_turns or len(log) + len(obs_ids) >= cfg.context_budget
+            if forced:
+                obs_ids = tpl.turn("user", obs + "\n\n" + prompt_text.render("answerer_forced"))
+            log.append(log.close_turn_ids(gen) + obs_ids + tpl.open_turn("assistant"))
+    finally:
+        log.close()

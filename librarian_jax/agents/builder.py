@@ -1,0 +1,405 @@
+"""The builder agent: turns a raw corpus into a workspace of source-linked synthetic files, turn by turn.
+
+It sees the corpus listing and its own workspace, never the questions. Tools (protocol: `agents.protocol`):
+
+    list_files(path=".")                                   a directory listing
+    read_file(path, start_line=1, num_lines=100)           a numbered window (<= 8 reads per reply)
+    create_file(title, input_paths, instructions="", parent_path=null)
+    merge_files(title, child_paths, instructions="", parent_path=null)
+    delete(target_paths, reason)
+    stop()                                                 ends the episode after this reply's other calls
+
+Calls of one reply run in order. Consecutive create/merge calls are written by the executor *together* (one
+`Parallel` of executor writes, batched into the frozen engine) and then applied in call order; a write whose
+sources are not there yet (e.g. it merges files created earlier in the same reply) or any other tool call
+first flushes the pending writes, so the order of effects is the reply's order.
+
+One builder turn = one sampled reply (<= `max_new_tokens`), then one observation turn (the tool responses, in
+call order, as a `user` turn) and the next assistant header. The episode's last reply (stop or the turn limit)
+gets no observation. Token in, token out: the session keeps exactly the sampled ids; replies are decoded only
+to parse them.
+
+History compaction (`agents.compaction`): before a turn, when the visible context is longer than
+`compaction_budget` tokens, the session is closed as one training segment and a new one starts whose prompt is
+the system prompt, a summary turn (actions so far + a snapshot of the workspace) and the exact ids of the last
+assistant turn and its observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from librarian_jax.agents import compaction as compaction_lib
+from librarian_jax.agents import executor as executor_lib
+from librarian_jax.agents import prompt_text
+from librarian_jax.agents.protocol import (
+    CallError,
+    Param,
+    ParsedTurn,
+    ProtocolConfig,
+    ToolCall,
+    ToolSpec,
+    parse_tool_calls,
+    render_error,
+    render_response,
+    render_tools,
+    turn_penalty,
+)
+from librarian_jax.agents.runtime import (
+    POLICY,
+    AgentContext,
+    AgentGen,
+    Parallel,
+    Sampling,
+    Segment,
+    SessionLog,
+)
+
+WRITE_TOOLS = ("create_file", "merge_files")
+RAW_DIR = "raw_docs"
+
+BUILDER_TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec("list_files", (Param("path", "str", False, "."),), "list a directory of the workspace"),
+    ToolSpec(
+        "read_file",
+        (
+            Param("path", "str"),
+            Param("start_line", "int", False, 1, min_value=1),
+            Param("num_lines", "int", False, 100, min_value=1, max_value=100),
+        ),
+        "read up to 100 numbered lines of a file",
+    ),
+    ToolSpec(
+        "create_file",
+        (
+            Param("title", "str", max_chars=200),
+            Param("input_paths", "list[str]"),
+            Param("instructions", "str", False, ""),
+            Param("parent_path", "str", False, None),
+        ),
+        "write a new synthetic file from these sources (raw or synthetic), optionally inside a directory",
+    ),
+    ToolSpec(
+        "merge_files",
+        (
+            Param("title", "str", max_chars=200),
+            Param("child_paths", "list[str]"),
+            Param("instructions", "str", False, ""),
+            Param("parent_path", "str", False, None),
+        ),
+        "group synthetic files into a new directory with a summary written from them",
+    ),
+    ToolSpec(
+        "delete",
+        (Param("target_paths", "list[str]"), Param("reason", "str")),
+        "deactivate synthetic files (raw documents cannot be deleted)",
+    ),
+    ToolSpec("stop", (), "finish: the workspace is done"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderConfig:
+    """Builder limits; defaults are the paper's main run (H = 32 turns, <= 4096 new tokens per turn)."""
+
+    max_turns: int = 32
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_reads_per_turn: int = 8
+    max_calls_per_turn: int = 16
+    observation_max_chars: int = 48_000
+    executor: str = "model"  # "model" | "extractive"
+    executor_max_new_tokens: int = 512
+    executor_max_words: int = 360  # extractive executor output budget
+    excerpt_max_lines: int = 100
+    excerpt_max_chars: int = 16_000
+    compaction: str = "deterministic"  # "deterministic" | "model" | "none"
+    compaction_budget: int = 3000
+    compaction_summary_tokens: int = 256
+    malformed_penalty: float = 0.05
+
+    def protocol(self) -> ProtocolConfig:
+        return ProtocolConfig(malformed_penalty=self.malformed_penalty, max_calls=self.max_calls_per_turn)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """What one call did (for records and the action log)."""
+
+    index: int
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    code: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class TurnOutcome:
+    """One builder turn: the reply, its calls (valid ones with results, malformed ones with errors)."""
+
+    turn: int  # 0-based
+    text: str
+    status: str  # engine status of the reply: "stop" | "length" | "cache_full"
+    calls: list[CallRecord]
+    errors: list[dict[str, Any]]
+    penalty: float
+    successful_writes: int
+    stopped: bool
+    ended: bool  # the episode cannot go on (stopped, turn limit, or the context is full)
+    generated_tokens: int = 0
+    executor_prompt_tokens: int = 0
+    executor_generated_tokens: int = 0
+
+
+def _short_args(args: dict[str, Any], n: int = 200) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in args.items():
+        if isinstance(v, str) and len(v) > n:
+            v = v[:n] + "..."
+        elif isinstance(v, list):
+            v = [x[:n] if isinstance(x, str) else x for x in v[:16]]
+        out[k] = v
+    return out
+
+
+_SOURCE_HEADER = re.compile(r"^=== SOURCE \d+: (.+?) ===$", re.M)
+
+
+def excerpt_sources(result: Any) -> list[tuple[str, str]]:
+    """(path, excerpt text) per source out of a `Workspace.source_excerpts` result (split on its
+    `=== SOURCE n: <path> ===` headers; the whole text as one source when there are none)."""
+    text = getattr(result, "text", "") or ""
+    heads = list(_SOURCE_HEADER.finditer(text))
+    if not heads:
+        return [("sources", text)]
+    out = []
+    for k, m in enumerate(heads):
+        end = heads[k + 1].start() if k + 1 < len(heads) else len(text)
+        out.append((m.group(1), text[m.end() : end].strip()))
+    return out
+
+
+def render_result(result: Any) -> str:
+    render = getattr(result, "render", None)
+    if render is not None:
+        return render()
+    return result.text or result.message if result.ok else f"ERROR [{result.code}]: {result.message}"
+
+
+class BuilderAgent:
+    """One builder episode's agent state: workspace, policy session(s), action log. Drive it with `turn()`."""
+
+    def __init__(self, ctx: AgentContext, workspace: Any, config: BuilderConfig, *, num_docs: int):
+        self.ctx = ctx
+        self.ws = workspace
+        self.cfg = config
+        self.num_docs = num_docs
+        self.turn_no = 0
+        self.segments: list[Segment] = []
+        self.actions: list[str] = []
+        self.system_ids = ctx.template.start(self.system_prompt())
+        user = prompt_text.render(
+            "builder_user",
+            num_docs=num_docs,
+            readme=_text(workspace.readme()),
+            listing=render_result(workspace.list_dir(".")),
+            raw_listing=render_result(workspace.list_dir(RAW_DIR)),
+        )
+        prompt = self.system_ids + ctx.template.turn("user", user)
+        self._open_pos = len(prompt)  # where the coming assistant turn's header starts
+        self._prev_open_pos: int | None = None
+        self.log = SessionLog(ctx, POLICY, prompt + ctx.template.open_turn("assistant"))
+        self.compactions = 0
+        self.summary_tokens = 0  # frozen-model tokens spent on model compaction summaries
+
+    def system_prompt(self) -> str:
+        return prompt_text.render(
+            "builder_system",
+            tools=render_tools(BUILDER_TOOLS),
+            max_reads=self.cfg.max_reads_per_turn,
+            max_turns=self.cfg.max_turns,
+        )
+
+    # -- one turn -------------------------------------------------------------------------------------------
+    def turn(self) -> AgentGen:
+        """Generator: one builder turn; returns its `TurnOutcome`."""
+        t = self.turn_no
+        self.turn_no += 1
+        if (
+            self.cfg.compaction != "none"
+            and len(self.log) > self.cfg.compaction_budget
+            and self._prev_open_pos is not None
+        ):
+            yield from self._compact()
+        sampling = Sampling(self.cfg.temperature, self.cfg.top_p, self.cfg.top_k, self.ctx.next_seed())
+        result = yield from self.log.generate(self.cfg.max_new_tokens, sampling, turn=t)
+        gen = [int(x) for x in result.tokens]
+        text = self.ctx.decode_new(gen)
+        parsed = parse_tool_calls(text, BUILDER_TOOLS, self.cfg.protocol())
+        outcome = TurnOutcome(
+            t,
+            text,
+            str(result.status),
+            [],
+            [e.to_dict() for e in parsed.errors],
+            turn_penalty(parsed, self.cfg.protocol()),
+            0,
+            False,
+            False,
+            len(gen),
+        )
+        responses = yield from self._execute(parsed, outcome)
+        outcome.stopped = any(c.name == "stop" for c in parsed.calls)
+        last = outcome.stopped or self.turn_no >= self.cfg.max_turns or result.status == "cache_full"
+        outcome.ended = last
+        if not last:
+            obs = "\n".join(responses[i] for i in sorted(responses))
+            if len(obs) > self.cfg.observation_max_chars:
+                obs = obs[: self.cfg.observation_max_chars] + "\n[... observation truncated]"
+            close = self.log.close_turn_ids(gen)
+            self.log.append(close)
+            self._prev_open_pos = self._open_pos
+            user_ids = self.ctx.template.turn("user", obs)
+            self._open_pos = len(self.log) + len(user_ids)
+            self.log.append(user_ids + self.ctx.template.open_turn("assistant"))
+        return outcome
+
+    def _execute(self, parsed: ParsedTurn, outcome: TurnOutcome) -> AgentGen:
+        """Runs the reply's calls in order; returns {call index: rendered response}."""
+        responses: dict[int, str] = {}
+        for err in parsed.errors:
+            responses[err.index] = render_error(err)
+        pending: list[tuple[ToolCall, list[tuple[str, str]], str]] = []
+        reads = 0
+        t = outcome.turn
+
+        def log_call(call: ToolCall, ok: bool, code: str, message: str, body: str) -> None:
+            outcome.calls.append(
+                CallRecord(call.index, call.name, _short_args(call.arguments), ok, code, message)
+            )
+            responses[call.index] = render_response(call.name, ok, body, code)
+            short = json.dumps(_short_args(call.arguments, 60))
+            self.actions.append(f"turn {t + 1}: {call.name} {short} -> {'ok' if ok else 'error ' + code}")
+
+        def flush() -> AgentGen:
+            if not pending:
+                return
+            gens = [
+                executor_lib.write(
+                    self.ctx,
+                    c.arguments["title"],
+                    c.arguments["instructions"],
+                    srcs,
+                    txt,
+                    kind=self.cfg.executor,
+                    max_new_tokens=self.cfg.executor_max_new_tokens,
+                    max_words=self.cfg.executor_max_words,
+                )
+                for c, srcs, txt in pending
+            ]
+            outs = yield Parallel(gens)
+            for (c, _, _), out in zip(pending, outs, strict=True):
+                outcome.executor_prompt_tokens += out.prompt_tokens
+                outcome.executor_generated_tokens += out.generated_tokens
+                a = c.arguments
+                if c.name == "create_file":
+                    r = self.ws.create_file(
+                        a["title"], a["input_paths"], out.text, parent_path=a["parent_path"], turn=t
+                    )
+                else:
+                    r = self.ws.merge_files(
+                        a["title"], a["child_paths"], out.text, parent_path=a["parent_path"], turn=t
+                    )
+                if r.ok:
+                    outcome.successful_writes += 1
+                log_call(c, r.ok, r.code, r.message, render_result(r))
+            pending.clear()
+
+        for call in parsed.calls:
+            a = call.arguments
+            if call.name in WRITE_TOOLS:
+                paths = a["input_paths"] if call.name == "create_file" else a["child_paths"]
+                ex = self.ws.source_excerpts(
+                    paths, max_lines=self.cfg.excerpt_max_lines, max_chars=self.cfg.excerpt_max_chars
+                )
+                if not ex.ok and pending:
+                    yield from flush()
+                    ex = self.ws.source_excerpts(
+                        paths, max_lines=self.cfg.excerpt_max_lines, max_chars=self.cfg.excerpt_max_chars
+                    )
+                if not ex.ok:
+                    log_call(call, False, ex.code, ex.message, render_result(ex))
+                    continue
+                pending.append((call, excerpt_sources(ex), ex.text))
+                continue
+            yield from flush()
+            if call.name == "list_files":
+                r = self.ws.list_dir(a["path"])
+            elif call.name == "read_file":
+                reads += 1
+                if reads > self.cfg.max_reads_per_turn:
+                    msg = f"at most {self.cfg.max_reads_per_turn} reads per reply; read {a['path']} next turn"
+                    log_call(call, False, "too_many_reads", msg, msg)
+                    continue
+                r = self.ws.read_file(a["path"], start_line=a["start_line"], num_lines=a["num_lines"])
+            elif call.name == "delete":
+                r = self.ws.delete(a["target_paths"], a["reason"], turn=t)
+            else:  # stop
+                log_call(call, True, "ok", "stopping", "stopping")
+                continue
+            log_call(call, r.ok, r.code, r.message, render_result(r))
+        yield from flush()
+        return responses
+
+    # -- compaction ------------------------------------------------------------------------------------------
+    def _compact(self) -> AgentGen:
+        assert self._prev_open_pos is not None
+        tail = self.log.tokens[self._prev_open_pos :]
+        tree = compaction_lib.workspace_tree(self.ws)
+        if self.cfg.compaction == "model":
+            summary, used = yield from compaction_lib.model_summary(
+                self.ctx, self.actions, tree, self.cfg.compaction_summary_tokens
+            )
+            self.summary_tokens += used
+        else:
+            summary = compaction_lib.deterministic_summary(self.actions)
+        user = prompt_text.render("builder_compacted", num_docs=self.num_docs, actions=summary, tree=tree)
+        head = self.system_ids + self.ctx.template.turn("user", user)
+        self.segments.append(self.log.segment())
+        self.log.close()
+        self.log = SessionLog(self.ctx, POLICY, head + tail)
+        self._open_pos = len(head) + (self._open_pos - self._prev_open_pos)
+        self._prev_open_pos = None
+        self.compactions += 1
+
+    def finish(self) -> list[Segment]:
+        """Closes the session; returns every training segment of the episode."""
+        if not self.log.closed:
+            self.segments.append(self.log.segment())
+            self.log.close()
+        return self.segments
+
+
+def _text(x: Any) -> str:
+    return x if isinstance(x, str) else (getattr(x, "text", None) or str(x))
+
+
+__all__ = [
+    "BUILDER_TOOLS",
+    "BuilderAgent",
+    "BuilderConfig",
+    "CallError",
+    "CallRecord",
+    "TurnOutcome",
+    "excerpt_sources",
+    "render_result",
+]

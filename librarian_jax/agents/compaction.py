@@ -1,0 +1,67 @@
+"""History compaction for the builder: summaries that replace all but the last assistant turn.
+
+`deterministic_summary(actions)` lists the actions so far (one line each: turn, tool, arguments, outcome),
+keeping the first and the most recent lines when there are more than `max_lines`. `model_summary` asks the
+frozen engine for a few lines instead (prompt `prompts/compaction.txt`). Either way the compacted prompt also
+holds `workspace_tree(ws)`: a snapshot of the synthetic part of the workspace. The builder then starts a new
+training segment whose prompt is exactly those ids (see `agents.builder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from librarian_jax.agents import prompt_text
+from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+
+
+def deterministic_summary(actions: Sequence[str], max_lines: int = 60) -> str:
+    """The action log as text; with more than `max_lines` lines, the first 10 and the latest ones."""
+    if not actions:
+        return "(no actions yet)"
+    lines = list(actions)
+    if len(lines) > max_lines:
+        head, tail = lines[:10], lines[-(max_lines - 11) :]
+        lines = head + [f"... {len(actions) - len(head) - len(tail)} earlier actions omitted ..."] + tail
+    return "\n".join(lines)
+
+
+def _render(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    render = getattr(result, "render", None)
+    if render is not None:
+        return render()
+    return getattr(result, "text", "") or getattr(result, "message", "") or str(result)
+
+
+def workspace_tree(ws: Any, max_chars: int = 6000) -> str:
+    """A snapshot of the workspace: its tree rendering when it has one, else its README and root listing."""
+    tree = getattr(ws, "tree", None)
+    if callable(tree):
+        text = _render(tree())
+    else:
+        readme = ws.readme()
+        text = (readme if isinstance(readme, str) else _render(readme)) + "\n\n" + _render(ws.list_dir("."))
+    if len(text) > max_chars:
+        text = text[:max_chars] + "\n[... tree truncated]"
+    return text
+
+
+def model_summary(
+    ctx: AgentContext, actions: Sequence[str], tree: str, max_new_tokens: int = 256
+) -> AgentGen:
+    """Generator: the frozen model's summary of the actions; returns (summary text, tokens used).
+
+    Falls back to the deterministic summary when the model writes nothing.
+    """
+    tpl = ctx.template
+    user = prompt_text.render("compaction", actions=deterministic_summary(actions), tree=tree)
+    log = SessionLog(ctx, FROZEN, tpl.start() + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    try:
+        result = yield from log.generate(max_new_tokens, Sampling(temperature=0.0, seed=0))
+        text = ctx.decode_new(result.tokens).strip()
+    finally:
+        log.close()
+    return (text or deterministic_summary(actions)), len(log)

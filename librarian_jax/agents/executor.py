@@ -1,0 +1,135 @@
+"""The executor: writes a synthetic file's text from its sources and the builder's title and instructions.
+
+Two executors with one interface (`write(...)`, a generator returning an `ExecutorOutput`):
+
+- `"model"`: a frozen model, run as an engine session on the frozen engine: prompt `prompts/executor.txt`
+  (title, instructions, source excerpts = the first lines of each source, capped in total), temperature 0,
+  at most `max_new_tokens` (512) output tokens. An empty reply falls back to the extractive text (flagged).
+- `"extractive"`: model-free and deterministic. From each source it keeps the lead sentence plus the
+  sentences sharing the most content words with the title and instructions (in source order), under a word
+  budget split evenly over the sources, each block headed by its source path. For tests and cheap runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from librarian_jax.agents import prompt_text
+from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+
+_WORD = re.compile(r"[a-z0-9]+")
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
+_HEADER_LINE = re.compile(r"^\s*(#+ |[A-Z][A-Z_ ]{1,40}:)")
+_STOP = frozenset(
+    "a an the and or of to in on for with by at from as is are was were be been it its this that these those "
+    "into about over under than then there their his her our your my we you they he she i not no do does did "
+    "file files summary summarise summarize write about all each".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorOutput:
+    text: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    fallback: bool = False
+
+
+def content_words(text: str) -> set[str]:
+    return {w for w in _WORD.findall(text.lower()) if w not in _STOP and len(w) > 1}
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of a source body, skipping header lines (`TITLE: ...`, markdown headings) and blanks."""
+    out = []
+    for piece in _SENT_SPLIT.split(text):
+        piece = piece.strip()
+        if piece and not _HEADER_LINE.match(piece):
+            out.append(" ".join(piece.split()))
+    return out
+
+
+def extractive_text(
+    title: str, instructions: str, sources: Sequence[tuple[str, str]], *, max_words: int = 360
+) -> str:
+    """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`."""
+    query = content_words(title + " " + (instructions or ""))
+    lines = [title.strip() or "Untitled"]
+    sources = [(p, t) for p, t in sources if t and t.strip()]
+    if not sources:
+        return lines[0]
+    budget = max(12, max_words // len(sources))
+    for path, text in sources:
+        sents = split_sentences(text)
+        if not sents:
+            continue
+        scored = sorted(range(len(sents)), key=lambda i: (-len(query & content_words(sents[i])), i))
+        chosen = {0}
+        words = len(sents[0].split())
+        for i in scored:
+            if words >= budget:
+                break
+            if i in chosen:
+                continue
+            n = len(sents[i].split())
+            if words + n > budget and len(chosen) > 0:
+                continue
+            chosen.add(i)
+            words += n
+        body = " ".join(sents[i] for i in sorted(chosen))
+        body_words = body.split()
+        if len(body_words) > budget:
+            body = " ".join(body_words[:budget]) + " ..."
+        lines.append(f"From {path}: {body}")
+    return "\n".join(lines)
+
+
+def write(
+    ctx: AgentContext | None,
+    title: str,
+    instructions: str,
+    sources: Sequence[tuple[str, str]],
+    excerpt_text: str,
+    *,
+    kind: str = "extractive",
+    max_new_tokens: int = 512,
+    max_words: int = 360,
+) -> AgentGen:
+    """Generator returning the `ExecutorOutput` for one create/merge.
+
+    Args:
+      ctx: agent context (needed for `kind="model"`).
+      title, instructions: the builder's arguments.
+      sources: (path, excerpt text) per source, for the extractive executor.
+      excerpt_text: the rendered excerpts the model executor reads (workspace.source_excerpts text).
+      kind: `"model"` or `"extractive"`.
+    """
+    if kind == "extractive":
+        return ExecutorOutput(extractive_text(title, instructions, sources, max_words=max_words))
+    if kind != "model":
+        raise ValueError(f"executor kind must be 'model' or 'extractive', got {kind!r}")
+    if ctx is None:
+        raise ValueError("the model executor needs an AgentContext")
+    tpl = ctx.template
+    user = prompt_text.render(
+        "executor", title=title, instructions=instructions or "(none)", excerpts=excerpt_text
+    )
+    prompt = (
+        tpl.start(prompt_text.render("executor_system")) + tpl.turn("user", user) + tpl.open_turn("assistant")
+    )
+    log = SessionLog(ctx, FROZEN, prompt)
+    try:
+        result = yield from log.generate(max_new_tokens, Sampling(temperature=0.0, seed=0))
+        text = ctx.decode_new(result.tokens).strip()
+    finally:
+        log.close()
+    if not text:
+        return ExecutorOutput(
+            extractive_text(title, instructions, sources, max_words=max_words),
+            len(prompt),
+            len(result.tokens),
+            fallback=True,
+        )
+    return ExecutorOutput(text, len(prompt), len(result.tokens))

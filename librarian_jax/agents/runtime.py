@@ -1,0 +1,228 @@
+"""How agent code talks to engines: generators that yield requests, and exact per-session token logs.
+
+Every agent episode (builder, answerer, executor write, model judge) is a Python generator. It creates its
+engine sessions directly (`ctx.new_session(role, prompt_ids)`: host-only, no device work), appends observation
+ids directly (`log.append(ids)`), and *yields* the two things that need the scheduler:
+
+- `Generate(role, session, max_new_tokens, sampling, stop_ids)`: submit one turn; the generator is resumed
+  with the engine's `TurnResult` (`tokens, logprobs, status`) once the turn finished.
+- `Parallel(generators)`: run sub-episodes concurrently (several executor writes of one builder turn, the
+  R x Q answerer runs of a probe); resumed with the list of their return values, in order.
+
+`rollout.scheduler` drives many such generators over the engines at once, so every live session of a batch
+shares the engines' decode loops. A test double engine with the same session API can stand in for unit tests;
+the real path always uses `librarian_jax.engine.Engine`.
+
+`SessionLog` keeps, next to the engine's own record, which turn produced each token, so a training
+`Segment` (tokens, sampler log-probs, loss mask, turn index) comes out exactly as the sampler saw and produced
+it; at the end it is checked against the engine's `session.record()` when the engine offers one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+POLICY = "policy"  # the engine of the trained builder
+FROZEN = "frozen"  # the engine of the frozen answerer / executor / judge / summariser
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one turn (converted to the engine's own type by the scheduler)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Generate:
+    """A request to generate one turn in `session` on the engine named `role`."""
+
+    role: str
+    session: Any
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Parallel:
+    """Run these generators concurrently; the yielding generator receives their return values in order."""
+
+    generators: list[Generator]
+
+
+AgentGen = Generator[Any, Any, Any]
+
+
+class TurnResultLike(Protocol):
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
+    status: str
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class TemplateLike(Protocol):
+    stop_ids: tuple[int, ...]
+
+    def start(self, system: str | None = None) -> list[int]: ...
+    def turn(self, role: str, content: str) -> list[int]: ...
+    def open_turn(self, role: str) -> list[int]: ...
+    def close_turn(self) -> list[int]: ...
+
+
+@dataclasses.dataclass
+class AgentContext:
+    """What every agent generator needs: tokenizer, chat template, engines by role, a seed stream."""
+
+    tokenizer: Any
+    template: Any
+    engines: Mapping[str, Any]
+    rng: np.random.Generator = dataclasses.field(default_factory=lambda: np.random.default_rng(0))
+
+    def new_session(self, role: str, prompt_ids: Sequence[int]) -> Any:
+        if role not in self.engines:
+            raise KeyError(f"no engine for role {role!r}; engines: {sorted(self.engines)}")
+        return self.engines[role].new_session(list(prompt_ids))
+
+    def next_seed(self) -> int:
+        return int(self.rng.integers(0, 2**31 - 1))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode_new(self, ids: Sequence[int]) -> str:
+        """Decodes newly generated ids for parsing, dropping stop ids (the ids themselves stay as sampled)."""
+        stops = set(self.template.stop_ids)
+        return self.tokenizer.decode([int(t) for t in ids if int(t) not in stops])
+
+
+@dataclasses.dataclass
+class Segment:
+    """One training row's worth of one session (see rollout.records for the contract)."""
+
+    tokens: np.ndarray  # int32 [L]
+    logprobs: np.ndarray  # float32 [L]; 0 on non-sampled tokens
+    loss_mask: np.ndarray  # float32 [L]; 1 exactly on sampled tokens
+    turn_index: np.ndarray  # int32 [L]; builder turn that produced the token, -1 for prompt/observation
+
+
+class SessionLog:
+    """An engine session plus an exact log of its tokens: prompt, sampled turns, appended observations."""
+
+    def __init__(self, ctx: AgentContext, role: str, prompt_ids: Sequence[int]):
+        self.ctx = ctx
+        self.role = role
+        self.session = ctx.new_session(role, prompt_ids)
+        self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self.logprobs: list[float] = [0.0] * len(self.tokens)
+        self.mask: list[float] = [0.0] * len(self.tokens)
+        self.turn_index: list[int] = [-1] * len(self.tokens)
+        self.num_prompt = len(self.tokens)
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return int(sum(self.mask))
+
+    @property
+    def num_observed(self) -> int:
+        return len(self.tokens) - self.num_generated
+
+    def append(self, ids: Sequence[int]) -> None:
+        ids = [int(t) for t in ids]
+        if not ids:
+            return
+        self.session.append(ids)
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0.0] * len(ids)
+        self.turn_index += [-1] * len(ids)
+
+    def generate(
+        self, max_new_tokens: int, sampling: Sampling, turn: int = -1
+    ) -> Generator[Generate, Any, Any]:
+        """Yields one `Generate`; logs and returns the engine's TurnResult."""
+        result = yield Generate(
+            self.role, self.session, int(max_new_tokens), sampling, tuple(self.ctx.template.stop_ids)
+        )
+        toks = [int(t) for t in result.tokens]
+        lps = [float(x) for x in result.logprobs]
+        if len(toks) != len(lps):
+            raise RuntimeError(f"engine returned {len(toks)} tokens but {len(lps)} logprobs")
+        self.tokens += toks
+        self.logprobs += lps
+        self.mask += [1.0] * len(toks)
+        self.turn_index += [turn] * len(toks)
+        return result
+
+    def close_turn_ids(self, generated: Sequence[int]) -> list[int]:
+        """The ids that close an assistant turn after `generated` (the rest of close_turn after a sampled
+        stop id; all of it when the turn ended on its budget)."""
+        close = list(self.ctx.template.close_turn())
+        if generated and close and int(generated[-1]) == close[0]:
+            return close[1:]
+        return close
+
+    def segment(self, check: bool = True) -> Segment:
+        """The session as a training segment; cross-checked against `session.record()` when available."""
+        seg = Segment(
+            np.asarray(self.tokens, np.int32),
+            np.asarray(self.logprobs, np.float32),
+            np.asarray(self.mask, np.float32),
+            np.asarray(self.turn_index, np.int32),
+        )
+        record = getattr(self.session, "record", None)
+        if check and record is not None:
+            rec = record()
+            rt = np.asarray(rec.tokens, np.int32)
+            if rt.shape != seg.tokens.shape or not np.array_equal(rt, seg.tokens):
+                raise RuntimeError(
+                    f"session record ({rt.shape[0]} tokens) differs from the agent's log "
+                    f"({seg.tokens.shape[0]} tokens); first mismatch at "
+                    f"{_first_mismatch(rt, seg.tokens)}"
+                )
+            rm = np.asarray(rec.loss_mask, np.float32)
+            if not np.array_equal(rm, seg.loss_mask):
+                raise RuntimeError(
+                    f"session loss_mask differs from the agent's log at {_first_mismatch(rm, seg.loss_mask)}"
+                )
+            seg.logprobs = np.where(seg.loss_mask > 0, np.asarray(rec.logprobs, np.float32), 0.0).astype(
+                np.float32
+            )
+        return seg
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            close = getattr(self.session, "close", None)
+            if close is not None:
+                close()
+
+
+def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    diff = np.nonzero(a[:n] != b[:n])[0]
+    return int(diff[0]) if diff.size else n
+
+
+def run_sync(gen: AgentGen) -> Any:
+    """Runs a generator that never yields (e.g. an extractive executor) and returns its value."""
+    try:
+        req = next(gen)
+    except StopIteration as e:
+        return e.value
+    raise RuntimeError(f"generator yielded {type(req).__name__}; run it under rollout.scheduler")

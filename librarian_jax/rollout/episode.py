@@ -1,0 +1,178 @@
+"""One builder episode with its probes and rewards, as a generator for the scheduler.
+
+    ws = Workspace.from_documents(task.documents)
+    [probe the raw workspace when probe_at_start]
+    for each builder turn (<= H):
+        the builder replies; its calls run (executor writes batched); malformed calls cost a penalty
+        [probe a SNAPSHOT of the workspace when the schedule says so: R answerer runs per hidden question,
+         all in one `Parallel`, so the scheduler batches them into the frozen engine's decode loop]
+        stop, the turn limit or a full context ends the loop
+    the builder's session is closed (its segments recorded) before the terminal evaluation
+    terminal evaluation: R answerer runs per terminal question on a snapshot of the final workspace
+
+Rewards and the schedule: `rollout.rewards`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from librarian_jax.agents.answerer import answer_question
+from librarian_jax.agents.builder import BuilderAgent
+from librarian_jax.agents.judge import judge_answer
+from librarian_jax.agents.runtime import AgentContext, AgentGen, Parallel
+from librarian_jax.rollout import rewards as R
+from librarian_jax.rollout.records import EpisodeRecord
+
+
+def _answer_and_judge(
+    ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig
+) -> AgentGen:
+    outcome = yield from answer_question(ctx, ws, question.question, config.answerer)
+    correct = yield from judge_answer(
+        ctx,
+        question.question,
+        outcome.answer,
+        question.answers,
+        use_model_judge=config.use_model_judge,
+        max_new_tokens=config.judge_max_new_tokens,
+    )
+    return {
+        "phase": phase,
+        "question_id": question.question_id,
+        "repeat": repeat,
+        "answer": outcome.answer,
+        "correct": float(correct),
+        "turns": outcome.turns,
+        "forced": outcome.forced,
+        "prompt_tokens": outcome.prompt_tokens,
+        "generated_tokens": outcome.generated_tokens,
+        "status": outcome.status,
+    }
+
+
+def evaluate(
+    ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig
+) -> AgentGen:
+    """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts)."""
+    gens = [_answer_and_judge(ctx, ws, q, r, phase, config) for q in questions for r in range(repeats)]
+    answers = (yield Parallel(gens)) if gens else []
+    return R.mean_correct([a["correct"] for a in answers]), answers
+
+
+def _snapshot(ws: Any) -> Any:
+    return json.loads(ws.to_json())
+
+
+def run_episode(
+    ctx: AgentContext,
+    task: Any,
+    config: R.RolloutConfig,
+    *,
+    group_id: int,
+    episode_index: int,
+    workspace: Any = None,
+) -> AgentGen:
+    """Generator: one builder episode on `task`; returns its `EpisodeRecord`.
+
+    Args:
+      ctx: engines ("policy": builder; "frozen": answerer/executor/judge), tokenizer, template, seeds.
+      task: a `CorpusTask`.
+      workspace: the initial workspace (default: `Workspace.from_documents(task.documents)`).
+    """
+    if workspace is None:
+        from librarian_jax.workspace import Workspace
+
+        workspace = Workspace.from_documents(list(task.documents))
+    ws = workspace
+    rec = EpisodeRecord(
+        task_id=task.task_id,
+        group_id=group_id,
+        episode_index=episode_index,
+        segments=[],
+        turn_rewards=[],
+        terminal_reward=0.0,
+        total_reward=0.0,
+    )
+    counts = dict.fromkeys(
+        (
+            "builder_prompt",
+            "builder_generated",
+            "executor_prompt",
+            "executor_generated",
+            "summary_tokens",
+            "answerer_prompt",
+            "answerer_generated",
+            "answerer_runs",
+        ),
+        0,
+    )
+
+    def count_answers(answers: list[dict[str, Any]]) -> None:
+        rec.answers.extend(answers)
+        counts["answerer_prompt"] += sum(a["prompt_tokens"] for a in answers)
+        counts["answerer_generated"] += sum(a["generated_tokens"] for a in answers)
+        counts["answerer_runs"] += len(answers)
+
+    previous = 0.0
+    if config.probe_at_start:
+        previous, answers = yield from evaluate(
+            ctx, ws.copy(), task.questions, config.probe_repeats, "start", config
+        )
+        count_answers(answers)
+        if config.record_snapshots:
+            rec.workspace_snapshots["start"] = _snapshot(ws)
+    rec.initial_score = previous
+    builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents))
+    last_probe_n = 0
+    try:
+        while True:
+            out = yield from builder.turn()
+            n = out.turn + 1
+            reward = out.penalty
+            counts["executor_prompt"] += out.executor_prompt_tokens
+            counts["executor_generated"] += out.executor_generated_tokens
+            rec.tool_calls.append([c.to_dict() for c in out.calls])
+            rec.tool_errors.append(out.errors)
+            if R.should_probe(n, out.successful_writes > 0, last_probe_n, len(rec.probe_scores), config):
+                snap = ws.copy()
+                score, answers = yield from evaluate(
+                    ctx, snap, task.questions, config.probe_repeats, f"probe_{out.turn}", config
+                )
+                count_answers(answers)
+                reward += R.probe_reward(score, previous, config)
+                previous = score
+                last_probe_n = n
+                rec.probe_scores.append(score)
+                rec.probe_turns.append(out.turn)
+                if config.record_snapshots:
+                    rec.workspace_snapshots[f"probe_{out.turn}"] = _snapshot(snap)
+            if out.ended and not out.stopped:
+                reward -= config.no_stop_penalty
+            rec.turn_rewards.append(float(reward))
+            if out.ended:
+                rec.stopped = out.stopped
+                break
+    finally:
+        rec.segments = builder.finish()
+    rec.num_turns = len(rec.turn_rewards)
+    rec.compactions = builder.compactions
+    counts["summary_tokens"] += builder.summary_tokens
+    for s in rec.segments:
+        gen = int(s.loss_mask.sum())
+        counts["builder_generated"] += gen
+        counts["builder_prompt"] += int(s.tokens.shape[0]) - gen
+    questions = R.terminal_question_set(task, config)
+    terminal, answers = yield from evaluate(
+        ctx, ws.copy(), questions, config.terminal_repeats, "final", config
+    )
+    count_answers(answers)
+    rec.terminal_reward = float(terminal)
+    rec.total_reward = float(sum(rec.turn_rewards) + rec.terminal_reward)
+    if config.record_snapshots:
+        rec.workspace_snapshots["final"] = _snapshot(ws)
+    rec.token_counts = counts
+    rec.meta["stats"] = ws.stats() if hasattr(ws, "stats") else {}
+    return rec

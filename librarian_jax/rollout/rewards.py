@@ -1,0 +1,129 @@
+"""Rollout configuration, the probe schedule and the reward arithmetic (pure functions, no engines).
+
+Turns are counted 0-based in records (`turn_index`, `turn_rewards[t]`); the schedule counts completed turns
+`n = t + 1`. A probe runs after turn t when all hold:
+  - turn t made at least one successful create_file / merge_files,
+  - `n - last_probe_n >= probe_min_gap` (8) where `last_probe_n` starts at 0 (so the first probe comes after
+    the 8th turn at the earliest; a start probe, `probe_at_start`, does not move it),
+  - fewer than `max_probes` (4) probes ran in this episode (the start probe does not count).
+A probe's score is the mean correctness of `probe_repeats` (R = 4) answerer runs per hidden question on a
+snapshot of the workspace. Its step reward is `probe_scale * (score - previous)` when
+`|score - previous| >= probe_threshold` (0.25), else 0; `previous` is the last probe's score (the start
+probe's, or 0 without one), updated at every probe whether or not its delta paid out.
+
+At Stop or at the turn limit the terminal reward is the mean correctness of `terminal_repeats` answerer runs
+per question of the terminal set (`terminal_questions`: `"reuse_if_any"` = the task's reuse questions when
+it has them, else its hidden questions — the paper's main run; `"hidden"`; `"reuse"`). Ending without Stop
+(the turn limit, or a full context) costs `no_stop_penalty` (0.1) on the last turn's reward. Every malformed
+tool call costs `builder.malformed_penalty` (0.05) on its turn's reward. The episode's total reward is
+`sum(turn_rewards) + terminal_reward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from librarian_jax.agents.answerer import AnswererConfig
+from librarian_jax.agents.builder import BuilderConfig
+
+TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Every rollout term; defaults are the paper's main run (see the module docstring)."""
+
+    builder: BuilderConfig = BuilderConfig()
+    answerer: AnswererConfig = AnswererConfig()
+    probe_repeats: int = 4
+    probe_min_gap: int = 8
+    max_probes: int = 4
+    probe_threshold: float = 0.25
+    probe_scale: float = 1.0
+    probe_at_start: bool = False
+    terminal_repeats: int = 4
+    terminal_questions: str = "reuse_if_any"
+    no_stop_penalty: float = 0.1
+    use_model_judge: bool = True
+    judge_max_new_tokens: int = 16
+    record_snapshots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.terminal_questions not in TERMINAL_SETS:
+            raise ValueError(
+                f"RolloutConfig.terminal_questions must be one of {TERMINAL_SETS}, "
+                f"got {self.terminal_questions!r}"
+            )
+        for name in ("probe_repeats", "terminal_repeats", "probe_min_gap", "max_probes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.builder.max_turns < 1:
+            raise ValueError(f"RolloutConfig.builder.max_turns must be >= 1, got {self.builder.max_turns}")
+        if self.builder.executor not in ("model", "extractive"):
+            raise ValueError(
+                f"RolloutConfig.builder.executor must be 'model' or 'extractive', "
+                f"got {self.builder.executor!r}"
+            )
+        if self.builder.compaction not in ("deterministic", "model", "none"):
+            raise ValueError(
+                f"RolloutConfig.builder.compaction must be 'deterministic', 'model' or 'none', "
+                f"got {self.builder.compaction!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RolloutConfig:
+        """From a (nested) dict or ml_collections ConfigDict; an unknown key raises KeyError naming it."""
+        d = dict(d)
+        kwargs: dict[str, Any] = {}
+        sub = {"builder": BuilderConfig, "answerer": AnswererConfig}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if k not in names:
+                raise KeyError(f"rollout config: unknown key {k!r}; known: {sorted(names)}")
+            if k in sub:
+                v = dict(v)
+                sub_names = {f.name for f in dataclasses.fields(sub[k])}
+                bad = sorted(set(v) - sub_names)
+                if bad:
+                    raise KeyError(f"rollout config: unknown key {k}.{bad[0]!r}; known: {sorted(sub_names)}")
+                v = sub[k](**v)
+            kwargs[k] = v
+        return cls(**kwargs)
+
+
+def should_probe(
+    turns_done: int, made_write: bool, last_probe_turns_done: int, num_probes: int, config: RolloutConfig
+) -> bool:
+    """The probe schedule (module docstring): after a successful write, a gap since the last probe, a cap."""
+    return (
+        made_write
+        and num_probes < config.max_probes
+        and turns_done - last_probe_turns_done >= config.probe_min_gap
+    )
+
+
+def probe_reward(score: float, previous: float, config: RolloutConfig) -> float:
+    """`scale * (score - previous)`, zeroed when `|score - previous| < threshold`."""
+    delta = float(score) - float(previous)
+    if abs(delta) < config.probe_threshold:
+        return 0.0
+    return float(config.probe_scale) * delta
+
+
+def mean_correct(values: Sequence[float]) -> float:
+    """Mean correctness; 0 for no runs (a task without questions scores 0)."""
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def terminal_question_set(task: Any, config: RolloutConfig) -> tuple[Any, ...]:
+    hidden, reuse = tuple(task.questions), tuple(task.reuse_questions)
+    if config.terminal_questions == "hidden":
+        return hidden
+    if config.terminal_questions == "reuse":
+        return reuse
+    return reuse if reuse else hidden

@@ -1,0 +1,233 @@
+"""The tool-call protocol (parsing is total), the judge, the extractive executor and the prompt files."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from librarian_jax.agents import prompt_text
+from librarian_jax.agents.answerer import ANSWERER_TOOLS
+from librarian_jax.agents.builder import BUILDER_TOOLS, excerpt_sources
+from librarian_jax.agents.executor import extractive_text, split_sentences
+from librarian_jax.agents.judge import exact_match, normalize_answer, parse_verdict
+from librarian_jax.agents.protocol import (
+    ProtocolConfig,
+    format_call,
+    parse_tool_calls,
+    render_error,
+    turn_penalty,
+)
+
+CODES = {
+    "no_tool_call",
+    "unterminated_call",
+    "call_too_large",
+    "invalid_json",
+    "invalid_call",
+    "unknown_tool",
+    "missing_argument",
+    "unknown_argument",
+    "invalid_argument_type",
+    "too_many_calls",
+}
+
+
+def test_several_calls_in_order_with_defaults_filled():
+    text = (
+        "I will look first. "
+        + format_call("list_files", {"path": "raw_docs"})
+        + " then "
+        + format_call("read_file", {"path": "a.txt", "start_line": "3"})
+        + format_call("stop")
+    )
+    p = parse_tool_calls(text, BUILDER_TOOLS)
+    assert p.errors == ()
+    assert [c.name for c in p.calls] == ["list_files", "read_file", "stop"]
+    assert p.calls[1].arguments == {"path": "a.txt", "start_line": 3, "num_lines": 100}
+    assert [c.index for c in p.calls] == [0, 1, 2]
+
+
+def test_lenient_coercions_are_exactly_the_documented_ones():
+    p = parse_tool_calls(
+        '<tool_call>{"name": "create_file", "arguments": '
+        '"{\\"title\\": \\"T\\", \\"input_paths\\": \\"x\\"}"}</tool_call>',
+        BUILDER_TOOLS,
+    )
+    assert p.errors == () and p.calls[0].arguments["input_paths"] == ["x"]
+    assert p.calls[0].arguments["parent_path"] is None
+    p = parse_tool_calls(format_call("read_file", {"path": "a", "num_lines": 5.0}), BUILDER_TOOLS)
+    assert p.calls[0].arguments["num_lines"] == 5
+
+
+@pytest.mark.parametrize(
+    "text,code",
+    [
+        ("just thinking, no call", "no_tool_call"),
+        ('<tool_call>{"name": "list_files", "argu', "unterminated_call"),
+        ('<tool_call>{"name": "list_files", "arguments": {}</tool_call>', "invalid_json"),
+        ("<tool_call>[1, 2]</tool_call>", "invalid_call"),
+        ('<tool_call>{"name": "list_files", "arguments": [1]}</tool_call>', "invalid_call"),
+        ('<tool_call>{"name": "list_files", "extra": 1}</tool_call>', "invalid_call"),
+        (format_call("rm_rf", {"path": "/"}), "unknown_tool"),
+        (format_call("read_file", {}), "missing_argument"),
+        (format_call("read_file", {"path": "a", "colour": "red"}), "unknown_argument"),
+        (format_call("read_file", {"path": 7}), "invalid_argument_type"),
+        (format_call("read_file", {"path": "a", "num_lines": 1000}), "invalid_argument_type"),
+        (format_call("read_file", {"path": "a", "start_line": True}), "invalid_argument_type"),
+        (format_call("delete", {"target_paths": [1, 2], "reason": "x"}), "invalid_argument_type"),
+        ("<tool_call>" + "[" * 5000 + "</tool_call>", "invalid_json"),
+        (
+            format_call("create_file", {"title": "t", "input_paths": ["a"], "instructions": "x" * 30000}),
+            "call_too_large",
+        ),
+    ],
+)
+def test_each_malformation_is_one_documented_error(text, code):
+    p = parse_tool_calls(text, BUILDER_TOOLS)
+    assert [e.code for e in p.errors] == [code]
+    assert p.calls == ()
+    obs = render_error(p.errors[0])
+    assert f"error {code}" in obs and obs.startswith("<tool_response>")
+    assert turn_penalty(p) == pytest.approx(-0.05)
+    assert turn_penalty(p, ProtocolConfig(malformed_penalty=0.2)) == pytest.approx(-0.2)
+
+
+def test_too_many_calls_are_not_run_and_errors_name_the_tool():
+    text = "".join(format_call("list_files") for _ in range(5))
+    p = parse_tool_calls(text, ANSWERER_TOOLS, ProtocolConfig(max_calls=2))
+    assert len(p.calls) == 2 and [e.code for e in p.errors] == ["too_many_calls"] * 3
+    p = parse_tool_calls(format_call("answer", {"txt": "x"}), ANSWERER_TOOLS)
+    assert p.errors[0].tool == "answer" and "answer(text: str)" in p.errors[0].message
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.binary(max_size=400).map(lambda b: b.decode("utf-8", errors="replace")),
+        st.text(max_size=300),
+        st.lists(
+            st.sampled_from(
+                [
+                    "<tool_call>",
+                    "</tool_call>",
+                    "{",
+                    "}",
+                    '"name"',
+                    ":",
+                    '"read_file"',
+                    ",",
+                    '"arguments"',
+                    '"path"',
+                    "[",
+                    "]",
+                    "1",
+                    "null",
+                    '"x"',
+                    "\\",
+                    " ",
+                ]
+            ),
+            max_size=60,
+        ).map("".join),
+    )
+)
+def test_parsing_is_total(text):
+    for tools in (BUILDER_TOOLS, ANSWERER_TOOLS):
+        p = parse_tool_calls(text, tools)
+        assert {e.code for e in p.errors} <= CODES
+        for c in p.calls:
+            assert c.name in {t.name for t in tools}
+        for e in p.errors:
+            render_error(e)
+
+
+def test_truncations_of_a_valid_call_never_raise():
+    full = format_call(
+        "create_file",
+        {
+            "title": "Kestrel people",
+            "input_paths": ["raw_docs/a.txt", "b"],
+            "instructions": "list every person",
+        },
+    )
+    for cut in range(len(full) + 1):
+        p = parse_tool_calls(full[:cut], BUILDER_TOOLS)
+        assert (len(p.calls), len(p.errors)) in ((1, 0), (0, 1))
+        assert (len(p.calls) == 1) == (cut == len(full))
+
+
+def test_normalised_exact_match():
+    assert normalize_answer("  The  Kestrel-Lab, Inc. ") == "kestrellab inc"
+    assert exact_match("the Orlen Vask.", ["Orlen Vask"])
+    assert exact_match("Vask", ["Orlen Vask", "vask"])
+    assert not exact_match("Orlen", ["Orlen Vask"])
+    assert not exact_match("", ["", "a"])
+    assert not exact_match("the", ["a"])  # both normalise to empty: never a match
+    assert parse_verdict('{"correct": 1}') == 1 and parse_verdict('{"correct":0}') == 0
+    assert parse_verdict("garbage") == 0
+
+
+def test_extractive_executor_is_deterministic_and_relevant():
+    src = [
+        (
+            "raw_docs/a.txt",
+            "TITLE: A\nOrlen Vask founded Kestrel. The weather was mild. Vask's lab is in "
+            "Tarn City. Lunch was soup.",
+        ),
+        ("raw_docs/b.txt", "Project Kestrel began in 2019. It studies birds."),
+    ]
+    a = extractive_text("Orlen Vask lab city", "where is the lab", src, max_words=30)
+    assert a == extractive_text("Orlen Vask lab city", "where is the lab", src, max_words=30)
+    assert a.splitlines()[0] == "Orlen Vask lab city"
+    assert "Tarn City" in a and "From raw_docs/b.txt:" in a
+    assert "soup" not in a  # irrelevant, over budget
+    assert split_sentences("TITLE: x\n# Head\nOne. Two!") == ["One.", "Two!"]
+    assert extractive_text("T", "", []) == "T"
+
+
+def test_excerpt_sources_splits_workspace_headers():
+    class R:
+        text = (
+            "=== SOURCE 1: raw_docs/a.txt ===\nTITLE: A\nbody a\n\n=== SOURCE 2: c.txt ===\nTITLE: C\nbody c"
+        )
+
+    assert excerpt_sources(R()) == [("raw_docs/a.txt", "TITLE: A\nbody a"), ("c.txt", "TITLE: C\nbody c")]
+
+
+def test_prompts_load_and_fill():
+    for name in (
+        "builder_system",
+        "builder_user",
+        "builder_compacted",
+        "answerer_system",
+        "answerer_user",
+        "answerer_forced",
+        "executor_system",
+        "executor",
+        "judge",
+        "compaction",
+    ):
+        assert prompt_text.load(name).strip()
+    s = prompt_text.render("judge", question="Q?", gold="a | b", prediction='{"x": 1}')
+    assert "Q?" in s and '{"correct": 1}' in s
+    with pytest.raises(KeyError, match=r"judge.txt needs a value for \$prediction"):
+        prompt_text.render("judge", question="q", gold="g")
+
+
+def test_random_json_calls_never_raise():
+    rng = random.Random(0)
+    values = [None, True, 3, -1, 2.5, "x", "", [], ["a"], [1], {}, {"a": 1}, "9" * 30]
+    names = [t.name for t in BUILDER_TOOLS] + ["nope", ""]
+    for _ in range(300):
+        spec = rng.choice(BUILDER_TOOLS)
+        args = {
+            rng.choice([p.name for p in spec.params] + ["zz"]): rng.choice(values)
+            for _ in range(rng.randint(0, 4))
+        }
+        text = "<tool_call>" + json.dumps({"name": rng.choice(names), "arguments": args}) + "</tool_call>"
+        p = parse_tool_calls(text, BUILDER_TOOLS)
+        assert len(p.calls) + len(p.errors) == 1
