@@ -68,7 +68,7 @@ _ORG_KINDS = (
     "Works",
     "Collective",
     "Academy",
-    "Research Group",
+    "Bureau",
     "Society",
     "Trust",
 )
@@ -376,7 +376,7 @@ class _World:
                 else:
                     first = _mutate(first, self.rng)
                 name = f"{first} {last}"
-                if self.names.claim(name):
+                if self._unconfusable(name) and self.names.claim(name):
                     return self.add("person", name=name, first=first, last=last, distractor_of=e.key)
             else:
                 head, _, tail = e.name.partition(" ")
@@ -386,9 +386,14 @@ class _World:
                     name = f"{_mutate(head, self.rng)} {tail}"
                 else:
                     name = f"{head} {self.rng.choice([k for k in _ORG_KINDS if k != tail])}"
-                if self.names.claim(name):
+                if self._unconfusable(name) and self.names.claim(name):
                     return self.add(e.kind, name=name, distractor_of=e.key)
         raise RuntimeError(f"no look-alike name for {e.name}")
+
+    def _unconfusable(self, name: str) -> bool:
+        """A look-alike must not contain, or be contained in, another name ("Kestre" in "Kestrel")."""
+        low = name.lower()
+        return not any(low in e.name.lower() or e.name.lower() in low for e in self.entities.values())
 
     def of_kind(self, kind: str, *, real: bool = True) -> list[_Entity]:
         return [e for e in self.entities.values() if e.kind == kind and (e.distractor_of is None) == real]
