@@ -183,6 +183,10 @@ def _rope_params_hf(config: ModelConfig) -> dict[str, Any]:
     return block
 
 
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json dict (transformers v5 form) for `config`."""
     mt = config.model_type
@@ -201,7 +205,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if mt == "gemma3_text":
         d |= {
             "hidden_activation": act, "sliding_window": config.sliding_window,
-            "query_pre_attn_scalar": config.query_pre_attn_scalar,
+            "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar),
             "final_logit_softcapping": config.final_logit_softcapping,
             "rope_parameters": {
                 "full_attention": _rope_params_hf(config),
