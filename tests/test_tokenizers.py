@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 import sentencepiece as spm
@@ -289,6 +290,50 @@ def test_turn_by_turn_ids_equal_encoding_of_rendered_text(request, backend, styl
     assert history[len(chat.open_turn("assistant")) :][: len(sampled)] == sampled
 
 
+ALL_BACKENDS = ["sp_chatml", "sp_gemma", "hf_qwen", "hf_gemma"]
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", *GEMMA_MARKERS]
+# Text drawn from the corpus's own characters plus some specials, so every backend can represent it.
+corpus_text = st.text(alphabet=sorted(set("".join(CORPUS)) | set(" \n\t")), max_size=30)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_concatenation_is_exact_at_special_tokens(request, backend):
+    tok = request.getfixturevalue(backend)
+    specials = [t for t in SPECIALS if t in tok.atomic_tokens]
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(corpus_text, st.sampled_from(specials), corpus_text)
+    def check(a, special, b):
+        assert tok.encode(a + special + b) == tok.encode(a) + [tok.token_to_id(special)] + tok.encode(b)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_turn_by_turn_equality_on_random_conversations(request, backend):
+    tok = request.getfixturevalue(backend)
+    chat = chat_template(tok)
+    roles = ["user", "assistant", "tool"]
+    message = st.fixed_dictionaries({"role": st.sampled_from(roles), "content": corpus_text})
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(st.one_of(st.none(), corpus_text), st.lists(message, max_size=5), st.booleans())
+    def check(system, messages, prompt):
+        msgs = ([{"role": "system", "content": system}] if system is not None else []) + messages
+        ids = chat.encode_messages(msgs, add_generation_prompt=prompt)
+        assert ids == tok.encode(chat.render(msgs, add_generation_prompt=prompt))
+
+    check()
+
+
+@pytest.mark.parametrize("backend", ["sp_chatml", "hf_qwen"])
+def test_tokenizers_pickle_by_path(request, backend):
+    tok = request.getfixturevalue(backend)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert type(clone) is type(tok) and clone.path == tok.path
+    assert clone.encode(TEXTS[4]) == tok.encode(TEXTS[4])
+
+
 def test_chatml_text_format(hf_qwen):
     chat = chat_template(hf_qwen)
     assert chat.style == "chatml" and not chat.add_bos
@@ -318,6 +363,7 @@ def test_gemma_text_format_folds_system_into_first_turn(sp_gemma):
     first = chat.turn("user", "q")
     assert first == sp_gemma.encode("<start_of_turn>user\nsys\n\nq<end_of_turn>\n")
     assert chat.turn("user", "q") == sp_gemma.encode("<start_of_turn>user\nq<end_of_turn>\n")
+    assert chat.turn("user", "  q \n") == chat.turn("user", "q")  # content is trimmed, as Gemma does
 
 
 def test_style_detection(sp_chatml, sp_gemma, hf_gemma, tmp_path):

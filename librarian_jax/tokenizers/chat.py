@@ -6,7 +6,8 @@
              <|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n)
     gemma:   <bos><start_of_turn>user\\n{system}\\n\\n{content}<end_of_turn>\\n
              <start_of_turn>model\\n{content}<end_of_turn>\\n ...   (roles user/model; "assistant" -> "model",
-             "tool" -> "user"; the system prompt is folded into the first turn, as Gemma's own template does)
+             "tool" -> "user"; the system prompt is folded into the first turn and each turn's content is
+             stripped of surrounding whitespace, as Gemma's own template does)
 
 Every piece of a conversation is encoded once, where it enters the conversation; a turn boundary is always an
 atomic turn marker, so the ids built turn by turn equal `tokenizer.encode(template.render(messages))`. Model
@@ -107,6 +108,8 @@ class ChatTemplate:
     def _turn_text(self, role: str, content: str) -> str:
         if self.style == "chatml" and role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        elif self.style == "gemma":
+            content = content.strip()  # Gemma's template trims every message's content
         return self._open_text(role) + content + self._close_text()
 
     def turn(self, role: str, content: str) -> list[int]:

@@ -178,6 +178,10 @@ class Tokenizer(abc.ABC):
             out.append(self._decode_plain(run))
         return "".join(out)
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled as its path (e.g. for data-loader worker processes); the file is read again on unpickling.
+        return (type(self), (self.path,))
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(path={self.path!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
