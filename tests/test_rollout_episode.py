@@ -1,0 +1,343 @@
+"""Episodes with a scripted builder (test double engine), the real workspace and the extractive executor:
+probes fire exactly on schedule, rewards equal hand-computed values, records are exact; fuzzed replies never
+raise; compaction starts a new segment whose prompt is exactly what the model then saw."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+from test_agents_doubles import IM_END, ByteChatML, ByteTokenizer, ScriptedEngine
+
+from librarian_jax.agents.answerer import AnswererConfig, answer_question
+from librarian_jax.agents.builder import BuilderConfig
+from librarian_jax.agents.protocol import format_call
+from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext
+from librarian_jax.data.schema import CorpusTask, Document, Question
+from librarian_jax.rollout import EpisodeRecord, RolloutConfig, Scheduler, read_jsonl, run_batch, write_jsonl
+from librarian_jax.rollout.rewards import probe_reward, should_probe
+from librarian_jax.workspace import Workspace
+
+TOK = ByteTokenizer()
+TPL = ByteChatML(TOK)
+DOCS = (
+    Document("d1", "Paris is the capital of France. It has many bridges.", title="France facts"),
+    Document("d2", "The sky is blue on a clear day. Clouds are white.", title="Sky"),
+)
+TASK = CorpusTask(
+    "t0",
+    DOCS,
+    questions=(
+        Question("q1", "What is the capital of France?", "Paris"),
+        Question("q2", "What colour is the sky?", "blue", aliases=("Blue",)),
+    ),
+)
+RAW = [d.path for d in Workspace.from_documents(list(DOCS)).raw_docs]
+# Which file title makes the scripted answerer answer each question correctly.
+KEYS = {
+    "What is the capital of France?": ("capital notes", "Paris"),
+    "What colour is the sky?": ("colour notes", "blue"),
+}
+
+SCRIPT = [
+    format_call("read_file", {"path": RAW[0]}),
+    "Creating. " + format_call("create_file", {"title": "Capital notes", "input_paths": [RAW[0]]}),
+    "hello",
+    format_call("create_file", {"title": "Colour notes", "input_paths": [RAW[1]], "instructions": "sky"})
+    + format_call("frobnicate", {}),
+    format_call("create_file", {"title": "Extra", "input_paths": RAW}),
+    format_call("stop"),
+]
+
+
+def builder_policy(script):
+    def policy(s):
+        return script[min(s.turns, len(script) - 1)]
+
+    return policy
+
+
+def answerer_policy(s):
+    text = s.text()
+    if "Source excerpts:" in text:
+        return "EXECUTOR WROTE THIS."
+    if "Predicted answer:" in text:
+        return '{"correct": 1}' if "city of light" in text and "capital" in text else '{"correct": 0}'
+    question = re.search(r"Question: (.*)", text).group(1).strip()
+    key, gold = KEYS[question]
+    if "<tool_response>" not in text:
+        return format_call("list_files", {"path": "."})
+    low = text.lower()
+    return format_call(
+        "answer", {"text": gold if (key in low or key.replace(" ", "_") in low) else "unknown"}
+    )
+
+
+def config(**kw):
+    b = dict(max_turns=6, max_new_tokens=4096, executor="extractive", compaction="none")
+    b.update(kw.pop("builder", {}))
+    base = dict(
+        builder=BuilderConfig(**b),
+        answerer=AnswererConfig(max_turns=4),
+        probe_repeats=2,
+        probe_min_gap=2,
+        max_probes=2,
+        terminal_repeats=3,
+        terminal_questions="hidden",
+        use_model_judge=False,
+    )
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def run(cfg, script=SCRIPT, tasks=(TASK,), group=1, frozen_policy=answerer_policy, seed=0, policy_fn=None):
+    policy = ScriptedEngine(TOK, policy_fn or builder_policy(script))
+    frozen = ScriptedEngine(TOK, frozen_policy)
+    recs = run_batch(list(tasks), group, {POLICY: policy, FROZEN: frozen}, TOK, cfg, seed, template=TPL)
+    return recs, policy, frozen
+
+
+def test_probes_fire_on_schedule_and_rewards_match_hand_computation():
+    recs, policy, frozen = run(config())
+    (r,) = recs
+    r.check()
+    assert r.num_turns == 6 and r.stopped
+    assert r.probe_turns == [1, 3]  # after the 2nd and 4th turns; the 5th write is 1 turn after, cap reached
+    assert r.probe_scores == [0.5, 1.0]
+    # turn 0: read; 1: probe 0 -> 0.5; 2: no call (-0.05); 3: probe 0.5 -> 1.0 and an unknown tool (-0.05)
+    assert r.turn_rewards == pytest.approx([0.0, 0.5, -0.05, 0.45, 0.0, 0.0])
+    assert r.terminal_reward == 1.0
+    assert r.total_reward == pytest.approx(1.9)
+    assert [e["code"] for e in r.tool_errors[2]] == ["no_tool_call"]
+    assert [e["code"] for e in r.tool_errors[3]] == ["unknown_tool"]
+    assert [c["name"] for c in r.tool_calls[1]] == ["create_file"] and r.tool_calls[1][0]["ok"]
+    phases = [a["phase"] for a in r.answers]
+    assert phases.count("probe_1") == 4 and phases.count("probe_3") == 4 and phases.count("final") == 6
+    assert set(r.workspace_snapshots) == {"probe_1", "probe_3", "final"}
+    snap = Workspace.from_dict(r.workspace_snapshots["probe_1"])
+    assert [n.title for n in snap.active_nodes()] == ["Capital notes"]  # snapshot, not the live workspace
+    assert len(Workspace.from_dict(r.workspace_snapshots["final"]).active_nodes()) == 3
+    # builder: every turn one engine session, sampled at temperature 1 with fresh seeds
+    temps = {s.temperature for s in policy.samplings}
+    assert temps == {1.0} and len({s.seed for s in policy.samplings}) == 6
+    assert r.token_counts["answerer_runs"] == 14 and r.reading_tokens > 0 and r.construction_tokens > 0
+    assert all(s.closed for s in policy.sessions + frozen.sessions)
+
+
+def test_turn_limit_costs_the_no_stop_penalty_and_start_probe_sets_the_baseline():
+    recs, _, _ = run(config(builder={"max_turns": 5}))
+    (r,) = recs
+    assert not r.stopped and r.num_turns == 5
+    assert r.turn_rewards == pytest.approx([0.0, 0.5, -0.05, 0.45, -0.1])
+    assert r.total_reward == pytest.approx(1.8)
+    # with a start probe on a raw workspace (score 0) the deltas are unchanged; its answers are recorded
+    recs, _, _ = run(config(probe_at_start=True, probe_threshold=0.6))
+    (r,) = recs
+    assert r.initial_score == 0.0 and "start" in r.workspace_snapshots
+    assert r.turn_rewards == pytest.approx([0.0, 0.0, -0.05, -0.05, 0.0, 0.0])  # |0.5| < 0.6: zeroed
+
+
+def test_schedule_and_reward_arithmetic():
+    cfg = RolloutConfig()
+    assert not should_probe(7, True, 0, 0, cfg) and should_probe(8, True, 0, 0, cfg)
+    assert not should_probe(8, False, 0, 0, cfg)
+    assert not should_probe(16, True, 9, 1, cfg) and should_probe(17, True, 9, 1, cfg)
+    assert not should_probe(40, True, 24, 4, cfg)
+    assert probe_reward(0.5, 0.3, cfg) == 0.0 and probe_reward(0.55, 0.3, cfg) == pytest.approx(0.25)
+    assert probe_reward(0.0, 0.75, cfg) == pytest.approx(-0.75)
+    assert probe_reward(1.0, 0.0, RolloutConfig(probe_scale=2.0)) == 2.0
+    with pytest.raises(KeyError, match="builder.'colour'"):
+        RolloutConfig.from_dict({"builder": {"colour": 1}})
+    c = RolloutConfig.from_dict({"builder": {"max_turns": 3}, "probe_repeats": 1})
+    assert c.builder.max_turns == 3 and c.probe_repeats == 1 and RolloutConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="terminal_questions"):
+        RolloutConfig(terminal_questions="all")
+
+
+def test_batch_probes_are_batched_and_records_are_exact(tmp_path):
+    tasks = [TASK, CorpusTask("t1", DOCS, TASK.questions)]
+    recs, policy, frozen = run(config(), tasks=tasks, group=3)
+    assert [(r.task_id, r.group_id, r.episode_index) for r in recs] == [
+        ("t0", 0, 0),
+        ("t0", 0, 1),
+        ("t0", 0, 2),
+        ("t1", 1, 0),
+        ("t1", 1, 1),
+        ("t1", 1, 2),
+    ]
+    # all 6 episodes probe after the same turns: 6 episodes x 2 questions x R=2 answerer turns per step (a
+    # listing, then the answer), twice; the final evaluation 6 x 2 x 3 repeats
+    assert frozen.batch_sizes == [24, 24, 24, 24, 36, 36] and policy.batch_sizes == [6] * 6
+    builder_sessions = [s for s in policy.sessions]
+    for r, s in zip(recs, builder_sessions, strict=True):
+        r.check()
+        (seg,) = r.segments
+        assert np.array_equal(seg.tokens, np.asarray(s.tokens))
+        assert np.array_equal(seg.loss_mask, np.asarray(s.mask))
+        assert np.all(seg.logprobs[seg.loss_mask > 0] == np.float32(-0.5))
+        # each turn's sampled ids decode to the scripted reply, ending with the end-of-turn id
+        for t in range(r.num_turns):
+            ids = seg.tokens[seg.turn_index == t]
+            assert ids[-1] == IM_END and TOK.decode(ids[:-1]) == SCRIPT[t]
+        assert r.total_reward == pytest.approx(1.9)
+    path = tmp_path / "ep" / "step_0.jsonl"
+    assert write_jsonl(path, recs) == 6
+    back = read_jsonl(path)
+    for a, b in zip(recs, back, strict=True):
+        assert a.to_dict() == b.to_dict()
+        assert isinstance(b, EpisodeRecord) and b.segments[0].tokens.dtype == np.int32
+
+
+def test_writes_in_one_turn_run_their_executors_together_then_in_call_order():
+    x, y = "cluster_0001__alpha.txt", "cluster_0002__beta.txt"
+    script = [
+        format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]]})
+        + format_call("create_file", {"title": "Beta", "input_paths": [RAW[1]]})
+        + format_call("merge_files", {"title": "Both", "child_paths": [x, y]})
+        + format_call("read_file", {"path": "merge_0001__both/summary.txt"}),
+        format_call("stop"),
+    ]
+    recs, policy, frozen = run(config(builder={"executor": "model"}, probe_min_gap=100), script=script)
+    (r,) = recs
+    assert [(c["name"], c["ok"]) for c in r.tool_calls[0]] == [
+        ("create_file", True),
+        ("create_file", True),
+        ("merge_files", True),
+        ("read_file", True),
+    ]
+    # the two creates were written in one step; the merge (whose children did not exist yet) in a later one
+    assert frozen.batch_sizes[:2] == [2, 1]
+    final = Workspace.from_dict(r.workspace_snapshots["final"])
+    assert {n.body for n in final.active_nodes()} == {"EXECUTOR WROTE THIS."}
+    obs = TOK.decode(r.segments[0].tokens)
+    assert "EXECUTOR WROTE THIS." in obs.split("merge_0001__both/summary.txt")[-1]
+    assert r.token_counts["executor_generated"] == 3 * (len("EXECUTOR WROTE THIS.") + 1)
+
+
+def test_model_judge_only_when_exact_match_fails():
+    def frozen(s):
+        text = s.text()
+        if "Predicted answer:" in text:
+            return answerer_policy(s)
+        return format_call("answer", {"text": "the city of light"})
+
+    cfg = config(use_model_judge=True, terminal_repeats=1)
+    recs, _, eng = run(cfg, script=[format_call("stop")], frozen_policy=frozen)
+    (r,) = recs
+    assert [a["correct"] for a in r.answers] == [1.0, 0.0]  # q1 judged correct; q2 judged wrong
+    assert sum("Predicted answer:" in s.text() for s in eng.sessions) == 2
+
+
+def test_compaction_starts_a_segment_whose_prompt_is_exactly_what_the_model_saw():
+    script = [
+        format_call("list_files", {"path": "raw_docs"}),
+        format_call("create_file", {"title": "Capital notes", "input_paths": [RAW[0]]}),
+        format_call("read_file", {"path": RAW[1]}),
+        format_call("stop"),
+    ]
+    from librarian_jax.agents.builder import BuilderAgent
+
+    ctx = AgentContext(TOK, TPL, {POLICY: ScriptedEngine(TOK, None), FROZEN: None})
+    prompt_len = len(BuilderAgent(ctx, Workspace.from_documents(list(DOCS)), BuilderConfig(), num_docs=2).log)
+    global_turn = {"n": 0}
+
+    def policy(s):
+        global_turn["n"] += 1
+        return script[global_turn["n"] - 1]
+
+    pol = ScriptedEngine(TOK, policy)
+    cfg = config(
+        builder={"compaction": "deterministic", "compaction_budget": prompt_len + 150}, probe_min_gap=100
+    )
+    recs = run_batch(
+        [TASK], 1, {POLICY: pol, FROZEN: ScriptedEngine(TOK, answerer_policy)}, TOK, cfg, 0, template=TPL
+    )
+    (r,) = recs
+    r.check()
+    assert r.num_turns == 4 and r.stopped and r.compactions >= 1
+    assert len(r.segments) == r.compactions + 1 == len(pol.sessions)
+    first, second = r.segments[0], r.segments[1]
+    # the first segment ends where its session ended; the second's prompt is exactly its session's prompt
+    assert np.array_equal(first.tokens, pol.sessions[0].tokens)
+    head = TOK.decode(second.tokens[: np.argmax(second.loss_mask > 0)])
+    assert "Actions so far:\nturn 1: list_files" in head and "(no synthetic files yet)" in head
+    # the last assistant turn before compaction is carried over as the exact sampled ids, now unmasked
+    last_turn = first.tokens[first.turn_index == first.turn_index.max()]
+    pos = second.tokens.tolist()
+    start = next(i for i in range(len(pos)) if pos[i : i + len(last_turn)] == last_turn.tolist())
+    assert np.all(second.loss_mask[start : start + len(last_turn)] == 0)
+    assert sorted(set(np.concatenate([s.turn_index for s in r.segments]).tolist()) - {-1}) == [0, 1, 2, 3]
+
+
+def test_model_compaction_uses_the_frozen_engine():
+    script = [format_call("list_files"), format_call("list_files"), format_call("stop")]
+    n = {"k": 0}
+
+    def policy(s):
+        n["k"] += 1
+        return script[n["k"] - 1]
+
+    def frozen(s):
+        return "SUMMARY: listed twice." if "Summarise what the librarian" in s.text() else answerer_policy(s)
+
+    cfg = config(builder={"compaction": "model", "compaction_budget": 10}, probe_min_gap=100)
+    recs = run_batch(
+        [TASK],
+        1,
+        {POLICY: ScriptedEngine(TOK, policy), FROZEN: ScriptedEngine(TOK, frozen)},
+        TOK,
+        cfg,
+        0,
+        template=TPL,
+    )
+    (r,) = recs
+    assert r.compactions == 2 and "SUMMARY: listed twice." in TOK.decode(r.segments[-1].tokens)
+    assert r.token_counts["summary_tokens"] > 0
+
+
+def test_random_replies_never_raise_and_cost_their_penalties():
+    rng = random.Random(1)
+
+    def noise(s):
+        kind = rng.randrange(4)
+        if kind == 0:
+            return [rng.randrange(TOK.vocab_size) for _ in range(rng.randrange(1, 300))]
+        if kind == 1:
+            full = format_call("create_file", {"title": "T" * rng.randrange(1, 300), "input_paths": RAW})
+            return full[: rng.randrange(len(full))]
+        if kind == 2:
+            return "<tool_call>" + "x" * 30_000 + "</tool_call>"
+        return format_call(
+            rng.choice(["list_files", "read_file", "delete", "merge_files", "nope"]),
+            {"path": rng.choice(["..", "/etc/passwd", RAW[0], 7]), "target_paths": RAW},
+        )
+
+    cfg = config(builder={"max_turns": 12, "max_new_tokens": 200}, probe_min_gap=1, max_probes=4)
+    recs, _, _ = run(cfg, tasks=[TASK], group=4, frozen_policy=noise, policy_fn=noise)
+    for r in recs:
+        r.check()
+        assert not r.stopped and r.num_turns == 12
+        for t, errs in enumerate(r.tool_errors):
+            expect = -0.05 * len(errs) - (0.1 if t == 11 else 0.0)
+            if t not in r.probe_turns:
+                assert r.turn_rewards[t] == pytest.approx(expect)
+        assert any(r.tool_errors)
+
+
+def test_answerer_forced_answer_and_word_cut():
+    def looping(s):
+        if "You have no more turns" in s.text():
+            return "Paris " + "and more " * 100
+        return format_call("read_file", {"path": RAW[0]})
+
+    eng = ScriptedEngine(TOK, looping)
+    ctx = AgentContext(TOK, TPL, {FROZEN: eng})
+    cfg = AnswererConfig(max_turns=3, forced_max_new_tokens=4000)
+    gen = answer_question(ctx, Workspace.from_documents(list(DOCS)), "Capital?", cfg)
+    (out,) = Scheduler({FROZEN: eng}).run([gen])
+    assert out.forced and out.turns == 4 and len(out.answer.split()) == 128 and out.answer.startswith("Paris")
+    text = eng.sessions[0].text()
+    assert text.count("Paris is the capital") == 3  # three reads were answered
+    assert out.prompt_tokens + out.generated_tokens == len(eng.sessions[0].tokens)
