@@ -277,14 +277,20 @@ class _Names:
 
 
 def _mutate(word: str, rng: random.Random) -> str:
-    """A look-alike of `word`: one vowel changed, or a letter added or dropped at the end."""
-    vowels = "aeiou"
-    choice = rng.randrange(3)
-    positions = [i for i, c in enumerate(word) if c in vowels and i > 0]
-    if choice == 0 and positions:
-        i = rng.choice(positions)
-        return word[:i] + rng.choice([v for v in vowels if v != word[i]]) + word[i + 1 :]
-    if choice == 1 or len(word) <= 3:
+    """A look-alike of `word`: one vowel or consonant changed, or a letter added or dropped at the end."""
+    vowels, consonants = "aeiou", "bdgklmnprstvz"
+    choice = rng.randrange(4)
+    if choice == 0:
+        positions = [i for i, c in enumerate(word) if c.lower() in vowels]
+        i = rng.choice(positions)  # every generated word has a vowel
+        new = rng.choice([v for v in vowels if v != word[i].lower()])
+        return word[:i] + (new.upper() if word[i].isupper() else new) + word[i + 1 :]
+    if choice == 1:
+        positions = [i for i, c in enumerate(word) if i > 0 and c in consonants]
+        if positions:
+            i = rng.choice(positions)
+            return word[:i] + rng.choice([c for c in consonants if c != word[i]]) + word[i + 1 :]
+    if choice == 2 or len(word) <= 3:
         return word + (rng.choice("aeio") if word[-1] not in vowels else rng.choice("nrs"))
     return word[:-1]
 
@@ -336,12 +342,16 @@ class _World:
         self.entities: dict[str, _Entity] = {}
         self.facts: list[_Fact] = []
         self.docs: list[_Doc] = []
+        self.counts: dict[str, int] = {}
+        self.by_kind: dict[tuple[str, bool], list[_Entity]] = {}
+        self._filler: tuple[list[str], list[str]] | None = None
 
     # -- entities --------------------------------------------------------------------------------------------
     def add(self, kind: str, **fields: Any) -> _Entity:
-        key = f"{kind}:{sum(e.kind == kind for e in self.entities.values())}"
-        e = _Entity(key=key, kind=kind, **fields)
-        self.entities[key] = e
+        e = _Entity(key=f"{kind}:{self.counts.get(kind, 0)}", kind=kind, **fields)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.entities[e.key] = e
+        self.by_kind.setdefault((kind, e.distractor_of is None), []).append(e)
         return e
 
     def new_person(self) -> _Entity:
@@ -376,7 +386,7 @@ class _World:
                 else:
                     first = _mutate(first, self.rng)
                 name = f"{first} {last}"
-                if self._unconfusable(name) and self.names.claim(name):
+                if self._unconfusable(name, "person") and self.names.claim(name):
                     return self.add("person", name=name, first=first, last=last, distractor_of=e.key)
             else:
                 head, _, tail = e.name.partition(" ")
@@ -386,17 +396,26 @@ class _World:
                     name = f"{_mutate(head, self.rng)} {tail}"
                 else:
                     name = f"{head} {self.rng.choice([k for k in _ORG_KINDS if k != tail])}"
-                if self._unconfusable(name) and self.names.claim(name):
+                if self._unconfusable(name, e.kind) and self.names.claim(name):
                     return self.add(e.kind, name=name, distractor_of=e.key)
         raise RuntimeError(f"no look-alike name for {e.name}")
 
-    def _unconfusable(self, name: str) -> bool:
-        """A look-alike must not contain, or be contained in, another name ("Kestre" in "Kestrel")."""
+    def _unconfusable(self, name: str, kind: str) -> bool:
+        """A look-alike must not contain, or be contained in, the name of an entity of its kind
+        ("Project Kestre" in "Project Kestrel"): a search for one must not find the other."""
         low = name.lower()
-        return not any(low in e.name.lower() or e.name.lower() in low for e in self.entities.values())
+        others = self.of_kind(kind) + self.of_kind(kind, real=False)
+        return not any(low in e.name.lower() or e.name.lower() in low for e in others)
 
     def of_kind(self, kind: str, *, real: bool = True) -> list[_Entity]:
-        return [e for e in self.entities.values() if e.kind == kind and (e.distractor_of is None) == real]
+        return self.by_kind.get((kind, real), [])
+
+    def filler_names(self) -> tuple[list[str], list[str]]:
+        """(all person names, look-alikes included; all city names), built once the world is complete."""
+        if self._filler is None:
+            people = [e.name for e in self.of_kind("person") + self.of_kind("person", real=False)]
+            self._filler = (people, [e.name for e in self.of_kind("city")])
+        return self._filler
 
     def surface(self, value: str) -> str:
         e = self.entities.get(value)
@@ -411,8 +430,13 @@ class _World:
             return str(
                 self.rng.randint(1890, 1990) if relation == "founded_year" else self.rng.randint(1995, 2024)
             )
-        pool = [e for e in self.of_kind(kind) if e.key != subject.key]
-        return self.rng.choice(pool).key if pool else None
+        pool = self.of_kind(kind)
+        if not pool or (len(pool) == 1 and pool[0].key == subject.key):
+            return None
+        while True:
+            pick = self.rng.choice(pool)
+            if pick.key != subject.key:
+                return pick.key
 
     def attributes(self, e: _Entity) -> list[_Fact]:
         facts = []
@@ -491,6 +515,9 @@ def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
             w.docs[home].facts.append(len(w.facts))
             w.facts.append(fact)
 
+    facts_of: dict[str, list[_Fact]] = {}
+    for f in w.facts:
+        facts_of.setdefault(f.subject, []).append(f)
     # Distractors: look-alikes of real entities, each with its own page of different facts.
     real = [*people, *orgs, *projects]
     for target in rng.sample(real, min(n_dis, len(real))) + [
@@ -505,7 +532,7 @@ def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
         }[twin.kind]
         doc = len(w.docs)
         w.docs.append(_Doc("distractor", twin.key, kind.format(twin.name), lead.format(twin.name)))
-        original = {(f.relation): f.obj for f in w.facts if f.subject == target.key}
+        original = {f.relation: f.obj for f in facts_of.get(target.key, ())}
         for fact in w.attributes(twin):
             if fact.obj == original.get(fact.relation):  # keep look-alikes' facts different
                 alt = w.draw_object(fact.relation, twin)
@@ -537,8 +564,7 @@ def _render(w: _World, doc: _Doc, target_words: int) -> str:
         names = [w.surface(k) for k in doc.mentions]
         attendees = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         head.append(f"Attendees: {attendees}.")
-    people = [e.name for e in w.entities.values() if e.kind == "person"]
-    cities = [e.name for e in w.entities.values() if e.kind == "city"]
+    people, cities = w.filler_names()
     table = list(_FILLER + (_MEETING_FILLER if doc.kind == "meeting" else ()))
     unused: list[str] = []
     body = list(sentences)
