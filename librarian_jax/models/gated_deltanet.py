@@ -113,10 +113,10 @@ class DeltaNetDims:
 
     @classmethod
     def from_config(cls, config: Any) -> DeltaNetDims:
-        missing = [name for name in _CONFIG_FIELDS if getattr(config, name, None) is None]
+        missing = [name for name in _CONFIG_FIELDS if not getattr(config, name, None)]
         if missing:
             raise ValueError(
-                f"GatedDeltaNet needs config fields {missing} (HF Qwen3_5TextConfig names); "
+                f"GatedDeltaNet needs positive config fields {missing} (HF Qwen3_5TextConfig names); "
                 f"{type(config).__name__} does not set them"
             )
         dims = cls(
