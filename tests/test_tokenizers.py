@@ -266,12 +266,19 @@ CONVERSATION = [
 
 
 @pytest.mark.parametrize(
-    ("backend", "style"),
-    [("sp_chatml", "chatml"), ("hf_qwen", "chatml"), ("sp_gemma", "gemma"), ("hf_gemma", "gemma")],
+    ("backend", "style", "fold"),
+    [
+        ("sp_chatml", "chatml", False),
+        ("hf_qwen", "chatml", False),
+        ("sp_gemma", "gemma", False),
+        ("hf_gemma", "gemma", False),
+        ("sp_gemma", "gemma", True),
+        ("hf_gemma", "gemma", True),
+    ],
 )
-def test_turn_by_turn_ids_equal_encoding_of_rendered_text(request, backend, style):
+def test_turn_by_turn_ids_equal_encoding_of_rendered_text(request, backend, style, fold):
     tok = request.getfixturevalue(backend)
-    chat = chat_template(tok, style)
+    chat = chat_template(tok, style, fold_system=fold)
     text = chat.render(CONVERSATION, add_generation_prompt=True)
     expected = tok.encode(text)
     # Built by hand, the way a rollout does it.
@@ -309,10 +316,12 @@ def test_concatenation_is_exact_at_special_tokens(request, backend):
     check()
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_turn_by_turn_equality_on_random_conversations(request, backend):
+@pytest.mark.parametrize(
+    ("backend", "fold"), [(b, False) for b in ALL_BACKENDS] + [("sp_gemma", True), ("hf_gemma", True)]
+)
+def test_turn_by_turn_equality_on_random_conversations(request, backend, fold):
     tok = request.getfixturevalue(backend)
-    chat = chat_template(tok)
+    chat = chat_template(tok, fold_system=fold)
     roles = ["user", "assistant", "tool"]
     message = st.fixed_dictionaries({"role": st.sampled_from(roles), "content": corpus_text})
 
@@ -322,6 +331,10 @@ def test_turn_by_turn_equality_on_random_conversations(request, backend):
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + messages
         ids = chat.encode_messages(msgs, add_generation_prompt=prompt)
         assert ids == tok.encode(chat.render(msgs, add_generation_prompt=prompt))
+        by_hand = chat.start(system)
+        for m in messages:
+            by_hand += chat.turn(m["role"], m["content"])
+        assert by_hand + (chat.open_turn("assistant") if prompt else []) == ids
 
     check()
 
@@ -349,21 +362,40 @@ def test_chatml_text_format(hf_qwen):
     )
 
 
-def test_gemma_text_format_folds_system_into_first_turn(sp_gemma):
+def test_gemma_text_format(sp_gemma):
     chat = chat_template(sp_gemma, "gemma")
+    assert chat.add_bos and not chat.fold_system
+    text = chat.render(CONVERSATION[:3], add_generation_prompt=True)
+    assert text == (
+        "<s><start_of_turn>user\nYou are a librarian. Keep answers short.<end_of_turn>\n"
+        "<start_of_turn>user\nWhere are the river ledgers?<end_of_turn>\n"
+        "<start_of_turn>model\n" + CONVERSATION[2]["content"] + "<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert chat.stop_ids == (sp_gemma.token_to_id("<end_of_turn>"), sp_gemma.eos_id)
+    # Stateless: start()'s ids can be reused, and calls for other conversations in between change nothing.
+    head = chat.start("sys")
+    assert head == sp_gemma.encode("<s><start_of_turn>user\nsys<end_of_turn>\n")
+    chat.start("another conversation's system prompt")
+    assert chat.turn("user", "q") == sp_gemma.encode("<start_of_turn>user\nq<end_of_turn>\n")
+    assert chat.turn("user", "  q \n") == chat.turn("user", "q")  # content is trimmed, as Gemma does
+
+
+def test_gemma_fold_system_matches_gemmas_own_template(sp_gemma, sp_chatml):
+    chat = chat_template(sp_gemma, "gemma", fold_system=True)
     text = chat.render(CONVERSATION[:3], add_generation_prompt=True)
     assert text == (
         "<s><start_of_turn>user\nYou are a librarian. Keep answers short.\n\nWhere are the river ledgers?"
         "<end_of_turn>\n<start_of_turn>model\n" + CONVERSATION[2]["content"] + "<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
-    assert chat.stop_ids == (sp_gemma.token_to_id("<end_of_turn>"), sp_gemma.eos_id)
     # start() holds the system prompt for exactly the next turn.
     assert chat.start("sys") == [sp_gemma.bos_id]
-    first = chat.turn("user", "q")
-    assert first == sp_gemma.encode("<start_of_turn>user\nsys\n\nq<end_of_turn>\n")
+    assert chat.turn("user", " q") == sp_gemma.encode("<start_of_turn>user\nsys\n\nq<end_of_turn>\n")
     assert chat.turn("user", "q") == sp_gemma.encode("<start_of_turn>user\nq<end_of_turn>\n")
-    assert chat.turn("user", "  q \n") == chat.turn("user", "q")  # content is trimmed, as Gemma does
+    chat.start("sys")
+    assert chat.open_turn("model") == sp_gemma.encode("<start_of_turn>model\nsys\n\n")
+    with pytest.raises(ValueError, match="fold_system=True is for the gemma style"):
+        chat_template(sp_chatml, fold_system=True)
 
 
 def test_style_detection(sp_chatml, sp_gemma, hf_gemma, tmp_path):

@@ -4,17 +4,20 @@
              <|im_start|>{role}\\n{content}<|im_end|>\\n ...   (roles system/user/assistant; a "tool" turn is
              written as Qwen's template writes a tool result:
              <|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n)
-    gemma:   <bos><start_of_turn>user\\n{system}\\n\\n{content}<end_of_turn>\\n
+    gemma:   <bos><start_of_turn>user\\n{content}<end_of_turn>\\n
              <start_of_turn>model\\n{content}<end_of_turn>\\n ...   (roles user/model; "assistant" -> "model",
-             "tool" -> "user"; the system prompt is folded into the first turn and each turn's content is
-             stripped of surrounding whitespace, as Gemma's own template does)
+             "tool" -> "user"; each turn's content is stripped of surrounding whitespace, as Gemma's own
+             template does). Gemma has no system role: by default the system prompt is a user turn of its
+             own right after BOS; with `fold_system=True` it is folded into the first turn as
+             `{system}\\n\\n{content}`, exactly as Gemma's template does.
 
 Every piece of a conversation is encoded once, where it enters the conversation; a turn boundary is always an
 atomic turn marker, so the ids built turn by turn equal `tokenizer.encode(template.render(messages))`. Model
 output is appended as the sampled ids between `open_turn` and `close_turn`, never decoded and re-encoded.
 
-A ChatTemplate is cheap. ChatML templates are stateless; a Gemma template given a system prompt in `start`
-holds it until the next turn, so use one Gemma template per conversation (or `encode_messages`).
+A ChatTemplate is stateless (one can serve every conversation at once, and `start()`'s ids can be reused),
+except with `fold_system=True`: then `start(system)` holds the system prompt until the next `turn` or
+`open_turn`, so such a template must serve one conversation at a time (`encode_messages` is always safe).
 """
 
 from __future__ import annotations
@@ -33,11 +36,22 @@ _GEMMA_ROLES = {"user": "user", "model": "model", "assistant": "model", "tool": 
 
 
 class ChatTemplate:
-    """Builds the ids of a conversation turn by turn for one tokenizer and style."""
+    """Builds the ids of a conversation turn by turn for one tokenizer and style.
 
-    def __init__(self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None) -> None:
+    Attributes:
+      style: "chatml" or "gemma".
+      add_bos: whether `start()` begins with BOS.
+      stop_ids: ids that end a generated turn (the end-of-turn marker first, then EOS / <|endoftext|>).
+      open_marker, close_marker: the turn markers' text.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None, fold_system: bool = False
+    ) -> None:
         if style not in STYLES:
             raise ValueError(f"unknown chat template style {style!r}; expected one of {STYLES}")
+        if fold_system and style != "gemma":
+            raise ValueError(f"fold_system=True is for the gemma style (no system role), not {style!r}")
         atomic = tokenizer.atomic_tokens
         missing = [m for m in _MARKERS[style] if m not in atomic]
         if missing:
@@ -47,23 +61,22 @@ class ChatTemplate:
             )
         self.tokenizer = tokenizer
         self.style = style
+        self.fold_system = fold_system
         self.open_marker, self.close_marker = _MARKERS[style]
         if add_bos is None:
             add_bos = tokenizer.bos_id is not None if style == "gemma" else tokenizer.add_bos
         if add_bos and tokenizer.bos_id is None:
             raise ValueError(f"add_bos=True but {tokenizer.path} has no BOS token")
         self.add_bos = add_bos
-        end_id = tokenizer.token_to_id(self.close_marker)
-        assert end_id is not None
-        stops = [end_id]
+        end_id = atomic[self.close_marker]
         extra = [tokenizer.eos_id]
         if style == "chatml":  # Qwen base models end documents with <|endoftext|>
             extra.append(atomic.get("<|endoftext|>"))
-        stops += [i for i in dict.fromkeys(extra) if i is not None and i not in stops]
-        self.stop_ids: tuple[int, ...] = tuple(stops)
-        self._pending_system: str | None = None
+        more = [i for i in dict.fromkeys(extra) if i is not None and i != end_id]
+        self.stop_ids: tuple[int, ...] = (end_id, *more)
+        self._pending_system: str | None = None  # only with fold_system
 
-    # ---- text form -----------------------------------------------------------------------------------------
+    # ---- text pieces (each starts at an atomic token, so encoding them one by one is exact) --------------
     def _role(self, role: str) -> str:
         if self.style == "chatml":
             if role not in _CHATML_ROLES:
@@ -79,46 +92,69 @@ class ChatTemplate:
         assert self.tokenizer.bos_id is not None
         return self.tokenizer.id_to_token(self.tokenizer.bos_id)
 
-    def _open_text(self, role: str) -> str:
+    def _open_text(self, role: str, system: str | None = None) -> str:
         text = f"{self.open_marker}{self._role(role)}\n"
-        if self._pending_system is not None:
-            text += self._pending_system + "\n\n"
-            self._pending_system = None
-        return text
+        return text if system is None else text + system + "\n\n"
 
     def _close_text(self) -> str:
         return f"{self.close_marker}\n"
 
-    # ---- ids -----------------------------------------------------------------------------------------------
-    def start(self, system: str | None = None) -> list[int]:
-        """Ids that begin a conversation: BOS (when the model uses one) and, for ChatML, the system turn.
-
-        For Gemma the system prompt is kept and folded into the next turn (`{system}\\n\\n{content}`).
-        """
-        self._pending_system = None
-        ids = [self.tokenizer.bos_id] if self.add_bos else []
-        assert all(i is not None for i in ids)
-        if system is not None:
-            if self.style == "chatml":
-                ids += self.turn("system", system)
-            else:
-                self._pending_system = system
-        return ids  # type: ignore[return-value]
-
-    def _turn_text(self, role: str, content: str) -> str:
+    def _turn_text(self, role: str, content: str, system: str | None = None) -> str:
         if self.style == "chatml" and role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         elif self.style == "gemma":
             content = content.strip()  # Gemma's template trims every message's content
-        return self._open_text(role) + content + self._close_text()
+        return self._open_text(role, system) + content + self._close_text()
+
+    def _pieces(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[str]:
+        system, rest = _split_system(messages)
+        pieces = [self._bos_text()] if self.add_bos else []
+        pending = None
+        if system is not None:
+            if self.style == "chatml":
+                pieces.append(self._turn_text("system", system))
+            elif self.fold_system:
+                pending = system
+            else:
+                pieces.append(self._turn_text("user", system))
+        for m in rest:
+            pieces.append(self._turn_text(m["role"], m["content"], pending))
+            pending = None
+        if add_generation_prompt:
+            pieces.append(self._open_text(self._assistant_role(), pending))
+        return pieces
+
+    def _assistant_role(self) -> str:
+        return "assistant" if self.style == "chatml" else "model"
+
+    def _take_pending(self) -> str | None:
+        system, self._pending_system = self._pending_system, None
+        return system
+
+    # ---- ids -----------------------------------------------------------------------------------------------
+    def start(self, system: str | None = None) -> list[int]:
+        """Ids that begin a conversation: BOS (when the model uses one) and the system prompt's turn.
+
+        With `fold_system=True` (Gemma) the system prompt is instead held and folded into the next turn.
+        """
+        ids = [self.tokenizer.bos_id] if self.add_bos else []
+        self._pending_system = None
+        if system is not None:
+            if self.style == "chatml":
+                ids += self.turn("system", system)
+            elif self.fold_system:
+                self._pending_system = system
+            else:
+                ids += self.turn("user", system)
+        return ids  # type: ignore[return-value]
 
     def turn(self, role: str, content: str) -> list[int]:
         """A closed turn: open marker, role, content, close marker, newline."""
-        return self.tokenizer.encode(self._turn_text(role, content))
+        return self.tokenizer.encode(self._turn_text(role, content, self._take_pending()))
 
     def open_turn(self, role: str) -> list[int]:
         """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`)."""
-        return self.tokenizer.encode(self._open_text(role))
+        return self.tokenizer.encode(self._open_text(role, self._take_pending()))
 
     def close_turn(self) -> list[int]:
         """Ids that close a turn opened with `open_turn` after its content (end marker and newline)."""
@@ -126,45 +162,22 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text (`messages`: dicts with "role" and "content", system first if any)."""
-        saved = self._pending_system
-        try:
-            system, rest = _split_system(messages)
-            self._pending_system = None
-            text = self._bos_text()
-            if system is not None:
-                if self.style == "chatml":
-                    text += self._turn_text("system", system)
-                else:
-                    self._pending_system = system
-            for m in rest:
-                text += self._turn_text(m["role"], m["content"])
-            if add_generation_prompt:
-                text += self._open_text(self._assistant_role())
-            return text
-        finally:
-            self._pending_system = saved
+        return "".join(self._pieces(messages, add_generation_prompt))
 
     def encode_messages(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False
     ) -> list[int]:
-        """The ids of `render(messages)`, built turn by turn (leaves this template's state untouched)."""
-        saved = self._pending_system
-        try:
-            system, rest = _split_system(messages)
-            ids = self.start(system)
-            for m in rest:
-                ids += self.turn(m["role"], m["content"])
-            if add_generation_prompt:
-                ids += self.open_turn(self._assistant_role())
-            return ids
-        finally:
-            self._pending_system = saved
-
-    def _assistant_role(self) -> str:
-        return "assistant" if self.style == "chatml" else "model"
+        """The ids of `render(messages)`, built turn by turn (never touches a system prompt `start` holds)."""
+        ids: list[int] = []
+        for piece in self._pieces(messages, add_generation_prompt):
+            ids += self.tokenizer.encode(piece)
+        return ids
 
     def __repr__(self) -> str:
-        return f"ChatTemplate(style={self.style!r}, add_bos={self.add_bos}, stop_ids={self.stop_ids})"
+        return (
+            f"ChatTemplate(style={self.style!r}, add_bos={self.add_bos}, fold_system={self.fold_system}, "
+            f"stop_ids={self.stop_ids})"
+        )
 
 
 def _split_system(messages: Sequence[Mapping[str, str]]) -> tuple[str | None, list[Mapping[str, str]]]:
@@ -191,10 +204,11 @@ def detect_style(tokenizer: Tokenizer) -> str:
 
 
 def chat_template(
-    tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None
+    tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None, fold_system: bool = False
 ) -> ChatTemplate:
     """A ChatTemplate for `tokenizer`; `style` is "chatml", "gemma", or None to detect it from the vocab.
 
     `add_bos` defaults to True for Gemma and to `tokenizer.add_bos` for ChatML (Qwen has no BOS).
+    `fold_system` (Gemma only) folds the system prompt into the first turn; see the module docstring.
     """
-    return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos)
+    return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos, fold_system=fold_system)
