@@ -345,6 +345,8 @@ class _World:
         self.counts: dict[str, int] = {}
         self.by_kind: dict[tuple[str, bool], list[_Entity]] = {}
         self._filler: tuple[list[str], list[str]] | None = None
+        self.lower_names: dict[str, set[str]] = {}  # kind -> lower-cased names, for look-alike checks
+        self._joined: dict[str, str] = {}
 
     # -- entities --------------------------------------------------------------------------------------------
     def add(self, kind: str, **fields: Any) -> _Entity:
@@ -352,6 +354,8 @@ class _World:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.entities[e.key] = e
         self.by_kind.setdefault((kind, e.distractor_of is None), []).append(e)
+        self.lower_names.setdefault(kind, set()).add(e.name.lower())
+        self._joined.pop(kind, None)
         return e
 
     def new_person(self) -> _Entity:
@@ -404,8 +408,13 @@ class _World:
         """A look-alike must not contain, or be contained in, the name of an entity of its kind
         ("Project Kestre" in "Project Kestrel"): a search for one must not find the other."""
         low = name.lower()
-        others = self.of_kind(kind) + self.of_kind(kind, real=False)
-        return not any(low in e.name.lower() or e.name.lower() in low for e in others)
+        names = self.lower_names.setdefault(kind, set())
+        if kind not in self._joined:
+            self._joined[kind] = "\n".join(names)
+        if low in self._joined[kind]:  # the look-alike inside another name
+            return False
+        # another name inside the look-alike: one of its substrings
+        return not any(low[i:j] in names for i in range(len(low)) for j in range(i + 1, len(low) + 1))
 
     def of_kind(self, kind: str, *, real: bool = True) -> list[_Entity]:
         return self.by_kind.get((kind, real), [])
