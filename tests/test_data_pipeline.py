@@ -116,6 +116,18 @@ def test_two_processes_get_disjoint_shards():
     assert sorted(t.task_id for u in uneven for t in u) == [t.task_id for t in tasks]
     with pytest.raises(ValueError, match="holds no tasks"):
         TaskPipeline(_tasks(1), shard_index=1, shard_count=2)
+    # with even shards, the state the primary host saved restores the other process at the same batch
+    its = [p.iterator() for p in shards]
+    for it in its:
+        next(it), next(it)
+    its[1].set_state(its[0].get_state())
+    assert not {t.task_id for t in next(its[1])} & seen[0].keys()
+    uneven_pipes = [
+        TaskPipeline(tasks, tasks_per_batch=2, shard_index=i, shard_count=2, even_shards=False)
+        for i in range(2)
+    ]
+    with pytest.raises(ValueError, match="'shard_index' was 0 when saved, is 1 now"):
+        uneven_pipes[1].iterator().set_state(uneven_pipes[0].iterator().get_state())
     default = TaskPipeline(tasks)  # jax.process_index() / process_count() in a single process
     assert (default.shard_index, default.shard_count) == (0, 1) and len(default.tasks) == 11
 

@@ -133,6 +133,7 @@ class TaskPipeline:
                 "with drop_remainder=True: no batch would be produced"
             )
         self.num_total_tasks = len(all_tasks)
+        self.all_tasks_digest = tasks_digest(all_tasks)
         self.tasks_per_batch, self.seed, self.shuffle = tasks_per_batch, seed, shuffle
         self.num_epochs, self.drop_remainder, self.even_shards = num_epochs, drop_remainder, even_shards
         logging.info(
@@ -150,12 +151,18 @@ class TaskPipeline:
         return n // b if self.drop_remainder else -(-n // b)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a saved state must match to be restored into this pipeline."""
+        """What a saved state must match to be restored into this pipeline.
+
+        With `even_shards` every process yields the same number of batches per epoch, so all processes are at
+        the same batch index and a state saved by one (the primary host writes the checkpoint's JSON) restores
+        every other: the shard index is then left out of the check.
+        """
         return {
             "version": _STATE_VERSION,
-            "tasks_digest": tasks_digest(self.tasks),
-            "num_tasks": len(self.tasks),
-            "shard_index": self.shard_index,
+            "tasks_digest": self.all_tasks_digest,
+            "num_tasks": self.num_total_tasks,
+            "shard_index": "any" if self.even_shards else self.shard_index,
+            "even_shards": self.even_shards,
             "shard_count": self.shard_count,
             "tasks_per_batch": self.tasks_per_batch,
             "seed": self.seed,
