@@ -135,42 +135,14 @@ def data_parallel_size(mesh: Mesh | None) -> int:
 
 
 def shard_state(state: Any, mesh: Mesh | None, rules: Any = None) -> Any:
-    """Places an nnx.State on `mesh` following its params' logical axis names and `rules` (logical -> mesh
-    axis). Uses the engine's sharding helper when it exists, otherwise flax's logical-axis mapping; any axis
-    that does not divide its dimension is replicated."""
+    """Places an nnx.State on `mesh` with the engine's logical-axis rules (`engine.sharding`): the same
+    shardings the policy engine gives these params, so new weights reach it without resharding."""
     if mesh is None:
         return state
-    try:  # the engine owns the canonical rules; prefer its helper
-        from librarian_jax.engine import sharding as engine_sharding  # type: ignore
+    from librarian_jax.engine import sharding as engine_sharding
 
-        if hasattr(engine_sharding, "shard_state"):
-            return engine_sharding.shard_state(state, mesh, rules)
-    except ImportError:
-        pass
-    from flax import linen as nn
-
-    if rules is None:
-        try:
-            from librarian_jax.models.partitioning import DEFAULT_RULES as rules  # type: ignore
-        except ImportError:
-            rules = ()
-    rules = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(rules)
-    specs = nnx.get_partition_spec(state)
-
-    def place(x: Any, spec: Any) -> Any:
-        if not isinstance(x, jax.Array | np.ndarray):
-            return x
-        spec = spec if isinstance(spec, P) else P()
-        sharding = nn.logical_to_mesh_sharding(spec, mesh, rules) if spec else NamedSharding(mesh, P())
-        mesh_spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-        for i, ax in enumerate(mesh_spec[: x.ndim]):
-            names = ax if isinstance(ax, tuple) else (ax,) if ax else ()
-            size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            if x.shape[i] % size:
-                mesh_spec[i] = None
-        return jax.device_put(x, NamedSharding(mesh, P(*mesh_spec[: x.ndim])))
-
-    return jax.tree.map(place, state, specs)
+    rules = engine_sharding.normalize_rules(rules) if rules is not None else engine_sharding.default_rules()
+    return jax.device_put(state, engine_sharding.param_shardings(state, mesh, rules))
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -194,7 +166,7 @@ class Trainer:
                              f"known: {losses_lib.AGGREGATIONS}")
         if config.old_logprobs not in ("trainer", "sampler"):
             raise ValueError(f"train.old_logprobs: {config.old_logprobs!r} is not 'trainer' or 'sampler'")
-        self.loss_fn = losses_lib.get_loss_fn(config.loss.name)
+        losses_lib.get_loss_fn(config.loss.name)  # fail early on an unknown name
         self.graphdef, params, rest = nnx.split(model, self.wrt, ...)
         # The trainer owns a copy of the trainable arrays (its update donates them); the caller's model and
         # any engine built from it stay valid until they receive `policy_state()`.
@@ -209,7 +181,6 @@ class Trainer:
                 self.ref_params = jax.tree.map(jnp.zeros_like, self.params)
             else:
                 self.ref_params = jax.tree.map(jnp.copy, self.params)
-        self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
 
     # -- public ---------------------------------------------------------------------------------------
 
@@ -238,8 +209,9 @@ class Trainer:
         t0 = time.perf_counter()
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         device_batch = self._device_batch(arrays)
-        self.params, self.opt_state, metrics = self._update(
-            self.params, self.opt_state, self.rest, self.ref_params, device_batch, jnp.asarray(self.step))
+        self.params, self.opt_state, metrics = _update_step(
+            self.graphdef, self.config, self.params, self.opt_state, self.rest, self.ref_params, device_batch,
+            jnp.asarray(self.step, jnp.int32))
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step += 1
         out["time_s"] = time.perf_counter() - t0
@@ -275,81 +247,98 @@ class Trainer:
             out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
         return out
 
-    def _forward_logprobs(self, params: Any, rest: Any, tokens: jax.Array, valid: jax.Array
-                          ) -> tuple[jax.Array, jax.Array]:
-        """Trainer log-probs and entropies `[B, T]` of `tokens` under temperature-scaled logits."""
-        model = nnx.merge(self.graphdef, params, rest)
-
-        def run(model: nnx.Module, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-            return model(tokens, mask=valid)[0]
-
-        if self.config.remat:
-            run = nnx.remat(run)
-        logits = run(model, tokens, valid)
-        return losses_lib.token_logprobs(logits, tokens, self.config.loss.temperature)
-
-    def _accumulate(self, params: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array]
-                    ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-        """Loss and gradient over every micro-batch: (loss, grads, metric sums), exact full-batch values."""
-        cfg = self.config
-
-        def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-            lp, ent = self._forward_logprobs(p, rest, mb["tokens"], mb["valid"])
-            old = jax.lax.stop_gradient(lp) if cfg.old_logprobs == "trainer" else mb["sampler_logprobs"]
-            ref = None
-            if ref_params is not None:
-                ref = jax.lax.stop_gradient(self._forward_logprobs(ref_params, rest, mb["tokens"],
-                                                                   mb["valid"])[0])
-            total, count, sums = self.loss_fn(lp, old, mb["sampler_logprobs"], mb["advantages"],
-                                              mb["loss_mask"], mb["row_weights"], ref, ent, config=cfg.loss)
-            return total, (count, sums)
-
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def body(carry: Any, mb: dict[str, jax.Array]) -> tuple[Any, None]:
-            g_acc, tot_acc, cnt_acc, sums_acc = carry
-            (total, (count, sums)), g = grad_fn(params, mb)
-            g_acc = jax.tree.map(jnp.add, g_acc, g)
-            sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-            return (g_acc, tot_acc + total, cnt_acc + count, sums_acc), None
-
-        zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
-        first = jax.tree.map(lambda x: x[0], batch)
-        zero_sums = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
-                                 jax.eval_shape(micro_loss, params, first)[1][1])
-        init = (zero_g, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_sums)
-        (g_sum, total, count, sums), _ = jax.lax.scan(body, init, batch)
-        denom = jnp.maximum(count, 1e-9)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
-        return total / denom, grads, sums
-
     def loss_and_grads(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> tuple[float, Any]:
         """The batch loss and its gradient w.r.t. the trainable params, without updating (for tests and
         diagnostics; micro-batched exactly like `update`)."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
-        loss, grads, _ = jax.jit(self._accumulate)(self.params, self.rest, self.ref_params,
-                                                   self._device_batch(arrays))
+        loss, grads, _ = _accumulate_jit(self.graphdef, self.config, self.params, self.rest, self.ref_params,
+                                         self._device_batch(arrays))
         return float(loss), grads
 
-    def _update_impl(self, params: Any, opt_state: Any, rest: Any, ref_params: Any,
-                     batch: dict[str, jax.Array], step: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
-        loss, grads, sums = self._accumulate(params, rest, ref_params, batch)
-        grad_norm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        updates, new_opt = self.tx.update(safe_grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        params = _tree_where(finite, new_params, params)
-        opt_state = _tree_where(finite, new_opt, opt_state)
-        tokens = jnp.maximum(sums["tokens"], 1.0)
-        metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": make_schedule(self.config.optim)(step),
-            "skipped": 1.0 - finite.astype(jnp.float32), "loss_tokens": sums["tokens"],
-            "clip_frac": sums["clip"] / tokens, "dual_clip_frac": sums["dual_clip"] / tokens,
-            "kl": sums["kl"] / tokens, "tis": sums["tis"] / tokens, "ratio": sums["ratio"] / tokens,
-            "entropy": sums.get("entropy", jnp.zeros(())) / tokens,
-        }
-        return params, opt_state, metrics
+
+# ----------------------------------------------------------------------------------------------- pure step
+# Module-level functions with (graphdef, config) static: every Trainer of the same model and config shares
+# one compiled program (a resumed run, tests, an eval trainer).
+
+
+def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, tokens: jax.Array,
+                      valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits."""
+    model = nnx.merge(graphdef, params, rest)
+
+    def run(model: nnx.Module, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+        return model(tokens, mask=valid)[0]
+
+    if config.remat:
+        # Keeps matmul outputs without batch dims (projections, MLP) and recomputes attention scores and
+        # elementwise ops in the backward pass.
+        run = nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    logits = run(model, tokens, valid)
+    return losses_lib.token_logprobs(logits, tokens, config.loss.temperature)
+
+
+def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
+                batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Loss and gradient over every micro-batch (`batch` leaves `[micro, rows, ...]`): (loss, grads, metric
+    sums) — exactly the full-batch values, since sums and counts add before the one division."""
+    loss_fn = losses_lib.get_loss_fn(config.loss.name)
+
+    def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+        lp, ent = _forward_logprobs(graphdef, config, p, rest, mb["tokens"], mb["valid"])
+        old = jax.lax.stop_gradient(lp) if config.old_logprobs == "trainer" else mb["sampler_logprobs"]
+        ref = None
+        if ref_params is not None:
+            ref = jax.lax.stop_gradient(
+                _forward_logprobs(graphdef, config, ref_params, rest, mb["tokens"], mb["valid"])[0])
+        total, count, sums = loss_fn(lp, old, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"],
+                                     mb["row_weights"], ref, ent, config=config.loss)
+        return total, (count, sums)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(carry: Any, mb: dict[str, jax.Array]) -> tuple[Any, None]:
+        g_acc, tot_acc, cnt_acc, sums_acc = carry
+        (total, (count, sums)), g = grad_fn(params, mb)
+        g_acc = jax.tree.map(jnp.add, g_acc, g)
+        sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+        return (g_acc, tot_acc + total, cnt_acc + count, sums_acc), None
+
+    zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    first = jax.tree.map(lambda x: x[0], batch)
+    zero_sums = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
+                             jax.eval_shape(micro_loss, params, first)[1][1])
+    init = (zero_g, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_sums)
+    (g_sum, total, count, sums), _ = jax.lax.scan(body, init, batch)
+    denom = jnp.maximum(count, 1e-9)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+    return total / denom, grads, sums
+
+
+_accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, opt_state: Any, rest: Any,
+                 ref_params: Any, batch: dict[str, jax.Array], step: jax.Array
+                 ) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One optimizer step; a non-finite loss or gradient norm leaves params and optimizer state unchanged."""
+    loss, grads, sums = _accumulate(graphdef, config, params, rest, ref_params, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, new_opt = make_optimizer(config.optim).update(safe_grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params = _tree_where(finite, new_params, params)
+    opt_state = _tree_where(finite, new_opt, opt_state)
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    metrics = {
+        "loss": loss, "grad_norm": grad_norm, "lr": make_schedule(config.optim)(step),
+        "skipped": 1.0 - finite.astype(jnp.float32), "loss_tokens": sums["tokens"],
+        "clip_frac": sums["clip"] / tokens, "dual_clip_frac": sums["dual_clip"] / tokens,
+        "kl": sums["kl"] / tokens, "tis": sums["tis"] / tokens, "ratio": sums["ratio"] / tokens,
+        "entropy": sums.get("entropy", jnp.zeros(())) / tokens,
+    }
+    return params, opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
