@@ -13,8 +13,12 @@ from librarian_jax.workspace import render as R
 def corpus() -> list[Document]:
     long_lines = "\n".join(f"line {i} of the long report about harbour tides" for i in range(1, 251))
     return [
-        Document("d-alpha", "Alpha text.\nThe alpha bridge opened in 1931.\n", title="Alpha Bridge",
-                 url="https://example.org/alpha"),
+        Document(
+            "d-alpha",
+            "Alpha text.\nThe alpha bridge opened in 1931.\n",
+            title="Alpha Bridge",
+            url="https://example.org/alpha",
+        ),
         Document("d-beta", "Beta text.\nBeta rivers flood in spring.\n", title="Beta Rivers"),
         Document("d-gamma", "Gamma text about the gamma observatory.\n", title="Gamma Observatory"),
         Document("d-delta", long_lines, title="Harbour Tides Report"),
@@ -50,9 +54,14 @@ def err(r: ActionResult, code: str, *fragments: str) -> None:
 # ------------------------------------------------------------------------------------------------- layout
 def test_raw_documents_handles_names_and_hashes(ws: Workspace) -> None:
     names = [d.path for d in ws.raw_docs]
-    assert names == ["raw_docs/raw_0001__alpha_bridge.txt", "raw_docs/raw_0002__beta_rivers.txt",
-                     "raw_docs/raw_0003__gamma_observatory.txt", "raw_docs/raw_0004__harbour_tides_report.txt",
-                     "raw_docs/raw_0005__d_eps.txt", "raw_docs/raw_0006__zeta_etc_notes.txt"]
+    assert names == [
+        "raw_docs/raw_0001__alpha_bridge.txt",
+        "raw_docs/raw_0002__beta_rivers.txt",
+        "raw_docs/raw_0003__gamma_observatory.txt",
+        "raw_docs/raw_0004__harbour_tides_report.txt",
+        "raw_docs/raw_0005__d_eps.txt",
+        "raw_docs/raw_0006__zeta_etc_notes.txt",
+    ]
     assert [d.sha for d in ws.raw_docs] == [content_hash(d.text) for d in corpus()]
     with pytest.raises(ValueError, match="duplicate doc_id 'd-alpha'"):
         Workspace.from_documents(corpus() + [Document("d-alpha", "again")])
@@ -74,10 +83,17 @@ def test_raw_file_rendering(ws: Workspace) -> None:
     lines = r.text.split("\n")
     assert lines[0] == "[raw_docs/raw_0001__alpha_bridge.txt | lines 1-9 of 9]"
     assert lines[1:] == [
-        "    1| TITLE: Alpha Bridge", "    2| KIND: raw document (read-only)",
-        "    3| PATH: raw_docs/raw_0001__alpha_bridge.txt", "    4| DOC_ID: d-alpha",
-        "    5| URL: https://example.org/alpha", f"    6| SHA256: {content_hash(corpus()[0].text)}",
-        "    7| ---", "    8| Alpha text.", "    9| The alpha bridge opened in 1931.", "[end of file]"]
+        "    1| TITLE: Alpha Bridge",
+        "    2| KIND: raw document (read-only)",
+        "    3| PATH: raw_docs/raw_0001__alpha_bridge.txt",
+        "    4| DOC_ID: d-alpha",
+        "    5| URL: https://example.org/alpha",
+        f"    6| SHA256: {content_hash(corpus()[0].text)}",
+        "    7| ---",
+        "    8| Alpha text.",
+        "    9| The alpha bridge opened in 1931.",
+        "[end of file]",
+    ]
     assert r.data["total_lines"] == 9 and r.data["next_start_line"] is None
 
 
@@ -88,33 +104,55 @@ def test_create_file_renders_header_and_body() -> None:
     body = [line.split("| ", 1)[1] for line in r.text.split("\n")[1:-1]]
     sha4 = w.raw_docs[3].sha
     assert body == [
-        "TITLE: Tides", "KIND: file (create_file)", "PATH: cluster_0003__tides.txt", "SOURCES_RAW:",
-        f"- raw_docs/raw_0004__harbour_tides_report.txt (sha256:{sha4})", "SOURCES_SYNTHETIC:",
+        "TITLE: Tides",
+        "KIND: file (create_file)",
+        "PATH: cluster_0003__tides.txt",
+        "SOURCES_RAW:",
+        f"- raw_docs/raw_0004__harbour_tides_report.txt (sha256:{sha4})",
+        "SOURCES_SYNTHETIC:",
         '- merge_0001__infrastructure/summary.txt ("Infrastructure")',
-        "RAW_PROVENANCE: 4 raw documents in total through the sources (provenance lists them)", "---",
-        "Tide notes."]
+        "RAW_PROVENANCE: 4 raw documents in total through the sources (provenance lists them)",
+        "---",
+        "Tide notes.",
+    ]
 
 
 def test_merge_moves_children_and_lists_counts() -> None:
     w = built()
     root = w.list_dir()
-    assert root.data["entries"] == ["README.md", "raw_docs", "merge_0001__infrastructure",
-                                    "cluster_0003__tides.txt"]
-    assert 'merge_0001__infrastructure/  [directory] "Infrastructure" (2 files, 0 directories, summary.txt)' \
+    assert root.data["entries"] == [
+        "README.md",
+        "raw_docs",
+        "merge_0001__infrastructure",
+        "cluster_0003__tides.txt",
+    ]
+    assert (
+        'merge_0001__infrastructure/  [directory] "Infrastructure" (2 files, 0 directories, summary.txt)'
         in root.text
+    )
     sub = w.list_dir("merge_0001__infrastructure")
-    assert sub.data["entries"] == ["merge_0001__infrastructure/summary.txt",
-                                   "merge_0001__infrastructure/cluster_0001__bridges.txt",
-                                   "merge_0001__infrastructure/cluster_0002__skies.txt"]
+    assert sub.data["entries"] == [
+        "merge_0001__infrastructure/summary.txt",
+        "merge_0001__infrastructure/cluster_0001__bridges.txt",
+        "merge_0001__infrastructure/cluster_0002__skies.txt",
+    ]
     s = w.read_file("merge_0001__infrastructure/summary.txt")
     assert "KIND: directory summary (merge_files)" in s.text
     assert "CHILDREN: 2 (list_dir 'merge_0001__infrastructure' to see them)" in s.text
     n = w.nodes["cluster_0001"]
     assert n.parent == "merge_0001" and n.raw_sources == ("raw_0001", "raw_0002") and n.created_turn == 1
     assert w.nodes["merge_0001"].synthetic_sources == ("cluster_0001", "cluster_0002")
-    assert w.stats() == {"raw_docs": 6, "active_files": 3, "active_dirs": 1, "active_synthetic": 4, "deleted": 0,
-                         "max_depth": 2, "synthetic_chars": len("Bridge notes.Sky notes.Infra.Tide notes."),
-                         "raw_chars": sum(len(d.text) for d in corpus()), "root_entries": 2}
+    assert w.stats() == {
+        "raw_docs": 6,
+        "active_files": 3,
+        "active_dirs": 1,
+        "active_synthetic": 4,
+        "deleted": 0,
+        "max_depth": 2,
+        "synthetic_chars": len("Bridge notes.Sky notes.Infra.Tide notes."),
+        "raw_chars": sum(len(d.text) for d in corpus()),
+        "root_entries": 2,
+    }
     assert w.check_invariants() == []
 
 
@@ -132,9 +170,14 @@ def test_nested_merge_and_explicit_parent() -> None:
     w = built()
     r = w.merge_files("Everything", ["merge_0001__infrastructure/", "cluster_0003"], "all", turn=5)
     assert r.ok
-    assert w.path_of("cluster_0001") == "merge_0002__everything/merge_0001__infrastructure/cluster_0001__bridges.txt"
+    assert (
+        w.path_of("cluster_0001")
+        == "merge_0002__everything/merge_0001__infrastructure/cluster_0001__bridges.txt"
+    )
     r = w.create_file("Deep", ["cluster_0001"], "deep", parent_path="merge_0001")
-    assert r.ok and r.data["path"] == "merge_0002__everything/merge_0001__infrastructure/cluster_0004__deep.txt"
+    assert (
+        r.ok and r.data["path"] == "merge_0002__everything/merge_0001__infrastructure/cluster_0004__deep.txt"
+    )
 
 
 # --------------------------------------------------------------------------------------------- deleting
@@ -142,14 +185,22 @@ def test_delete_moves_children_up_and_keeps_history() -> None:
     w = built()
     r = w.delete(["merge_0001__infrastructure"], "too coarse", turn=7)
     assert r.ok and r.data["history_paths"] == ["history/merge_0001__infrastructure/summary.txt"]
-    assert w.list_dir().data["entries"] == ["README.md", "raw_docs", "history", "cluster_0001__bridges.txt",
-                                            "cluster_0002__skies.txt", "cluster_0003__tides.txt"]
+    assert w.list_dir().data["entries"] == [
+        "README.md",
+        "raw_docs",
+        "history",
+        "cluster_0001__bridges.txt",
+        "cluster_0002__skies.txt",
+        "cluster_0003__tides.txt",
+    ]
     h = w.read_file("history/merge_0001__infrastructure/summary.txt")
     assert h.ok and "STATUS: deleted at turn 7: too coarse" in h.text
     assert '[deleted directory] "Infrastructure" (turn 7: too coarse)' in w.list_dir("history").text
     # The file that cites it now points into history.
-    assert '- history/merge_0001__infrastructure/summary.txt ("Infrastructure", deleted)' in \
-        w.read_file("cluster_0003__tides.txt").text
+    assert (
+        '- history/merge_0001__infrastructure/summary.txt ("Infrastructure", deleted)'
+        in w.read_file("cluster_0003__tides.txt").text
+    )
     n = w.nodes["merge_0001"]
     assert (n.active, n.deleted_turn, n.delete_reason) == (False, 7, "too coarse")
     assert w.check_invariants() == []
@@ -159,19 +210,27 @@ def test_delete_is_all_or_nothing() -> None:
     w = built()
     before = w.to_json()
     r = w.delete(["cluster_0003", "raw_0001", "nope.txt"], "x")
-    err(r, "raw_immutable", "nothing deleted; 2 of 3 targets are unusable", "raw_0001",
-        "'nope.txt' does not exist")
+    err(
+        r,
+        "raw_immutable",
+        "nothing deleted; 2 of 3 targets are unusable",
+        "raw_0001",
+        "'nope.txt' does not exist",
+    )
     assert w.to_json() == before
 
 
-@pytest.mark.parametrize("target,code,fragment", [
-    ("raw_docs/raw_0001__alpha_bridge.txt", "raw_immutable", "raw documents can never be deleted"),
-    ("raw_docs", "raw_immutable", "raw documents directory"),
-    ("README.md", "invalid_argument", "the generated README.md"),
-    (".", "invalid_argument", "the workspace root"),
-    ("ghost.txt", "path_not_found", "target 'ghost.txt' does not exist"),
-    ("/etc/passwd", "path_escape", "is absolute"),
-])
+@pytest.mark.parametrize(
+    "target,code,fragment",
+    [
+        ("raw_docs/raw_0001__alpha_bridge.txt", "raw_immutable", "raw documents can never be deleted"),
+        ("raw_docs", "raw_immutable", "raw documents directory"),
+        ("README.md", "invalid_argument", "the generated README.md"),
+        (".", "invalid_argument", "the workspace root"),
+        ("ghost.txt", "path_not_found", "target 'ghost.txt' does not exist"),
+        ("/etc/passwd", "path_escape", "is absolute"),
+    ],
+)
 def test_delete_refusals(ws: Workspace, target: str, code: str, fragment: str) -> None:
     err(ws.delete([target], "r"), code, fragment)
 
@@ -179,8 +238,12 @@ def test_delete_refusals(ws: Workspace, target: str, code: str, fragment: str) -
 def test_delete_twice_and_history_targets() -> None:
     w = built()
     assert w.delete("cluster_0003", "dup").ok  # a single string is a one-element list
-    err(w.delete(["cluster_0003"], "again"), "inactive_path", "was deleted at turn 0 (dup)",
-        "history/cluster_0003__tides.txt")
+    err(
+        w.delete(["cluster_0003"], "again"),
+        "inactive_path",
+        "was deleted at turn 0 (dup)",
+        "history/cluster_0003__tides.txt",
+    )
     err(w.delete(["history"], "x"), "inactive_path", "only holds deleted nodes")
     err(w.delete([], "x"), "invalid_argument", "target_paths is empty")
     err(w.delete(["cluster_0001"], 5), "invalid_argument", "reason must be a string, got int")
@@ -189,29 +252,52 @@ def test_delete_twice_and_history_targets() -> None:
 
 
 # --------------------------------------------------------------------------------------- bad create input
-@pytest.mark.parametrize("kwargs,code,fragment", [
-    (dict(title="", input_paths=["raw_0001"]), "invalid_argument", "title is empty"),
-    (dict(title=3, input_paths=["raw_0001"]), "invalid_argument", "title must be a string, got int"),
-    (dict(title="x" * 201, input_paths=["raw_0001"]), "invalid_argument", "title is 201 characters"),
-    (dict(title="T", input_paths=[]), "empty_sources", "input_paths is empty"),
-    (dict(title="T", input_paths=None), "invalid_argument", "input_paths must be a list of paths"),
-    (dict(title="T", input_paths=[f"raw_{i:04d}" for i in range(70)]), "invalid_argument", "limit is 64"),
-    (dict(title="T", input_paths=["raw_docs/nothing.txt"]), "unknown_source",
-     "source 'raw_docs/nothing.txt' does not exist"),
-    (dict(title="T", input_paths=["../secret"]), "path_escape", "climbs above the workspace root"),
-    (dict(title="T", input_paths=["a\x00b"]), "invalid_path", "NUL or control character"),
-    (dict(title="T", input_paths=["raw_docs"]), "is_a_directory", "source 'raw_docs' is a plain directory"),
-    (dict(title="T", input_paths=["README.md"]), "invalid_argument", "is the generated README.md"),
-    (dict(title="T", input_paths=["raw_0001"], parent_path="nowhere"), "parent_not_found",
-     "parent_path 'nowhere' does not exist"),
-    (dict(title="T", input_paths=["raw_0001"], parent_path="raw_docs"), "raw_immutable", "read-only"),
-    (dict(title="T", input_paths=["raw_0001"], parent_path="README.md"), "not_a_directory", "is a file"),
-    (dict(title="T", input_paths=["raw_0001"], turn="soon"), "invalid_argument", "turn must be an integer"),
-    (dict(title="T", input_paths=["raw_0001"], content=None), "invalid_argument",
-     "content must be a string, got NoneType"),
-    (dict(title="T", input_paths=["raw_0001"], content="x" * 200_001), "invalid_argument",
-     "content is 200,001 characters"),
-])
+@pytest.mark.parametrize(
+    "kwargs,code,fragment",
+    [
+        (dict(title="", input_paths=["raw_0001"]), "invalid_argument", "title is empty"),
+        (dict(title=3, input_paths=["raw_0001"]), "invalid_argument", "title must be a string, got int"),
+        (dict(title="x" * 201, input_paths=["raw_0001"]), "invalid_argument", "title is 201 characters"),
+        (dict(title="T", input_paths=[]), "empty_sources", "input_paths is empty"),
+        (dict(title="T", input_paths=None), "invalid_argument", "input_paths must be a list of paths"),
+        (dict(title="T", input_paths=[f"raw_{i:04d}" for i in range(70)]), "invalid_argument", "limit is 64"),
+        (
+            dict(title="T", input_paths=["raw_docs/nothing.txt"]),
+            "unknown_source",
+            "source 'raw_docs/nothing.txt' does not exist",
+        ),
+        (dict(title="T", input_paths=["../secret"]), "path_escape", "climbs above the workspace root"),
+        (dict(title="T", input_paths=["a\x00b"]), "invalid_path", "NUL or control character"),
+        (
+            dict(title="T", input_paths=["raw_docs"]),
+            "is_a_directory",
+            "source 'raw_docs' is a plain directory",
+        ),
+        (dict(title="T", input_paths=["README.md"]), "invalid_argument", "is the generated README.md"),
+        (
+            dict(title="T", input_paths=["raw_0001"], parent_path="nowhere"),
+            "parent_not_found",
+            "parent_path 'nowhere' does not exist",
+        ),
+        (dict(title="T", input_paths=["raw_0001"], parent_path="raw_docs"), "raw_immutable", "read-only"),
+        (dict(title="T", input_paths=["raw_0001"], parent_path="README.md"), "not_a_directory", "is a file"),
+        (
+            dict(title="T", input_paths=["raw_0001"], turn="soon"),
+            "invalid_argument",
+            "turn must be an integer",
+        ),
+        (
+            dict(title="T", input_paths=["raw_0001"], content=None),
+            "invalid_argument",
+            "content must be a string, got NoneType",
+        ),
+        (
+            dict(title="T", input_paths=["raw_0001"], content="x" * 200_001),
+            "invalid_argument",
+            "content is 200,001 characters",
+        ),
+    ],
+)
 def test_create_refusals(ws: Workspace, kwargs: dict, code: str, fragment: str) -> None:
     kwargs.setdefault("content", "body")
     before = ws.to_json()
@@ -221,12 +307,21 @@ def test_create_refusals(ws: Workspace, kwargs: dict, code: str, fragment: str) 
 
 def test_create_refusals_that_need_state() -> None:
     w = built()
-    err(w.create_file("T", ["raw_0001"], "b", parent_path="cluster_0003"), "not_a_directory",
-        "parent_path 'cluster_0003' is a file")
-    err(w.create_file("t", ["raw_0001"], "b", parent_path="merge_0001__infrastructure/summary.txt"),
-        "not_a_directory", "is a file")
-    err(w.create_file("  tides ", ["raw_0001"], "b"), "duplicate_title", "title 'tides' is already used by "
-        "'cluster_0003__tides.txt'")
+    err(
+        w.create_file("T", ["raw_0001"], "b", parent_path="cluster_0003"),
+        "not_a_directory",
+        "parent_path 'cluster_0003' is a file",
+    )
+    err(
+        w.create_file("t", ["raw_0001"], "b", parent_path="merge_0001__infrastructure/summary.txt"),
+        "not_a_directory",
+        "is a file",
+    )
+    err(
+        w.create_file("  tides ", ["raw_0001"], "b"),
+        "duplicate_title",
+        "title 'tides' is already used by 'cluster_0003__tides.txt'",
+    )
     assert w.delete(["merge_0001"], "gone").ok
     err(w.create_file("T", ["merge_0001"], "b"), "inactive_path", "source 'merge_0001' was deleted at turn 0")
     err(w.create_file("T", ["raw_0001"], "b", parent_path="merge_0001"), "inactive_path", "parent_path")
@@ -249,13 +344,22 @@ def test_merge_refusals() -> None:
     err(w.merge_files("M", ["raw_0001"], "b"), "raw_immutable", "raw documents never move")
     err(w.merge_files("M", ["raw_docs"], "b"), "raw_immutable", "raw_docs directory")
     err(w.merge_files("M", ["cluster_0099"], "b"), "unknown_source", "child 'cluster_0099' does not exist")
-    err(w.merge_files("M", ["merge_0001", "cluster_0001"], "b"), "invalid_argument",
-        "is inside another child 'merge_0001__infrastructure'")
-    err(w.merge_files("M", ["merge_0001"], "b", parent_path="merge_0001"), "merge_cycle",
-        "parent_path 'merge_0001' is child 'merge_0001__infrastructure'")
+    err(
+        w.merge_files("M", ["merge_0001", "cluster_0001"], "b"),
+        "invalid_argument",
+        "is inside another child 'merge_0001__infrastructure'",
+    )
+    err(
+        w.merge_files("M", ["merge_0001"], "b", parent_path="merge_0001"),
+        "merge_cycle",
+        "parent_path 'merge_0001' is child 'merge_0001__infrastructure'",
+    )
     assert w.merge_files("Inner", ["cluster_0001"], "b").ok  # merge_0002 inside merge_0001
-    err(w.merge_files("M", ["merge_0001"], "b", parent_path="merge_0002"), "merge_cycle",
-        "lies inside child 'merge_0001__infrastructure'")
+    err(
+        w.merge_files("M", ["merge_0001"], "b", parent_path="merge_0002"),
+        "merge_cycle",
+        "lies inside child 'merge_0001__infrastructure'",
+    )
     err(w.merge_files("Inner", ["cluster_0003"], "b"), "duplicate_title", "'Inner' is already used")
     assert w.check_invariants() == []
 
@@ -270,10 +374,17 @@ def test_read_limits_and_continuation(ws: Workspace) -> None:
     err(ws.read_file(p, start_line=True), "invalid_argument", "start_line must be an integer, got True")
     err(ws.read_file(p, start_line=999), "invalid_argument", "start_line=999 is past the end", "(256 lines)")
     r = ws.read_file(p)
-    assert r.ok and r.data == {"path": p, "start_line": 1, "end_line": 100, "total_lines": 256,
-                               "truncated": True, "next_start_line": 101}
-    assert r.text.endswith(f"[more lines: lines 101-256 not shown; continue with read_file('{p}', "
-                           f"start_line=101)]")
+    assert r.ok and r.data == {
+        "path": p,
+        "start_line": 1,
+        "end_line": 100,
+        "total_lines": 256,
+        "truncated": True,
+        "next_start_line": 101,
+    }
+    assert r.text.endswith(
+        f"[more lines: lines 101-256 not shown; continue with read_file('{p}', start_line=101)]"
+    )
     last = ws.read_file(p, start_line="250", num_lines="10")
     assert last.ok and last.data["end_line"] == 256 and last.text.endswith("[end of file]")
     assert "  256| line 250 of the long report" in last.text
@@ -312,11 +423,16 @@ def test_read_and_list_kind_errors() -> None:
 def test_forgiving_lookup_rules() -> None:
     w = built()
     target = "merge_0001__infrastructure/cluster_0001__bridges.txt"
-    for asked, rule in [(target, "exact"), (target.upper(), "case_insensitive"),
-                        (target[:-4], "added_extension"), ("cluster_0001", "handle"),
-                        ("cluster_0001__bridges.txt", "unique_basename"), ("CLUSTER_0001__BRIDGES", "unique_basename"),
-                        ("./merge_0001__infrastructure//cluster_0001__bridges.txt/", "exact"),
-                        ("raw_docs/../" + target, "exact")]:
+    for asked, rule in [
+        (target, "exact"),
+        (target.upper(), "case_insensitive"),
+        (target[:-4], "added_extension"),
+        ("cluster_0001", "handle"),
+        ("cluster_0001__bridges.txt", "unique_basename"),
+        ("CLUSTER_0001__BRIDGES", "unique_basename"),
+        ("./merge_0001__infrastructure//cluster_0001__bridges.txt/", "exact"),
+        ("raw_docs/../" + target, "exact"),
+    ]:
         r = w.read_file(asked)
         assert r.ok and r.data["path"] == target, (asked, r)
         assert (r.text.startswith("[note:")) == (rule != "exact"), asked
@@ -336,13 +452,16 @@ def test_paths_module_normalize() -> None:
     assert P.normalize("  ./a//b/./c/ ") == "a/b/c"
     assert P.normalize("a/../b") == "b"
     assert P.normalize(".") == "" and P.normalize("") == ""
-    assert P.normalize("../x") == P.PathError("path_escape", "path '../x' climbs above the workspace root with '..'")
+    assert P.normalize("../x") == P.PathError(
+        "path_escape", "path '../x' climbs above the workspace root with '..'"
+    )
     assert P.normalize("/x").code == "path_escape"
     assert P.normalize("a\tb").code == "invalid_path"
     assert P.normalize("a/" + "b" * 256).code == "invalid_path"
     assert P.slugify("Zeta / ../../etc Notes") == "zeta_etc_notes" and P.slugify("!!!") == "untitled"
     assert all(P.is_safe_name(n) for n in ["a", "x.txt"]) and not any(
-        P.is_safe_name(n) for n in ["", ".", "..", "a/b", "a\\b", "a\nb"])
+        P.is_safe_name(n) for n in ["", ".", "..", "a/b", "a\\b", "a\nb"]
+    )
     assert R.display_lines("a\n" + "b" * 4500 + "\n") == ["a", "b" * 2000, "b" * 2000, "b" * 500]
 
 
@@ -354,14 +473,23 @@ def test_source_excerpts_share_the_budget() -> None:
     info = {s["path"]: s for s in r.data["sources"]}
     assert not info["raw_docs/raw_0001__alpha_bridge.txt"]["truncated"]  # short sources are whole
     assert not info["cluster_0003__tides.txt"]["truncated"]
-    assert info["raw_docs/raw_0005__d_eps.txt"]["truncated"] and info["raw_docs/raw_0004__harbour_tides_report.txt"][
-        "truncated"]
-    assert abs(info["raw_docs/raw_0005__d_eps.txt"]["chars"] - info[
-        "raw_docs/raw_0004__harbour_tides_report.txt"]["chars"]) <= 1  # the long ones split the rest evenly
+    assert (
+        info["raw_docs/raw_0005__d_eps.txt"]["truncated"]
+        and info["raw_docs/raw_0004__harbour_tides_report.txt"]["truncated"]
+    )
+    assert (
+        abs(
+            info["raw_docs/raw_0005__d_eps.txt"]["chars"]
+            - info["raw_docs/raw_0004__harbour_tides_report.txt"]["chars"]
+        )
+        <= 1
+    )  # the long ones split the rest evenly
     assert "=== SOURCE 1: raw_docs/raw_0001__alpha_bridge.txt ===\nTITLE: Alpha Bridge\nAlpha text." in r.text
     lines = w.source_excerpts(["raw_0004"], max_lines=3)
-    assert lines.text.endswith("line 1 of the long report about harbour tides\nline 2 of the long report about "
-                               "harbour tides\nline 3 of the long report about harbour tides\n[... excerpt cut]")
+    assert lines.text.endswith(
+        "line 1 of the long report about harbour tides\nline 2 of the long report about "
+        "harbour tides\nline 3 of the long report about harbour tides\n[... excerpt cut]"
+    )
     err(w.source_excerpts([]), "empty_sources", "input_paths is empty")
     err(w.source_excerpts(["missing"]), "unknown_source", "'missing' does not exist")
 
@@ -370,7 +498,9 @@ def test_check_create_and_check_merge_do_not_change_state() -> None:
     w = built()
     before = w.to_json()
     c = w.check_create("New", ["raw_0001", "cluster_0003", "raw_0001"], parent_path="merge_0001")
-    assert c.ok and c.data["raw_sources"] == ("raw_0001",) and c.data["synthetic_sources"] == ("cluster_0003",)
+    assert (
+        c.ok and c.data["raw_sources"] == ("raw_0001",) and c.data["synthetic_sources"] == ("cluster_0003",)
+    )
     assert c.data["parent"] == "merge_0001"
     m = w.check_merge("New", ["cluster_0003"])
     assert m.ok and m.data["children"] == ("cluster_0003",) and m.data["parent"] is None
@@ -381,8 +511,10 @@ def test_check_create_and_check_merge_do_not_change_state() -> None:
 def test_readme_index() -> None:
     w = built()
     r = w.readme()
-    shown = [line.split("| ", 1)[1] if "| " in line else "" for line in
-             w.read_file("README.md").text.split("\n")[1:-1]]
+    shown = [
+        line.split("| ", 1)[1] if "| " in line else ""
+        for line in w.read_file("README.md").text.split("\n")[1:-1]
+    ]
     assert r.ok and shown == r.text.rstrip("\n").split("\n")
     assert "This workspace holds 6 raw documents and 3 synthetic files in 1 synthetic directories" in r.text
     assert 'merge_0001__infrastructure/  "Infrastructure"\n  cluster_0001__bridges.txt  "Bridges"' in r.text
@@ -396,8 +528,10 @@ def test_provenance_is_transitive_with_hashes() -> None:
     r = w.provenance("cluster_0003")
     assert r.ok
     assert [x["handle"] for x in r.data["raw"]] == ["raw_0004", "raw_0001", "raw_0002", "raw_0003"]
-    assert all(x["sha"] == content_hash(next(d.text for d in corpus() if d.doc_id == x["doc_id"]))
-               for x in r.data["raw"])
+    assert all(
+        x["sha"] == content_hash(next(d.text for d in corpus() if d.doc_id == x["doc_id"]))
+        for x in r.data["raw"]
+    )
     assert r.data["synthetic"] == ["merge_0001", "cluster_0001", "cluster_0002"]
     assert w.provenance("raw_0002").data["raw"][0]["doc_id"] == "d-beta"
     err(w.provenance("raw_docs"), "is_a_directory", "is not a raw document or synthetic node")
@@ -433,6 +567,20 @@ def test_round_trip_copy_and_equality() -> None:
     assert w.create_file("After", ["raw_0006"], "later").ok
     assert snap != w and snap.to_json() == s and "cluster_0004" not in snap.nodes
     assert snap.list_dir().data["entries"] != w.list_dir().data["entries"]
+
+
+def test_snapshot_without_raw_text() -> None:
+    w = built()
+    small = w.to_json(include_raw_text=False)
+    assert len(small) < len(w.to_json()) - 40_000 and "long report about harbour tides" not in small
+    back = Workspace.from_json(small, docs=corpus())
+    assert back == w and back.to_json() == w.to_json()
+    assert w.to_json(include_raw_text=False) == small  # the cached raw section is reused
+    with pytest.raises(ValueError, match="no text for raw document 'd-alpha'; pass docs="):
+        Workspace.from_json(small)
+    changed = [Document("d-alpha", "edited", title="Alpha Bridge"), *corpus()[1:]]
+    with pytest.raises(ValueError, match="raw raw_0001: text does not match sha"):
+        Workspace.from_json(small, docs=changed)
 
 
 def test_from_json_refuses_bad_snapshots() -> None:
@@ -481,8 +629,11 @@ def test_flattened_and_shuffled() -> None:
     assert flat.check_invariants() == []
     assert flat.stats()["max_depth"] == 1 and flat.stats()["active_dirs"] == 0
     assert flat.stats()["synthetic_chars"] == w.stats()["synthetic_chars"]
-    assert sorted(flat.list_dir().data["entries"])[:3] == ["README.md", "cluster_0001__bridges.txt",
-                                                           "cluster_0002__skies.txt"]
+    assert sorted(flat.list_dir().data["entries"])[:3] == [
+        "README.md",
+        "cluster_0001__bridges.txt",
+        "cluster_0002__skies.txt",
+    ]
     assert flat.read_file("merge_0001__infrastructure.txt").text.endswith("Infra.\n[end of file]")
     for nid, n in w.nodes.items():
         assert flat.nodes[nid].body == n.body and flat.nodes[nid].raw_sources == n.raw_sources
@@ -492,9 +643,11 @@ def test_flattened_and_shuffled() -> None:
         assert sh.check_invariants() == []
         files = [n for n in sh.active_nodes() if n.kind == "file"]
         assert sorted(n.parent or "" for n in files) == sorted(
-            n.parent or "" for n in w.active_nodes() if n.kind == "file")
+            n.parent or "" for n in w.active_nodes() if n.kind == "file"
+        )
         assert {n.node_id: n.parent for n in sh.active_nodes() if n.kind == "directory"} == {
-            n.node_id: n.parent for n in w.active_nodes() if n.kind == "directory"}
+            n.node_id: n.parent for n in w.active_nodes() if n.kind == "directory"
+        }
         placements.add(tuple(n.parent for n in files))
     assert len(placements) > 1
     assert w.shuffled(3) == w.shuffled(3)
@@ -502,12 +655,30 @@ def test_flattened_and_shuffled() -> None:
 
 def test_action_results_never_raise_on_junk() -> None:
     w = built()
-    junk: list[object] = [None, 3, 2.5, b"raw", {"a": 1}, ["raw_0001", None], "\x00", "", "..", "/" * 3, "?" * 9]
+    junk: list[object] = [
+        None,
+        3,
+        2.5,
+        b"raw",
+        {"a": 1},
+        ["raw_0001", None],
+        "\x00",
+        "",
+        "..",
+        "/" * 3,
+        "?" * 9,
+    ]
     for j in junk:
-        for call in (lambda: w.read_file(j), lambda: w.list_dir(j), lambda: w.delete(j, j),
-                     lambda: w.create_file(j, j, j, j, j), lambda: w.merge_files(j, j, j, j, j),
-                     lambda: w.source_excerpts(j), lambda: w.provenance(j),
-                     lambda: w.read_file("README.md", j, j)):
-            r = call()
+        results = [
+            w.read_file(j),
+            w.list_dir(j),
+            w.delete(j, j),
+            w.create_file(j, j, j, j, j),
+            w.merge_files(j, j, j, j, j),
+            w.source_excerpts(j),
+            w.provenance(j),
+            w.read_file("README.md", j, j),
+        ]
+        for r in results:
             assert isinstance(r, ActionResult) and (r.ok == (r.code == "ok"))
     assert w.check_invariants() == []

@@ -149,43 +149,98 @@ class Match:
 
 
 class NameIndex:
-    """Lookup tables over every path that exists, built once per workspace state.
+    """Lookup tables over the paths that exist, for `resolve`.
 
-    `paths` are the normalised names (directories without a trailing slash); `handles` maps lowercase short
-    ids (`raw_0001`) to a path.
+    `paths` are normalised names (directories without a trailing slash); `handles` maps short ids (`raw_0001`)
+    to a path. An index may sit on a `base` index (the workspace keeps the never-changing raw documents in a
+    base layer shared by every snapshot, and the synthetic nodes in a layer rebuilt or extended on changes);
+    lookups see the union of both.
     """
 
-    def __init__(self, paths: Iterable[str], handles: Mapping[str, str]):
-        self.paths: tuple[str, ...] = tuple(paths)
-        self._exact = set(self.paths)
-        self._lower: dict[str, str] = {}
+    def __init__(self, paths: Iterable[str], handles: Mapping[str, str], base: NameIndex | None = None):
+        self.base = base
+        self._paths: dict[str, None] = {}  # insertion-ordered set
+        self._exact: set[str] = set()
+        self._lower: dict[str, list[str]] = {}  # lowercase form -> paths spelled that way
         self._base: dict[str, list[str]] = {}
-        for p in self.paths:
-            self._lower.setdefault(p.lower(), p)
-            b = basename(p).lower()
-            self._base.setdefault(b, []).append(p)
-            stem = strip_extension(b)
-            if stem != b:
-                self._base.setdefault(stem, []).append(p)
-        self._handles = {k.lower(): v for k, v in handles.items()}
+        self._handles: dict[str, str] = {}
+        self._handle_of: dict[str, str] = {}
+        for p in paths:
+            self.add(p)
+        for k, v in handles.items():
+            self._handles[k.lower()] = v
+            self._handle_of[v] = k.lower()
+
+    def add(self, path: str, handle: str | None = None) -> None:
+        """Add one path (and optionally its short id)."""
+        self._paths[path] = None
+        self._exact.add(path)
+        low = path.lower()
+        self._lower.setdefault(low, []).append(path)
+        for key in self._base_keys(low):
+            self._base.setdefault(key, []).append(path)
+        if handle is not None:
+            self._handles[handle.lower()] = path
+            self._handle_of[path] = handle.lower()
+
+    def remove(self, path: str) -> None:
+        """Forget one path (and the short id pointing at it)."""
+        del self._paths[path]
+        self._exact.discard(path)
+        low = path.lower()
+        for table, keys in ((self._lower, (low,)), (self._base, self._base_keys(low))):
+            for key in keys:
+                lst = table[key]
+                lst.remove(path)
+                if not lst:
+                    del table[key]
+        h = self._handle_of.pop(path, None)
+        if h is not None and self._handles.get(h) == path:
+            del self._handles[h]
+
+    @staticmethod
+    def _base_keys(low: str) -> tuple[str, ...]:
+        b = low.rsplit("/", 1)[-1]
+        return (b, b.rsplit(".", 1)[0]) if b.endswith(FORGIVEN_EXTENSIONS) else (b,)
+
+    @property
+    def paths(self) -> list[str]:
+        return (self.base.paths if self.base else []) + list(self._paths)
+
+    def _has(self, p: str) -> bool:
+        return p in self._exact or (self.base is not None and self.base._has(p))
+
+    def _get_lower(self, low: str) -> str | None:
+        hits = self._lower.get(low)
+        hit = hits[0] if hits else None
+        return hit if hit is not None or self.base is None else self.base._get_lower(low)
+
+    def _get_handle(self, h: str) -> str | None:
+        hit = self._handles.get(h)
+        return hit if hit is not None or self.base is None else self.base._get_handle(h)
+
+    def _get_base(self, b: str) -> list[str]:
+        return self._base.get(b, []) + (self.base._get_base(b) if self.base else [])
 
     def resolve(self, norm: str) -> Match:
         """Find `norm` (already normalised) by the rules of the module docstring."""
-        if norm in self._exact:
+        if self._has(norm):
             return Match(norm)
         low = norm.lower()
-        if low in self._lower:
-            return Match(self._lower[low], "case_insensitive")
+        hit = self._get_lower(low)
+        if hit is not None:
+            return Match(hit, "case_insensitive")
         for ext in FORGIVEN_EXTENSIONS:
-            if norm + ext in self._exact:
+            if self._has(norm + ext):
                 return Match(norm + ext, "added_extension")
-            if low + ext in self._lower:
-                return Match(self._lower[low + ext], "added_extension")
+            hit = self._get_lower(low + ext)
+            if hit is not None:
+                return Match(hit, "added_extension")
         stem = strip_extension(basename(low))
-        if stem in self._handles:
-            return Match(self._handles[stem], "handle")
-        cands = self._base.get(basename(low), []) or self._base.get(stem, [])
-        cands = sorted(set(cands))
+        hit = self._get_handle(stem)
+        if hit is not None:
+            return Match(hit, "handle")
+        cands = sorted(set(self._get_base(basename(low)) or self._get_base(stem)))
         if len(cands) == 1:
             return Match(cands[0], "unique_basename")
         if cands:

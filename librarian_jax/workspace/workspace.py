@@ -168,26 +168,40 @@ class _Entry:
     ref: str = ""  # raw handle or node id
 
 
-class _Index:
-    """Derived lookup state for one workspace state (rebuilt lazily after each change)."""
+class _RawLayer:
+    """Lookup state for the fixed part of a workspace (root, README, raw_docs/, the raw documents): built once
+    and shared by every copy and snapshot of it."""
 
-    def __init__(self, ws: Workspace):
+    def __init__(self, raw: Sequence[RawDoc]):
         self.entries: dict[str, _Entry] = {
             "": _Entry(E_ROOT),
             README: _Entry(E_README),
             RAW_DIR: _Entry(E_RAW_DIR),
         }
-        handles: dict[str, str] = {}
-        for doc in ws._raw:
+        for doc in raw:
             self.entries[doc.path] = _Entry(E_RAW, doc.handle)
-            handles[doc.handle] = doc.path
+        self.names = P.NameIndex([p for p in self.entries if p], {d.handle: d.path for d in raw})
+        self.cache: dict[str, str] = {}  # serialised raw sections (see Workspace.to_json)
+
+
+class _Index:
+    """Derived lookup state for the synthetic nodes of one workspace state, on top of the raw layer. Rebuilt
+    lazily after a merge or delete; extended in place by a create (`add_file`) when no copy shares it."""
+
+    def __init__(self, nodes: dict[str, SyntheticNode], raw: _RawLayer):
+        self.raw = raw
+        self.entries: dict[str, _Entry] = {}
         self.dir_path: dict[str, str] = {}  # node id -> directory path (directories) or file path (files)
         self.children: dict[str | None, list[str]] = {None: []}
-        nodes = ws._nodes
+        self.titles: dict[str, str] = {}  # normalised title of an active node -> node id
+        self.has_history = False
         for nid, node in nodes.items():
             if node.active:
                 self.children.setdefault(node.parent, []).append(nid)
-        if any(not n.active for n in nodes.values()):
+                self.titles[_norm_title(node.title)] = nid
+            else:
+                self.has_history = True
+        if self.has_history:
             self.entries[HISTORY_DIR] = _Entry(E_HISTORY_DIR)
 
         def path_of(nid: str, depth: int = 0) -> str:
@@ -205,6 +219,7 @@ class _Index:
             self.dir_path[nid] = p
             return p
 
+        handles: dict[str, str] = {}
         for nid, node in nodes.items():
             p = path_of(nid)
             if node.kind == DIRECTORY:
@@ -213,7 +228,104 @@ class _Index:
             else:
                 self.entries[p] = _Entry(E_FILE, nid)
             handles[nid] = p
-        self.names = P.NameIndex([p for p in self.entries if p], handles)
+        self.names = P.NameIndex(self.entries, handles, base=raw.names)
+
+    def add_file(self, node: SyntheticNode) -> None:
+        """Extend the index by a newly created active file (nothing else moves on a create)."""
+        parent = "" if node.parent is None else self.dir_path[node.parent] + "/"
+        p = parent + node.name
+        self.dir_path[node.node_id] = p
+        self.entries[p] = _Entry(E_FILE, node.node_id)
+        self.children.setdefault(node.parent, []).append(node.node_id)
+        self.titles[_norm_title(node.title)] = node.node_id
+        self.names.add(p, node.node_id)
+
+    def _put(self, node: SyntheticNode) -> None:
+        """Enter one node's path(s), computed from its parent's current path."""
+        nid = node.node_id
+        if not node.active:
+            p = f"{HISTORY_DIR}/{node.name}"
+        elif node.parent is None:
+            p = node.name
+        else:
+            p = f"{self.dir_path[node.parent]}/{node.name}"
+        self.dir_path[nid] = p
+        if node.kind == DIRECTORY:
+            self.entries[p] = _Entry(E_DIR, nid)
+            self.entries[f"{p}/{SUMMARY}"] = _Entry(E_SUMMARY, nid)
+            self.names.add(f"{p}/{SUMMARY}")
+        else:
+            self.entries[p] = _Entry(E_FILE, nid)
+        self.names.add(p, nid)
+
+    def _drop(self, nid: str) -> None:
+        p = self.dir_path.pop(nid)
+        if self.entries.pop(p).kind == E_DIR:
+            del self.entries[f"{p}/{SUMMARY}"]
+            self.names.remove(f"{p}/{SUMMARY}")
+        self.names.remove(p)
+
+    def detach(self, nodes: dict[str, SyntheticNode], roots: Sequence[str]) -> list[str]:
+        """Before `roots` move: drop the paths of their whole subtrees (returned in preorder), take the roots
+        out of their parents' child lists."""
+        order: list[str] = []
+        stack = list(reversed(roots))
+        while stack:
+            nid = stack.pop()
+            order.append(nid)
+            if nodes[nid].kind == DIRECTORY:
+                stack.extend(reversed(self.children.get(nid, [])))
+        for nid in order:
+            self._drop(nid)
+        for r in roots:
+            self.children[nodes[r].parent].remove(r)
+        return order
+
+    def on_merge(self, nodes: dict[str, SyntheticNode], new_id: str, moved: list[str]) -> None:
+        """After a merge made `new_id` (children already re-parented in `nodes`)."""
+        node = nodes[new_id]
+        self.children.setdefault(node.parent, []).append(new_id)
+        self.children[new_id] = list(node.synthetic_sources)
+        self.titles[_norm_title(node.title)] = new_id
+        self._put(node)
+        for nid in moved:
+            self._put(nodes[nid])
+
+    def on_delete(self, nodes: dict[str, SyntheticNode], gone: str, moved: list[str]) -> None:
+        """After `gone` was deleted (children already re-parented in `nodes`); `moved` is from `detach`."""
+        node = nodes[gone]
+        kids = self.children.pop(gone, [])
+        self.children.setdefault(nodes[kids[0]].parent if kids else None, []).extend(kids)
+        self.titles.pop(_norm_title(node.title), None)
+        if not self.has_history:
+            self.has_history = True
+            self.entries[HISTORY_DIR] = _Entry(E_HISTORY_DIR)
+            self.names.add(HISTORY_DIR)
+        for nid in moved:
+            self._put(nodes[nid])
+
+    def signature(self) -> tuple[Any, ...]:
+        """Everything lookups depend on, comparably (to check incremental updates against a rebuild)."""
+        kids = {k: sorted(v) for k, v in self.children.items() if v}
+        n = self.names
+        return (
+            dict(self.all_entries()),
+            self.dir_path,
+            self.titles,
+            kids,
+            self.has_history,
+            sorted(n.paths),
+            n._handles,
+            sorted((k, sorted(v)) for k, v in n._base.items()),
+            sorted((k, sorted(v)) for k, v in n._lower.items()),
+        )
+
+    def entry(self, path: str) -> _Entry:
+        hit = self.entries.get(path)
+        return hit if hit is not None else self.raw.entries[path]
+
+    def all_entries(self) -> list[tuple[str, _Entry]]:
+        return [*self.raw.entries.items(), *self.entries.items()]
 
     def file_path(self, node: SyntheticNode) -> str:
         p = self.dir_path[node.node_id]
@@ -226,6 +338,10 @@ class _Resolved:
     path: str
     entry: _Entry
     rule: str
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def _norm_title(title: str) -> str:
@@ -268,6 +384,8 @@ class Workspace:
         self._nodes: dict[str, SyntheticNode] = dict(nodes or {})
         self._next = dict(next_ids or {FILE: 1, DIRECTORY: 1})
         self._index_cache: _Index | None = None
+        self._index_shared = False  # True while a copy holds the same _Index object
+        self._raw_layer_cache: _RawLayer | None = None
 
     # ----------------------------------------------------------------------------------------------- building
     @classmethod
@@ -298,9 +416,16 @@ class Workspace:
         return cls(raw)
 
     @property
+    def _raw_layer(self) -> _RawLayer:
+        if self._raw_layer_cache is None:
+            self._raw_layer_cache = _RawLayer(self._raw)
+        return self._raw_layer_cache
+
+    @property
     def _index(self) -> _Index:
         if self._index_cache is None:
-            self._index_cache = _Index(self)
+            self._index_cache = _Index(self._nodes, self._raw_layer)
+            self._index_shared = False
         return self._index_cache
 
     def _changed(self) -> None:
@@ -354,7 +479,7 @@ class Workspace:
             else:
                 msg = f"{what} {arg!r} does not exist"
             return ActionResult.error(not_found_code, msg, m.suggestions)
-        return _Resolved(str(arg), m.path, self._index.entries[m.path], m.rule)
+        return _Resolved(str(arg), m.path, self._index.entry(m.path), m.rule)
 
     @staticmethod
     def _note(r: _Resolved) -> str:
@@ -475,16 +600,14 @@ class Workspace:
             return ActionResult.error(
                 INVALID_ARGUMENT, f"title is {len(t)} characters long; the limit is {MAX_TITLE_CHARS}"
             )
-        key = _norm_title(t)
-        for n in self._nodes.values():
-            if n.active and _norm_title(n.title) == key:
-                return ActionResult.error(
-                    DUPLICATE_TITLE,
-                    f"title {t!r} is already used by "
-                    f"{self._index.file_path(n)!r}; pick a distinct "
-                    f"title or delete that node first",
-                    (self._index.file_path(n),),
-                )
+        other = self._index.titles.get(_norm_title(t))
+        if other is not None:
+            where = self._index.file_path(self._nodes[other])
+            return ActionResult.error(
+                DUPLICATE_TITLE,
+                f"title {t!r} is already used by {where!r}; pick a distinct title or delete that node first",
+                (where,),
+            )
         return t
 
     @staticmethod
@@ -556,7 +679,10 @@ class Workspace:
             d["turn"],
         )
         self._nodes[nid] = node
-        self._changed()
+        if self._index_cache is not None and not self._index_shared:
+            self._index_cache.add_file(node)
+        else:
+            self._changed()
         path = self._index.file_path(node)
         logging.debug("workspace: created %s", path)
         return ActionResult.success(
@@ -676,10 +802,15 @@ class Workspace:
         node = SyntheticNode(
             nid, DIRECTORY, d["title"], P.slugify(d["title"]), body, d["parent"], (), d["children"], d["turn"]
         )
+        idx = self._index_cache if not self._index_shared else None
+        moved = idx.detach(self._nodes, d["children"]) if idx is not None else []
         self._nodes[nid] = node
         for c in d["children"]:
             self._nodes[c] = dataclasses.replace(self._nodes[c], parent=nid)
-        self._changed()
+        if idx is not None:
+            idx.on_merge(self._nodes, nid, moved)
+        else:
+            self._changed()
         path = self._index.dir_path[nid]
         return ActionResult.success(
             f"created directory {path}/ with {len(d['children'])} children and "
@@ -760,13 +891,22 @@ class Workspace:
             )
         why = reason.strip()[:MAX_REASON_CHARS]
         old_paths = [self._index.dir_path[t] for t in targets]
+        idx = self._index if not self._index_shared else None
         for t in targets:
             node = self._nodes[t]
-            for cid, c in list(self._nodes.items()):
-                if c.active and c.parent == t:
-                    self._nodes[cid] = dataclasses.replace(c, parent=node.parent)
+            moved = idx.detach(self._nodes, [t]) if idx is not None else []
+            kids = (
+                idx.children.get(t, [])
+                if idx is not None
+                else [cid for cid, c in self._nodes.items() if c.active and c.parent == t]
+            )
+            for cid in kids:
+                self._nodes[cid] = dataclasses.replace(self._nodes[cid], parent=node.parent)
             self._nodes[t] = dataclasses.replace(node, active=False, deleted_turn=turn_v, delete_reason=why)
-        self._changed()
+            if idx is not None:
+                idx.on_delete(self._nodes, t, moved)
+        if idx is None:
+            self._changed()
         new_paths = [self._index.file_path(self._nodes[t]) for t in targets]
         return ActionResult.success(
             f"deleted {', '.join(old_paths)}; readable under {HISTORY_DIR}/",
@@ -902,7 +1042,7 @@ class Workspace:
 
         k = entry.kind
         if k == E_ROOT:
-            head = [README, RAW_DIR] + ([HISTORY_DIR] if HISTORY_DIR in idx.entries else [])
+            head = [README, RAW_DIR] + ([HISTORY_DIR] if idx.has_history else [])
             return head + node_sort(idx.children.get(None, []))
         if k == E_RAW_DIR:
             return [d.path for d in self._raw]
@@ -937,7 +1077,7 @@ class Workspace:
         used = len(head)
         last = start_v - 1
         for i in range(start_v - 1, len(kids)):
-            row = self._entry_line(kids[i], self._index.entries[kids[i]])
+            row = self._entry_line(kids[i], self._index.entry(kids[i]))
             if rows and used + len(row) + 1 > max_chars - 200:
                 break
             rows.append(row)
@@ -1276,76 +1416,110 @@ class Workspace:
                 p = self._nodes[p].parent
         if not errs:
             try:
-                idx = _Index(self)
+                idx = _Index(self._nodes, _RawLayer(self._raw))
                 n_expected = (
                     3 + len(self._raw) + sum(2 if n.kind == DIRECTORY else 1 for n in self._nodes.values())
                 )
                 n_expected += 1 if any(not n.active for n in self._nodes.values()) else 0
-                if len(idx.entries) != n_expected:
-                    errs.append(f"paths are not unique: {len(idx.entries)} entries, {n_expected} expected")
+                n_paths = len({p for p, _ in idx.all_entries()})
+                if n_paths != n_expected:
+                    errs.append(f"paths are not unique: {n_paths} distinct paths, {n_expected} expected")
+                if self._index_cache is not None and self._index_cache.signature() != idx.signature():
+                    errs.append("the incrementally updated path index differs from a fresh build")
             except RuntimeError as e:
                 errs.append(str(e))
         return errs
 
     # --------------------------------------------------------------------------------------- serialisation
-    def to_dict(self) -> dict[str, Any]:
+    @staticmethod
+    def _raw_dict(d: RawDoc, with_text: bool) -> dict[str, Any]:
+        out = {
+            "handle": d.handle,
+            "doc_id": d.doc_id,
+            "title": d.title,
+            "url": d.url,
+            "sha": d.sha,
+            "filename": d.filename,
+            "meta": d.meta,
+        }
+        if with_text:
+            out["text"] = d.text
+        return out
+
+    def _nodes_list(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "node_id": n.node_id,
+                "kind": n.kind,
+                "title": n.title,
+                "slug": n.slug,
+                "parent": n.parent,
+                "raw_sources": list(n.raw_sources),
+                "synthetic_sources": list(n.synthetic_sources),
+                "created_turn": n.created_turn,
+                "active": n.active,
+                "deleted_turn": n.deleted_turn,
+                "delete_reason": n.delete_reason,
+                "body": n.body,
+            }
+            for n in self._nodes.values()
+        ]
+
+    def to_dict(self, include_raw_text: bool = True) -> dict[str, Any]:
+        """The state as plain JSON-able data (see `to_json`)."""
         return {
             "format": FORMAT,
             "next_ids": {"cluster": self._next[FILE], "merge": self._next[DIRECTORY]},
-            "raw": [
-                {
-                    "handle": d.handle,
-                    "doc_id": d.doc_id,
-                    "title": d.title,
-                    "url": d.url,
-                    "sha": d.sha,
-                    "filename": d.filename,
-                    "meta": d.meta,
-                    "text": d.text,
-                }
-                for d in self._raw
-            ],
-            "nodes": [
-                {
-                    "node_id": n.node_id,
-                    "kind": n.kind,
-                    "title": n.title,
-                    "slug": n.slug,
-                    "parent": n.parent,
-                    "raw_sources": list(n.raw_sources),
-                    "synthetic_sources": list(n.synthetic_sources),
-                    "created_turn": n.created_turn,
-                    "active": n.active,
-                    "deleted_turn": n.deleted_turn,
-                    "delete_reason": n.delete_reason,
-                    "body": n.body,
-                }
-                for n in self._nodes.values()
-            ],
+            "raw": [self._raw_dict(d, include_raw_text) for d in self._raw],
+            "nodes": self._nodes_list(),
         }
 
-    def to_json(self) -> str:
-        """The whole state as JSON; `Workspace.from_json(ws.to_json())` restores it exactly."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+    def to_json(self, include_raw_text: bool = True) -> str:
+        """The whole state as JSON; `Workspace.from_json(ws.to_json())` restores it exactly.
+
+        With `include_raw_text=False` raw documents are recorded by doc_id, hash and name only (a snapshot of
+        a few kilobytes instead of the whole corpus, e.g. for episode records); `from_json(text, docs=...)`
+        then needs the documents back and checks their hashes. The serialised raw section is cached (raw
+        documents never change), so repeated snapshots cost only the synthetic part."""
+        key = "raw_json" if include_raw_text else "raw_json_notext"
+        layer = self._raw_layer
+        cached = layer.cache.get(key)
+        if cached is None:
+            cached = _dumps([self._raw_dict(d, include_raw_text) for d in self._raw])
+            layer.cache[key] = cached
+        head = _dumps(
+            {"format": FORMAT, "next_ids": {"cluster": self._next[FILE], "merge": self._next[DIRECTORY]}}
+        )
+        return f'{head[:-1]},"raw":{cached},"nodes":{_dumps(self._nodes_list())}}}'
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Workspace:
-        if d.get("format") != FORMAT:
-            raise ValueError(f"not a workspace snapshot: format {d.get('format')!r}, expected {FORMAT!r}")
+    def from_dict(cls, d: dict[str, Any], docs: Iterable[Document] | None = None) -> Workspace:
+        """Restore `to_dict` data (`docs` supplies raw texts a snapshot left out; see `to_json`)."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"not a workspace snapshot: format {got!r}, expected {FORMAT!r}")
+        texts = {x.doc_id: x.text for x in docs} if docs is not None else {}
         try:
-            raw = [
-                RawDoc(
-                    x["handle"],
-                    x["doc_id"],
-                    x["title"],
-                    x["url"],
-                    x["text"],
-                    x["sha"],
-                    x["filename"],
-                    dict(x.get("meta", {})),
+            raw = []
+            for x in d["raw"]:
+                if "text" in x:
+                    text = x["text"]
+                elif x["doc_id"] in texts:
+                    text = texts[x["doc_id"]]
+                else:
+                    raise ValueError(f"snapshot has no text for raw document {x['doc_id']!r}; pass docs=")
+                raw.append(
+                    RawDoc(
+                        x["handle"],
+                        x["doc_id"],
+                        x["title"],
+                        x["url"],
+                        text,
+                        x["sha"],
+                        x["filename"],
+                        dict(x.get("meta", {})),
+                    )
                 )
-                for x in d["raw"]
-            ]
             nodes = {}
             for x in d["nodes"]:
                 nodes[x["node_id"]] = SyntheticNode(
@@ -1372,15 +1546,14 @@ class Workspace:
         return ws
 
     @classmethod
-    def from_json(cls, text: str) -> Workspace:
-        """Restore a `to_json` snapshot; raises ValueError naming the problem if malformed or unsound."""
+    def from_json(cls, text: str, docs: Iterable[Document] | None = None) -> Workspace:
+        """Restore a `to_json` snapshot; raises ValueError naming the problem if malformed or unsound (a raw
+        text that does not match its recorded hash included)."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"workspace snapshot is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ValueError("workspace snapshot must be a JSON object")
-        return cls.from_dict(d)
+        return cls.from_dict(d, docs)
 
     def copy(self) -> Workspace:
         """An independent snapshot. Cheap: raw documents and nodes are immutable and shared; only the node
@@ -1390,7 +1563,9 @@ class Workspace:
         ws._raw_by_handle = self._raw_by_handle
         ws._nodes = dict(self._nodes)
         ws._next = dict(self._next)
+        ws._raw_layer_cache = self._raw_layer_cache
         ws._index_cache = self._index_cache  # derived from identical state; dropped on the next change
+        ws._index_shared = self._index_shared = self._index_cache is not None
         return ws
 
     def __eq__(self, other: object) -> bool:
@@ -1434,7 +1609,7 @@ class Workspace:
         history) by path, rendered exactly as read_file shows it (without line numbers)."""
         return {
             p: self._text_of(e)
-            for p, e in self._index.entries.items()
+            for p, e in self._index.all_entries()
             if e.kind in (E_README, E_RAW, E_FILE, E_SUMMARY)
         }
 
