@@ -141,8 +141,9 @@ def test_tis_is_stop_gradient_and_kl_k3():
     cfg = losses.LossConfig(kl_beta=0.1, tis_cap=2.0, dual_clip=0.0)
 
     def f(lp):
-        t, c, _ = losses.ppo_loss(lp, jax.lax.stop_gradient(lp), sampler, jnp.ones_like(lp), jnp.ones_like(lp),
-                                  jnp.ones((1,)), ref, config=cfg)
+        ones = jnp.ones_like(lp)
+        t, c, _ = losses.ppo_loss(lp, jax.lax.stop_gradient(lp), sampler, ones, ones, jnp.ones((1,)), ref,
+                                  config=cfg)
         return t / c
 
     lp = jnp.array([[-0.5]])
