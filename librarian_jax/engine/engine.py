@@ -1,0 +1,480 @@
+"""The generation engine: fixed slots, chunked prefill, on-device decode rounds, continuous batching.
+
+``Engine`` keeps ``num_slots`` sessions' caches on the mesh at once (one ``Cache`` of batch ``num_slots``,
+allocated once, sharded by logical-axis rules, donated through every program). ``step()`` admits waiting turns
+into slots (evicting idle sessions LRU when none is free), prefills their new tokens in bucketed chunks, runs
+one decode round of at most ``round_steps`` tokens on device, and returns the turns that finished. Sessions
+that finish early free their decode lane for the next admitted turn at the next round.
+
+Token accounting: a session may hold at most ``max_seq_len`` tokens (prompt, generated and appended). A turn
+that would exceed it ends with status ``"cache_full"``; a session already too long to generate one more token
+ends its next turn immediately with ``"cache_full"`` and no tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from librarian_jax.engine import slots as slot_programs
+from librarian_jax.engine.mesh import make_mesh
+from librarian_jax.engine.sampling import GREEDY, SamplingParams
+from librarian_jax.engine.session import Request, Session, TurnResult
+from librarian_jax.engine.sharding import default_rules, normalize_rules, param_shardings, tree_shardings
+
+DEFAULT_PREFILL_BUCKETS: tuple[int, ...] = (32, 128, 512)
+
+
+def _models() -> Any:
+    from librarian_jax import models
+
+    return models
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one ``Engine.step()`` did.
+
+    Attributes:
+      active_slots: slots decoding in this round.
+      decode_steps: loop iterations the round ran.
+      tokens_decoded: tokens sampled in this round (all slots).
+      prefill_tokens: real tokens prefilled; prefill_calls: prefill programs run.
+      prefill_s, decode_s: device time (dispatch to result) of prefill and of the decode round.
+      host_s: the rest of this step plus the host time since the previous step ended (the caller's work).
+      evictions: idle sessions evicted to make room.
+      finished: turns returned.
+    """
+
+    active_slots: int = 0
+    decode_steps: int = 0
+    tokens_decoded: int = 0
+    prefill_tokens: int = 0
+    prefill_calls: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    host_s: float = 0.0
+    evictions: int = 0
+    finished: int = 0
+
+
+def _slot_buckets(num_slots: int) -> list[int]:
+    out, k = [], 1
+    while k < num_slots:
+        out.append(k)
+        k *= 2
+    out.append(num_slots)
+    return out
+
+
+class Engine:
+    """Continuous-batching generation over fixed cache slots.
+
+    Args:
+      model: a ``models.Transformer`` (needs ``model.config``).
+      num_slots: sessions whose caches are resident at once (the decode batch).
+      max_seq_len: the most tokens one session may hold.
+      mesh: device mesh (``engine.mesh.make_mesh``); default a one-device mesh on ``jax.devices()[0]``.
+      rules: logical-axis rules; default ``models.partitioning.DEFAULT_RULES``.
+      prefill_buckets: chunk lengths prefill uses (each is one compiled program per slot-count bucket).
+      round_steps: the most decode steps per ``step()``; the host admits new work between rounds.
+      max_stop_ids: the most stop ids one turn may give.
+      cache_dtype: dtype of the K/V cache (default: the model's choice in ``init_cache``).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        num_slots: int,
+        max_seq_len: int,
+        mesh: Mesh | None = None,
+        *,
+        rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
+        round_steps: int = 64,
+        max_stop_ids: int = 8,
+        cache_dtype: Any = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
+        if max_seq_len < 2:
+            raise ValueError(f"Engine: max_seq_len must be >= 2, got {max_seq_len}")
+        if round_steps < 1:
+            raise ValueError(f"Engine: round_steps must be >= 1, got {round_steps}")
+        if not prefill_buckets or any(b < 1 for b in prefill_buckets):
+            raise ValueError(f"Engine: prefill_buckets must be positive, got {tuple(prefill_buckets)}")
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError(f"Engine: model {type(model).__name__} has no `config` attribute")
+        models = _models()
+        self.config = config
+        self.num_slots = int(num_slots)
+        self.max_seq_len = int(max_seq_len)
+        self.round_steps = int(round_steps)
+        self.max_stop_ids = int(max_stop_ids)
+        self.prefill_buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
+        # The model drops padded and out-of-range cache writes (models contract), so a chunk may run past the
+        # end of a slot: the cache needs no room beyond max_seq_len.
+        self.capacity = self.max_seq_len
+        self.mesh = mesh if mesh is not None else make_mesh({"data": 1}, devices=jax.devices()[:1])
+        self.rules = normalize_rules(rules) if rules is not None else default_rules()
+
+        self.graphdef, state = nnx.split(model)
+        self._param_shardings = param_shardings(state, self.mesh, self.rules)
+        self.params = jax.device_put(state, self._param_shardings)
+
+        def make_cache() -> Any:
+            if cache_dtype is None:
+                return models.init_cache(config, self.num_slots, self.capacity)
+            return models.init_cache(config, self.num_slots, self.capacity, cache_dtype)
+
+        abstract = jax.eval_shape(make_cache)
+        shardings = tree_shardings(abstract, models.cache_logical_axes(config), self.mesh, self.rules)
+        self.cache = jax.jit(make_cache, out_shardings=shardings)()
+        self._cache_sharding = tuple(jax.tree.leaves(shardings))
+
+        self._owner: list[Session | None] = [None] * self.num_slots
+        self._waiting: collections.deque[Session] = collections.deque()
+        self._running: list[Session] = []
+        self._ready: list[TurnResult] = []
+        self._sessions = 0
+        self._clock = 0
+        self._last_end: float | None = None
+        self._slot_buckets = _slot_buckets(self.num_slots)
+        self.stats: list[StepStats] = []
+
+    # ----------------------------------------------------------------------------------------------- public
+
+    def new_session(self, prompt_ids: Sequence[int]) -> Session:
+        """A new session whose record starts with ``prompt_ids`` (loss mask 0); no slot until submitted."""
+        self._sessions += 1
+        s = Session(self, self._sessions, prompt_ids)
+        s.last_used = self._tick()
+        return s
+
+    def submit(
+        self,
+        session: Session,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_ids: Iterable[int] = (),
+    ) -> Request:
+        """Queues one turn of ``session``: up to ``max_new_tokens`` sampled tokens, ending at a stop id.
+
+        Returns the ``Request``; its ``result`` is set (and the ``TurnResult`` returned by ``step()``) when
+        the turn finishes.
+        """
+        if session.engine is not self:
+            raise ValueError(f"submit: session {session.id} belongs to another engine")
+        if session.status in ("waiting", "running"):
+            raise RuntimeError(f"submit: session {session.id} already has a turn in flight")
+        if session.status == "closed":
+            raise RuntimeError(f"submit: session {session.id} is closed")
+        if max_new_tokens < 0:
+            raise ValueError(f"submit: max_new_tokens must be >= 0, got {max_new_tokens}")
+        stops = tuple(int(t) for t in stop_ids)
+        if len(stops) > self.max_stop_ids:
+            raise ValueError(f"submit: {len(stops)} stop ids given; engine max_stop_ids={self.max_stop_ids}")
+        req = Request(session, int(max_new_tokens), sampling or GREEDY, stops)
+        session.request = req
+        if session.status == "cache_full" or len(session) + 1 > self.max_seq_len:
+            self._finish(session, "cache_full")
+        elif max_new_tokens == 0:
+            self._finish(session, "length")
+        else:
+            session.status = "waiting"
+            self._waiting.append(session)
+        return req
+
+    def step(self) -> list[TurnResult]:
+        """Admits waiting turns, prefills them, runs one decode round; returns the turns that finished."""
+        t0 = time.perf_counter()
+        st = StepStats(host_s=(t0 - self._last_end) if self._last_end is not None else 0.0)
+        self._admit(st)
+        t1 = time.perf_counter()
+        self._prefill(st)
+        t2 = time.perf_counter()
+        st.prefill_s = t2 - t1
+        if self._running:
+            self._decode_round(st)
+        t3 = time.perf_counter()
+        st.decode_s = t3 - t2
+        results, self._ready = self._ready, []
+        st.finished = len(results)
+        t4 = time.perf_counter()
+        st.host_s += (t1 - t0) + (t4 - t3)
+        self._last_end = t4
+        self.stats.append(st)
+        return results
+
+    def pending(self) -> bool:
+        """Whether any submitted turn has not been returned by ``step()`` yet."""
+        return bool(self._waiting or self._running or self._ready)
+
+    def run_until_done(self) -> list[TurnResult]:
+        """Calls ``step()`` until every submitted turn finished; returns them in finishing order."""
+        out: list[TurnResult] = []
+        while self.pending():
+            out.extend(self.step())
+        return out
+
+    def update_params(self, state: nnx.State | nnx.Module) -> None:
+        """Swaps in new weights (an ``nnx.State`` of the same model, or the model itself).
+
+        Arrays already on the mesh with the engine's shardings are used as they are; others move device to
+        device (``jax.device_put``) — never through the host.
+        """
+        if isinstance(state, nnx.Module):
+            _, state = nnx.split(state)
+        new_def = jax.tree.structure(state)
+        old_def = jax.tree.structure(self.params)
+        if new_def != old_def:
+            raise ValueError(
+                f"update_params: state tree differs from the engine's params:\n{new_def}\nvs\n{old_def}"
+            )
+        for new, old in zip(jax.tree.leaves(state), jax.tree.leaves(self.params), strict=True):
+            if new.shape != old.shape:
+                raise ValueError(f"update_params: leaf shape {new.shape} != the engine's {old.shape}")
+        self.params = jax.device_put(state, self._param_shardings)
+
+    def reset_stats(self) -> None:
+        self.stats = []
+        self._last_end = None
+
+    # --------------------------------------------------------------------------------------------- internal
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _close(self, session: Session) -> None:
+        if session.status in ("waiting", "running"):
+            raise RuntimeError(f"close: session {session.id} has a turn in flight")
+        self._release(session)
+        session.status = "closed"
+
+    def _release(self, session: Session) -> None:
+        if session.slot is not None:
+            self._owner[session.slot] = None
+        session.slot = None
+        session.cached = 0
+
+    def _finish(self, session: Session, status: str) -> None:
+        req = session.request
+        assert req is not None
+        req.result = TurnResult(
+            session=session,
+            tokens=list(req.tokens),
+            logprobs=np.asarray(req.logprobs, np.float32),
+            status=status,
+            processed_logprobs=np.asarray(req.processed_logprobs, np.float32),
+        )
+        session.request = None
+        session.status = "cache_full" if status == "cache_full" else "idle"
+        session.last_used = self._tick()
+        self._ready.append(req.result)
+
+    def _take_slot(self, st: StepStats) -> int | None:
+        for i, owner in enumerate(self._owner):
+            if owner is None:
+                return i
+        idle = [s for s in self._owner if s is not None and s.status in ("idle", "cache_full")]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda s: s.last_used)
+        slot = victim.slot
+        logging.debug("evicting idle session %d from slot %s", victim.id, slot)
+        self._release(victim)
+        st.evictions += 1
+        return slot
+
+    def _admit(self, st: StepStats) -> None:
+        still: collections.deque[Session] = collections.deque()
+        for s in self._waiting:
+            if s.slot is None:
+                slot = self._take_slot(st)
+                if slot is None:
+                    still.append(s)
+                    continue
+                s.slot, s.cached = slot, 0
+                s._needs_reset = True
+                self._owner[slot] = s
+            s.status = "running"
+            self._running.append(s)
+        self._waiting = still
+
+    def _bucket_for(self, session: Session) -> int:
+        remaining = len(session) - 1 - session.cached
+        for b in self.prefill_buckets:
+            if b >= remaining:
+                return b
+        return self.prefill_buckets[-1]
+
+    def _prefill(self, st: StepStats) -> None:
+        work = [s for s in self._running if s._needs_reset or s.cached < len(s) - 1]
+        calls = []
+        while work:
+            groups: dict[int, list[Session]] = collections.defaultdict(list)
+            for s in work:
+                groups[self._bucket_for(s)].append(s)
+            for chunk, group in sorted(groups.items()):
+                for start in range(0, len(group), self.num_slots):
+                    part = group[start : start + self.num_slots]
+                    k = next(b for b in self._slot_buckets if b >= len(part))
+                    slots = np.full((k,), self.num_slots, np.int32)
+                    tokens = np.zeros((k, chunk), np.int32)
+                    mask = np.zeros((k, chunk), bool)
+                    reset = np.zeros((k,), bool)
+                    for row, s in enumerate(part):
+                        new = s._tokens[s.cached : min(len(s) - 1, s.cached + chunk)]
+                        slots[row] = s.slot
+                        tokens[row, : len(new)] = new
+                        mask[row, : len(new)] = True
+                        reset[row] = s._needs_reset
+                        s._needs_reset = False
+                        s.cached += len(new)
+                        st.prefill_tokens += len(new)
+                    self.cache = slot_programs.prefill(
+                        self.graphdef,
+                        self.params,
+                        self.cache,
+                        slots,
+                        tokens,
+                        mask,
+                        reset,
+                        cache_sharding=self._cache_sharding,
+                    )
+                    calls.append(chunk)
+            work = [s for s in work if s.cached < len(s) - 1]
+        st.prefill_calls = len(calls)
+        if calls:
+            jax.block_until_ready(self.cache.lengths)
+
+    def _decode_round(self, st: StepStats) -> None:
+        n = self.num_slots
+        tokens = np.zeros((n,), np.int32)
+        active = np.zeros((n,), bool)
+        budget = np.zeros((n,), np.int32)
+        stops = np.full((n, self.max_stop_ids), -1, np.int32)
+        temperature = np.zeros((n,), np.float32)
+        top_p = np.ones((n,), np.float32)
+        top_k = np.zeros((n,), np.int32)
+        seeds = np.zeros((n,), np.int32)
+        streams = np.zeros((n,), np.int32)
+        for s in self._running:
+            req = s.request
+            assert req is not None and s.slot is not None and s.cached == len(s) - 1
+            i = s.slot
+            tokens[i] = s._tokens[-1]
+            active[i] = True
+            budget[i] = req.max_new_tokens - len(req.tokens)
+            stops[i, : len(req.stop_ids)] = req.stop_ids
+            sp = req.sampling
+            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+            seeds[i] = np.uint32(sp.seed & 0xFFFFFFFF).view(np.int32)
+            streams[i] = np.uint32(sp.stream & 0xFFFFFFFF).view(np.int32)
+        self.cache, out = slot_programs.decode(
+            self.graphdef,
+            self.params,
+            self.cache,
+            tokens,
+            active,
+            budget,
+            stops,
+            temperature,
+            top_p,
+            top_k,
+            seeds,
+            streams,
+            max_len=self.max_seq_len,
+            num_steps=self.round_steps,
+            cache_sharding=self._cache_sharding,
+        )
+        out = jax.device_get(out)
+        st.active_slots = int(active.sum())
+        st.decode_steps = int(out["count"].max(initial=0))
+        st.tokens_decoded = int(out["count"].sum())
+        still = []
+        for s in self._running:
+            i = s.slot
+            count = int(out["count"][i])
+            req = s.request
+            new = out["tokens"][i, :count].tolist()
+            lp = out["logprobs"][i, :count]
+            req.tokens.extend(new)
+            req.logprobs.extend(lp.tolist())
+            req.processed_logprobs.extend(out["processed_logprobs"][i, :count].tolist())
+            s._add_generated(new, lp)
+            s.cached += count
+            reason = int(out["reason"][i])
+            if reason == slot_programs.RUNNING:
+                still.append(s)
+            else:
+                self._finish(s, slot_programs.REASONS[reason])
+        self._running = still
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def generate(
+    model: nnx.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_ids: Iterable[int] = (),
+    mesh: Mesh | None = None,
+) -> list[list[int]]:
+    """Generates a continuation of every prompt (the contract entry point).
+
+    Row ``i`` samples with ``SamplingParams(temperature, top_p, top_k, seed, stream=i)``. Each returned list
+    holds the new tokens only, **including the stop token** when one was sampled (so a caller can tell a stop
+    from a budget end); generation of a row ends at its first stop id or after ``max_new_tokens`` tokens.
+
+    Args:
+      model: a ``models.Transformer``.
+      prompt_ids: one non-empty list of token ids per row.
+      max_new_tokens: most new tokens per row.
+      temperature, top_p, top_k, seed: see ``SamplingParams``.
+      stop_ids: ids that end a row (included in its output).
+      mesh: optional mesh (default: one device).
+    Returns:
+      ``list[list[int]]``, one list of new token ids per prompt.
+    """
+    prompts = [[int(t) for t in p] for p in prompt_ids]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"generate: prompt_ids[{i}] is empty")
+    if not prompts or max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    stops = tuple(int(t) for t in stop_ids)
+    max_seq_len = _round_up(max(len(p) for p in prompts) + max_new_tokens, 16)
+    engine = Engine(
+        model,
+        num_slots=len(prompts),
+        max_seq_len=max_seq_len,
+        mesh=mesh,
+        round_steps=max_new_tokens,
+        max_stop_ids=max(1, len(stops)),
+    )
+    requests = []
+    for i, p in enumerate(prompts):
+        s = engine.new_session(p)
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stream=i)
+        requests.append(engine.submit(s, max_new_tokens, sp, stops))
+    engine.run_until_done()
+    return [list(r.result.tokens) for r in requests]

@@ -1,0 +1,70 @@
+"""Device meshes over the named axes ``(data, fsdp, tensor)``.
+
+The same code builds a mesh on 1 CPU device, 8 simulated CPU devices, a GPU node or a TPU slice: the shape
+comes from a config mapping such as ``{"data": -1, "fsdp": 1, "tensor": 1}`` where one ``-1`` takes all
+remaining devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+
+def resolve_mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """Fills the ``-1`` entry of ``shape`` and checks the product equals ``num_devices``.
+
+    Args:
+      shape: axis name -> size; names among ``MESH_AXES``; missing axes get size 1; at most one ``-1``.
+        ``None`` means ``{"data": -1}``.
+      num_devices: devices the mesh must cover.
+    Returns:
+      ``{"data": d, "fsdp": f, "tensor": t}`` in ``MESH_AXES`` order.
+    """
+    shape = dict(shape or {"data": -1})
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh.shape has unknown axis names {unknown}; allowed: {list(MESH_AXES)}")
+    sizes = {name: int(shape.get(name, 1)) for name in MESH_AXES}
+    wild = [n for n, s in sizes.items() if s == -1]
+    if len(wild) > 1:
+        raise ValueError(f"mesh.shape {shape}: at most one axis may be -1, got {wild}")
+    bad = [n for n, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise ValueError(f"mesh.shape {shape}: axis sizes must be positive or -1, bad axes {bad}")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    if wild:
+        if num_devices % fixed:
+            raise ValueError(f"mesh.shape {shape}: {num_devices} devices not divisible by {fixed}")
+        sizes[wild[0]] = num_devices // fixed
+    total = int(np.prod(list(sizes.values())))
+    if total != num_devices:
+        raise ValueError(f"mesh.shape {shape} covers {total} devices but {num_devices} are available")
+    return sizes
+
+
+def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a ``Mesh`` with axes ``("data", "fsdp", "tensor")``.
+
+    Args:
+      shape: see ``resolve_mesh_shape``; e.g. ``{"data": -1, "fsdp": 1, "tensor": 1}``.
+      devices: devices to use (default: all of ``jax.devices()``).
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = resolve_mesh_shape(shape, len(devices))
+    axis_shape = tuple(sizes[n] for n in MESH_AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(axis_shape, devices=devices)
+    except Exception as err:  # noqa: BLE001 - topology-unaware fallback (e.g. odd CPU device counts)
+        logging.debug("mesh_utils.create_device_mesh failed (%s); using device order", err)
+        grid = np.asarray(devices, dtype=object).reshape(axis_shape)
+    logging.info("mesh %s over %d %s devices", sizes, len(devices), devices[0].platform)
+    return Mesh(grid, MESH_AXES)

@@ -1,0 +1,153 @@
+"""Per-slot token sampling: greedy, temperature, top-k, top-p, with per-slot seeds.
+
+Every slot of a decode batch carries its own sampling parameters, so one compiled decode loop serves greedy
+answerer probes and temperature-1 builder turns side by side. All functions here are pure and jit-friendly.
+
+Log-probs. For each sampled token two log-probs are returned:
+- ``logprobs``: under the *full* temperature-scaled distribution, ``log_softmax(logits / T)`` over the whole
+  vocabulary — exactly what a trainer recomputes from its own logits (top-k / top-p truncation is not part
+  of it; truncating would bias the importance ratio). Greedy slots (``T == 0``) report ``log_softmax(logits)``
+  (``T = 1``).
+- ``processed_logprobs``: under the distribution that was actually sampled from (temperature, then top-k,
+  then top-p truncation, renormalised). Equal to ``logprobs`` when no truncation is active.
+
+Randomness. A slot's key is ``fold_in(fold_in(PRNGKey(seed), stream), position)`` where ``position`` is the
+absolute position of the token being sampled in its session. Samples therefore depend only on the seed, the
+stream, the position and the logits — not on the slot a session happens to occupy, the other sessions in the
+batch, or how the decode was split into rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one turn samples.
+
+    Attributes:
+      temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+      top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; 0 disables it. ``top_k=1`` is greedy.
+      seed: PRNG seed of this turn's samples.
+      stream: a second seed component, so sessions sharing ``seed`` draw independent samples
+        (``generate`` uses the row index).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stream: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+GREEDY = SamplingParams()
+
+
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks ``scaled`` logits outside each row's top-k / top-p set to a large negative value.
+
+    Args:
+      scaled: float32 ``[slots, vocab]`` temperature-scaled logits.
+      top_k: int32 ``[slots]``, 0 = off.
+      top_p: float32 ``[slots]``, 1 = off.
+    Returns:
+      float32 ``[slots, vocab]``; at least the most likely token of each row is always kept.
+    """
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [slots, vocab]
+    # top-k: threshold at the k-th largest logit.
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [slots, 1]
+    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, _NEG_INF)
+    # top-p over the top-k-truncated distribution: keep the smallest prefix whose mass reaches p.
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) & (sorted_desc > _NEG_INF / 2)
+    keep = keep.at[:, 0].set(True)
+    num_keep = keep.sum(-1)
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(scaled >= threshold, scaled, _NEG_INF)
+
+
+def sample(
+    logits: jax.Array,
+    *,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seeds: jax.Array,
+    streams: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Samples one token per slot.
+
+    Args:
+      logits: float ``[slots, vocab]``.
+      temperature: float32 ``[slots]``; 0 = greedy.
+      top_p: float32 ``[slots]``.
+      top_k: int32 ``[slots]``.
+      seeds, streams: int32 ``[slots]``, the per-slot key components.
+      positions: int32 ``[slots]``, absolute position of the token being sampled (folded into the key).
+    Returns:
+      ``(tokens int32 [slots], logprobs float32 [slots], processed_logprobs float32 [slots])``; see the
+      module docstring for the two log-probs.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = (temperature <= 0.0) | (top_k == 1)
+    safe_t = jnp.where(temperature > 0.0, temperature, 1.0)
+    scaled = logits / safe_t[:, None]
+    full_logp = jax.nn.log_softmax(scaled, axis=-1)
+    truncating = ((top_k > 0) | (top_p < 1.0)) & ~greedy
+
+    processed = jax.lax.cond(
+        jnp.any(truncating),
+        lambda s: jnp.where(truncating[:, None], _truncate(s, top_k, top_p), s),
+        lambda s: s,
+        scaled,
+    )
+
+    def draw(proc: jax.Array) -> jax.Array:
+        def one(seed, stream, pos, row):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), pos)
+            return jax.random.categorical(key, row)
+
+        sampled = jax.vmap(one)(seeds, streams, positions, proc)
+        return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda p: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        draw,
+        processed,
+    )
+    logp = jnp.take_along_axis(full_logp, tokens[:, None], axis=-1)[:, 0]
+    proc_logp_all = jax.lax.cond(
+        jnp.any(truncating),
+        lambda p: jax.nn.log_softmax(p, axis=-1),
+        lambda p: full_logp,
+        processed,
+    )
+    proc_logp = jnp.take_along_axis(proc_logp_all, tokens[:, None], axis=-1)[:, 0]
+    # A greedy slot samples from a point mass; its processed log-prob is 0.
+    proc_logp = jnp.where(greedy, 0.0, proc_logp)
+    return tokens, logp, proc_logp

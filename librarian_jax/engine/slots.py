@@ -1,0 +1,187 @@
+"""The engine's two device programs: chunked prefill into slots, and the on-device decode loop.
+
+Slot state is one ``models.Cache`` with batch size ``num_slots``: every leaf (K/V buffers, conv and recurrent
+state, ``lengths``) has the slot on axis 0 and is treated the same way, so every model family works. The
+cache is allocated once and donated into both programs, so XLA updates it in place.
+
+Invariant kept by the host (see ``engine.py``): a slot's cache holds all of its session's tokens except the
+last one, the *pending* token. A decode step feeds the pending token and samples the next; a prefill writes
+new tokens at the slot's current length. This way one decode step is one model call of one token per slot.
+
+Both functions are pure; ``graphdef`` and the layout arguments are static, so the compiled programs are
+shared by every engine over the same model structure, mesh and shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from librarian_jax.engine import sampling
+
+# Per-slot finish reasons returned by the decode loop.
+RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
+REASONS = {STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
+
+
+def _constrain(cache: Any, cache_sharding: tuple | None) -> Any:
+    if cache_sharding is None:
+        return cache
+    leaves, treedef = jax.tree.flatten(cache)
+    leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, cache_sharding, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_sharding"), donate_argnames=("cache",))
+def prefill(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: Any,
+    slots: jax.Array,
+    tokens: jax.Array,
+    mask: jax.Array,
+    reset: jax.Array,
+    *,
+    cache_sharding: tuple | None = None,
+) -> Any:
+    """Writes a chunk of new tokens into several slots at their current lengths.
+
+    Args:
+      graphdef, params: the model, split by ``nnx.split``.
+      cache: the slot cache (batch = num_slots); donated.
+      slots: int32 ``[k]``, the slot of each row; an index ``>= num_slots`` is a padding row (ignored).
+      tokens: int32 ``[k, chunk]``.
+      mask: bool ``[k, chunk]``, True on real tokens (a prefix of each row).
+      reset: bool ``[k]``: zero the slot's state (``lengths`` included) before writing, for a slot that a new
+        or re-admitted session takes over.
+    Returns:
+      The updated slot cache (rows not in ``slots`` unchanged).
+    """
+    model = nnx.merge(graphdef, params)
+    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), cache)
+    keep = ~reset
+
+    def zero(x: jax.Array) -> jax.Array:
+        return x * keep.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+
+    rows = jax.tree.map(zero, rows)
+    _, rows = model(tokens, cache=rows, mask=mask)
+    cache = jax.tree.map(lambda full, r: full.at[slots].set(r.astype(full.dtype), mode="drop"), cache, rows)
+    return _constrain(cache, cache_sharding)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_len", "num_steps", "cache_sharding"),
+    donate_argnames=("cache",),
+)
+def decode(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: Any,
+    tokens: jax.Array,
+    active: jax.Array,
+    budget: jax.Array,
+    stop_ids: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seeds: jax.Array,
+    streams: jax.Array,
+    *,
+    max_len: int,
+    num_steps: int,
+    cache_sharding: tuple | None = None,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """Advances every active slot, one token per step, inside one ``lax.while_loop``.
+
+    A slot stops when it samples one of its stop ids (``STOP``), when it has produced ``budget`` tokens
+    (``LENGTH``), or when its session would outgrow ``max_len`` tokens (``CACHE_FULL``). The loop ends when
+    no slot is active or after ``num_steps`` steps (slots still running then report ``RUNNING``).
+
+    Args:
+      cache: slot cache, batch = num_slots; donated. Holds each session's tokens except the pending one.
+      tokens: int32 ``[slots]``, each slot's pending (last, not yet cached) token.
+      active: bool ``[slots]``; the host only activates a slot with ``lengths + 2 <= max_len``, budget > 0.
+      budget: int32 ``[slots]``, tokens the slot may still produce this turn.
+      stop_ids: int32 ``[slots, n_stop]``, padded with -1.
+      temperature, top_p, top_k, seeds, streams: per-slot sampling parameters, see ``sampling.sample``.
+      max_len: the most tokens a session may hold (static).
+      num_steps: the most steps of this round (static); also the width of the output buffers.
+    Returns:
+      ``(cache, out)`` with ``out["tokens"]`` int32 ``[slots, num_steps]`` (slot ``s`` produced
+      ``out["tokens"][s, :out["count"][s]]``), ``out["logprobs"]`` and ``out["processed_logprobs"]`` float32
+      ``[slots, num_steps]``, ``out["count"]`` int32 ``[slots]``, ``out["reason"]`` int32 ``[slots]``.
+    """
+    model = nnx.merge(graphdef, params)
+    num_slots = tokens.shape[0]
+    zeros_f = jnp.zeros((num_slots, num_steps), jnp.float32)
+    carry = dict(
+        step=jnp.int32(0),
+        cache=cache,
+        tok=tokens.astype(jnp.int32),
+        active=active,
+        count=jnp.zeros((num_slots,), jnp.int32),
+        reason=jnp.zeros((num_slots,), jnp.int32),
+        out_tok=jnp.zeros((num_slots, num_steps), jnp.int32),
+        out_lp=zeros_f,
+        out_plp=zeros_f,
+    )
+
+    def cond(c: dict) -> jax.Array:
+        return (c["step"] < num_steps) & jnp.any(c["active"])
+
+    def body(c: dict) -> dict:
+        act = c["active"]
+        position = c["cache"].lengths + 1  # absolute position of the token sampled now
+        logits, new_cache = model(c["tok"][:, None], cache=c["cache"], mask=act[:, None])
+        new_cache = _constrain(new_cache, cache_sharding)
+        tok, lp, plp = sampling.sample(
+            logits[:, -1],
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seeds=seeds,
+            streams=streams,
+            positions=position,
+        )
+        tok = jnp.where(act, tok, c["tok"])
+        step = c["step"]
+        out_tok = jax.lax.dynamic_update_slice(c["out_tok"], tok[:, None], (0, step))
+        out_lp = jax.lax.dynamic_update_slice(c["out_lp"], lp[:, None], (0, step))
+        out_plp = jax.lax.dynamic_update_slice(c["out_plp"], plp[:, None], (0, step))
+        count = c["count"] + act.astype(jnp.int32)
+        is_stop = jnp.any(tok[:, None] == stop_ids, axis=-1)
+        reason = jnp.where(
+            is_stop,
+            STOP,
+            jnp.where(
+                count >= budget, LENGTH, jnp.where(new_cache.lengths + 2 > max_len, CACHE_FULL, RUNNING)
+            ),
+        )
+        finished = act & (reason != RUNNING)
+        return dict(
+            step=step + 1,
+            cache=new_cache,
+            tok=tok,
+            active=act & ~finished,
+            count=count,
+            reason=jnp.where(finished, reason, c["reason"]),
+            out_tok=out_tok,
+            out_lp=out_lp,
+            out_plp=out_plp,
+        )
+
+    c = jax.lax.while_loop(cond, body, carry)
+    out = dict(
+        tokens=c["out_tok"],
+        logprobs=c["out_lp"],
+        processed_logprobs=c["out_plp"],
+        count=c["count"],
+        reason=c["reason"],
+    )
+    return _constrain(c["cache"], cache_sharding), out
