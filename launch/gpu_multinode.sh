@@ -180,7 +180,8 @@ case "$mode" in
     nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
     is_int "$nodes" || die "SLURM_JOB_NUM_NODES is unset or not a number: '${nodes}'"
     if command -v scontrol >/dev/null 2>&1; then
-      head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+      hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" # (no `| head`: SIGPIPE under pipefail)
+      head_node="${hosts%%$'\n'*}"
     else
       head_node="${SLURM_JOB_NODELIST%%,*}" # a plain list (no [a-b] ranges) without scontrol
       [[ "$head_node" != *"["* ]] || die "cannot expand '$SLURM_JOB_NODELIST' without scontrol"
