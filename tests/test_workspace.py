@@ -606,6 +606,14 @@ def test_from_json_refuses_bad_snapshots() -> None:
     with pytest.raises(ValueError, match="synthetic source 'cluster_0042' does not exist"):
         Workspace.from_dict(d)
     d = w.to_dict()
+    d["nodes"].append(dict(d["nodes"][0]))
+    with pytest.raises(ValueError, match="node id 'cluster_0001' appears twice"):
+        Workspace.from_dict(d)
+    d = w.to_dict()
+    d["nodes"][0]["body"] = 7
+    with pytest.raises(ValueError, match="node cluster_0001: title, body and delete_reason must be strings"):
+        Workspace.from_dict(d)
+    d = w.to_dict()
     del d["nodes"][0]["title"]
     with pytest.raises(ValueError, match="missing or bad field 'title'"):
         Workspace.from_dict(d)
@@ -635,6 +643,9 @@ def test_flattened_and_shuffled() -> None:
         "cluster_0002__skies.txt",
     ]
     assert flat.read_file("merge_0001__infrastructure.txt").text.endswith("Infra.\n[end of file]")
+    assert (
+        "KIND: file (a directory summary, flattened)" in flat.read_file("merge_0001__infrastructure.txt").text
+    )
     for nid, n in w.nodes.items():
         assert flat.nodes[nid].body == n.body and flat.nodes[nid].raw_sources == n.raw_sources
     placements = set()

@@ -78,16 +78,19 @@ def _check_sound(ws: Workspace) -> None:
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_action_sequences_keep_invariants(data: st.DataObject) -> None:
     ws = Workspace.from_documents(DOCS)
     for i in range(data.draw(st.integers(0, 4), label="seed files")):  # a few files to merge and delete
         assert ws.create_file(f"Seed {i}", [f"raw_{i + 1:04d}"], f"seed {i}").ok
-    n_steps = data.draw(st.integers(min_value=1, max_value=25), label="steps")
+    snaps: list[tuple[Workspace, str]] = []
+    n_steps = data.draw(st.integers(min_value=1, max_value=30), label="steps")
     for turn in range(n_steps):
         before = ws.to_json()
-        op = data.draw(st.sampled_from(["create", "create", "merge", "delete", "read", "list"]), label="op")
+        op = data.draw(
+            st.sampled_from(["create", "create", "merge", "delete", "read", "list", "snap"]), label="op"
+        )
         if op == "create":
             srcs = data.draw(
                 st.lists(name(ws), min_size=data.draw(st.sampled_from([0, 1, 1, 1])), max_size=4),
@@ -102,8 +105,9 @@ def test_random_action_sequences_keep_invariants(data: st.DataObject) -> None:
             r = ws.create_file(title, srcs, f"content {turn}", parent_path=parent, turn=turn)
         elif op == "merge":
             live = [ws.path_of(n.node_id) for n in ws.active_nodes()]
-            pool = st.one_of(name(ws), st.sampled_from(live), st.sampled_from(live)) if live else name(ws)
-            kids = data.draw(st.lists(pool, max_size=3), label="children")
+            pool = st.one_of(name(ws), *[st.sampled_from(live)] * 4) if live else name(ws)
+            lo = data.draw(st.sampled_from([0, 1, 1, 1, 2]), label="min children")
+            kids = data.draw(st.lists(pool, min_size=lo, max_size=3), label="children")
             parent = data.draw(
                 st.one_of(st.none(), st.none(), st.sampled_from(_dirs(ws) + JUNK[:9])), label="p"
             )
@@ -120,13 +124,22 @@ def test_random_action_sequences_keep_invariants(data: st.DataObject) -> None:
                 data.draw(st.integers(-1, 40), label="start"),
                 data.draw(st.integers(-1, 120), label="n"),
             )
-        else:
+        elif op == "list":
             r = ws.list_dir(data.draw(name(ws), label="path"))
+        else:  # a snapshot shares state with ws; changing either must never show in the other
+            snaps.append((ws.copy(), before))
+            r = ws.readme()
         assert isinstance(r, ActionResult) and r.ok == (r.code == "ok")
         event(f"{op} {r.code}")
-        if not r.ok or op in ("read", "list"):
+        if not r.ok or op in ("read", "list", "snap"):
             assert ws.to_json() == before, (op, r)  # refused actions and reads change nothing
         _check_sound(ws)
+    for i, (old, text) in enumerate(snaps):
+        assert old.to_json() == text and old.check_invariants() == []
+        if i % 2 == 0:  # mutating a snapshot leaves the workspace alone
+            mine = ws.to_json()
+            old.create_file("Snapshot only", [ws.raw_docs[0].path], "x")
+            assert old.check_invariants() == [] and ws.to_json() == mine
     snap = ws.to_json()
     back = Workspace.from_json(snap)
     assert back == ws and back.to_json() == snap
@@ -139,7 +152,7 @@ def test_random_action_sequences_keep_invariants(data: st.DataObject) -> None:
     assert sorted(n.body for n in flat.active_nodes()) == sorted(n.body for n in ws.active_nodes())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.text(max_size=80))
 def test_any_path_text_is_answered_never_raises(text: str) -> None:
     ws = Workspace.from_documents(DOCS[:2])

@@ -340,6 +340,14 @@ class _Resolved:
     rule: str
 
 
+def _kind_label(node: SyntheticNode) -> str:
+    if node.kind == DIRECTORY:
+        return "directory summary (merge_files)"
+    if node.node_id.startswith("merge_"):
+        return "file (a directory summary, flattened)"
+    return "file (create_file)"
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -955,7 +963,7 @@ class Workspace:
         idx = self._index
         lines = [
             f"TITLE: {node.title}",
-            f"KIND: {'directory summary (merge_files)' if node.kind == DIRECTORY else 'file (create_file)'}",
+            f"KIND: {_kind_label(node)}",
             f"PATH: {idx.file_path(node)}",
         ]
         if not node.active:
@@ -1389,6 +1397,14 @@ class Workspace:
                 errs.append(f"node {nid}: bad id")
             if n.kind not in (FILE, DIRECTORY):
                 errs.append(f"node {nid}: bad kind {n.kind!r}")
+            if not (
+                isinstance(n.title, str) and isinstance(n.body, str) and isinstance(n.delete_reason, str)
+            ):
+                errs.append(f"node {nid}: title, body and delete_reason must be strings")
+            if not isinstance(n.created_turn, int) or not (
+                n.deleted_turn is None or isinstance(n.deleted_turn, int)
+            ):
+                errs.append(f"node {nid}: turns must be integers")
             if not P.is_safe_name(n.name) or P.slugify(n.slug) != n.slug:
                 errs.append(f"node {nid}: unsafe name {n.name!r}")
             for h in n.raw_sources:
@@ -1522,6 +1538,8 @@ class Workspace:
                 )
             nodes = {}
             for x in d["nodes"]:
+                if x["node_id"] in nodes:
+                    raise ValueError(f"malformed workspace snapshot: node id {x['node_id']!r} appears twice")
                 nodes[x["node_id"]] = SyntheticNode(
                     x["node_id"],
                     x["kind"],
