@@ -145,7 +145,7 @@ def test_trained_sentencepiece_layout(sp_chatml):
         assert tok.token_to_id(special) == 4 + k
         assert tok.id_to_token(4 + k) == special
     assert tok.id_to_token(4 + len(DEFAULT_SPECIAL_TOKENS)) == "<0x00>"
-    assert 4 + len(DEFAULT_SPECIAL_TOKENS) + 256 < tok.vocab_size <= 600
+    assert tok.vocab_size == 600
     assert tok.token_to_id("definitely-not-a-piece") is None
     assert tok.add_bos
     with pytest.raises(IndexError, match="600|outside"):
@@ -189,8 +189,9 @@ def test_decode_skip_special_keeps_tool_calls(sp_chatml, hf_qwen):
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         assert tok.decode(ids, skip_special=True) == "assistant\n<tool_call>x</tool_call>\n"
-        with pytest.raises(ValueError, match=f"{tok.vocab_size}"):
-            tok.decode([tok.vocab_size])
+        with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is outside"):
+            tok.decode([tok.vocab_size], strict=True)
+        assert tok.decode([*ids, tok.vocab_size + 5, -1]) == text  # padded embedding rows: dropped
 
 
 def test_dummy_prefix_sentencepiece_concatenates_exactly(tmp_path):
@@ -421,6 +422,16 @@ def test_training_is_deterministic(tmp_path, sp_chatml):
     again = train_sentencepiece(CORPUS, tmp_path / "again.model", vocab_size=600)
     with open(again, "rb") as f1, open(sp_chatml.path, "rb") as f2:
         assert f1.read() == f2.read()
+
+
+def test_small_text_is_padded_to_the_exact_vocab_size(tmp_path):
+    tok = load_tokenizer(train_sentencepiece(["the river", "a river"], tmp_path / "small.model", 400))
+    assert tok.vocab_size == 400  # learned pieces, then unused ones: the model's embedding size
+    first_unused = next(i for i in range(400) if tok.id_to_token(i).startswith("<unused_"))
+    assert first_unused > 4 + len(DEFAULT_SPECIAL_TOKENS) + 256
+    text = "the river <unused_3> runs north\n"
+    ids = tok.encode(text)
+    assert max(ids) < first_unused and tok.decode(ids) == text
 
 
 def test_training_rejects_bad_input(tmp_path):

@@ -157,15 +157,21 @@ class Tokenizer(abc.ABC):
                 ids.extend(next(encoded))
         return ids
 
-    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        """Text of `ids`. Atomic tokens are written as their text unless `skip_special` drops special ones."""
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False, strict: bool = False) -> str:
+        """Text of `ids`. Atomic tokens are written as their text unless `skip_special` drops special ones.
+
+        Ids outside [0, vocab_size) (a model's padded embedding rows can be sampled) decode to nothing, as in
+        Hugging Face's tokenizers; with `strict=True` they raise ValueError instead.
+        """
         size = self.vocab_size
         out: list[str] = []
         run: list[int] = []
         for raw in ids:
             i = int(raw)
             if not 0 <= i < size:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {size}) of {self.path}")
+                if strict:
+                    raise ValueError(f"token id {i} is outside the vocabulary [0, {size}) of {self.path}")
+                continue
             if i in self._atomic_text or i in self.special_ids:
                 if run:
                     out.append(self._decode_plain(run))

@@ -7,7 +7,9 @@ Layout of a trained vocabulary (fixed, whatever the text):
         6 <tool_call>, 7 </tool_call>, 8 <tool_response>, 9 </tool_response>: Qwen's chat and tool markers),
         each a user-defined piece so it is one token wherever it appears
     the next 256 ids: byte-fallback pieces <0x00> .. <0xFF>, so any text round-trips exactly
-    the rest: BPE pieces learned from the text (`vocab_size` is an upper bound: a small text yields fewer)
+    then BPE pieces learned from the text, and, when the text is too small to learn that many, unused
+        pieces <unused_0>, <unused_1>, ... (never produced by encoding) so the vocabulary has exactly
+        `vocab_size` entries, matching the model's embedding
 
 The text is used as is (identity normalization, no dummy prefix, whitespace kept), so
 `decode(encode(text)) == text`.
@@ -39,7 +41,7 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
 # spaces into chunks of at most this size before training.
 _MAX_SENTENCE_BYTES = 2048
 # Bumped whenever the trainer options below change, so cached files trained with old options are not reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
 def _sentences(texts: Iterable[str]) -> Iterator[str]:
@@ -122,13 +124,14 @@ def train_sentencepiece(
         )
     except RuntimeError as e:
         raise ValueError(f"SentencePiece training for {out_path} failed: {e}") from e
+    model = _pad_vocab(buffer.getvalue(), vocab_size)
     directory = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(directory, exist_ok=True)
     # Write atomically so concurrent processes sharing a cache never read a half-written model.
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".model")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getvalue())
+            f.write(model)
         os.replace(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):
@@ -138,6 +141,29 @@ def train_sentencepiece(
         "trained SentencePiece model %s from %d lines (vocab <= %d)", out_path, len(sentences), vocab_size
     )
     return out_path
+
+
+def _pad_vocab(model: bytes, vocab_size: int) -> bytes:
+    """Appends UNUSED pieces so a model trained with a soft vocab limit has exactly `vocab_size` pieces."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    missing = vocab_size - len(proto.pieces)
+    if missing <= 0:
+        return model
+    existing = {p.piece for p in proto.pieces}
+    k = 0
+    for _ in range(missing):
+        while f"<unused_{k}>" in existing:
+            k += 1
+        piece = proto.pieces.add()
+        piece.piece = f"<unused_{k}>"
+        piece.type = sentencepiece_model_pb2.ModelProto.SentencePiece.UNUSED
+        piece.score = 0.0
+        k += 1
+    logging.info("the text gave %d pieces; padded with %d unused ones", vocab_size - missing, missing)
+    return proto.SerializeToString()
 
 
 def tokenizer_cache_key(
