@@ -77,6 +77,33 @@ def test_root_listing_and_raw_listing(ws: Workspace) -> None:
     assert 'raw_0001__alpha_bridge.txt  [raw] "Alpha Bridge" (doc_id=d-alpha, 45 chars)' in raw.text
 
 
+def test_long_listing_is_paged() -> None:
+    w = Workspace.from_documents(
+        [Document(f"doc{i}", "t", title=f"A rather long document title number {i}") for i in range(400)]
+    )
+    first = w.list_dir("raw_docs")
+    assert first.ok and first.data["truncated"] and len(first.text) <= 16_000
+    shown = len(first.data["entries"])
+    assert 100 < shown < 400
+    assert first.text.endswith(
+        f"[showing entries 1-{shown} of 400; continue with list_dir('raw_docs', start={shown + 1})]"
+    )
+    rest = w.list_dir("raw_docs", start=shown + 1)
+    assert (
+        rest.ok
+        and rest.data["entries"][0]
+        == f"raw_docs/raw_{shown + 1:04d}__a_rather_long_document_title_number_{shown}.txt"
+    )
+    pages, start = [], 1
+    while True:
+        page = w.list_dir("raw_docs", start=start)
+        pages += page.data["entries"]
+        if not page.data["truncated"]:
+            break
+        start += len(page.data["entries"])
+    assert pages == [d.path for d in w.raw_docs]
+
+
 def test_raw_file_rendering(ws: Workspace) -> None:
     r = ws.read_file("raw_docs/raw_0001__alpha_bridge.txt")
     assert r.ok
@@ -438,6 +465,8 @@ def test_forgiving_lookup_rules() -> None:
         assert (r.text.startswith("[note:")) == (rule != "exact"), asked
         if rule != "exact":
             assert f"({rule})]" in r.text.split("\n")[0]
+    by_doc_id = w.create_file("From ids", ["d-beta", "raw_docs/D-GAMMA"], "x")  # doc_ids name raw documents
+    assert by_doc_id.ok and w.nodes[by_doc_id.data["node_id"]].raw_sources == ("raw_0002", "raw_0003")
     miss = w.read_file("cluster_0001__bridge.txt")  # near miss -> suggestions
     err(miss, "path_not_found", "'cluster_0001__bridge.txt' does not exist")
     assert miss.suggestions[0] == target and len(miss.suggestions) <= 3

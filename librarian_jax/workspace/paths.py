@@ -16,8 +16,8 @@ documented ways, tried in order:
   1. exact match;
   2. case-insensitive match;
   3. the same path with `.txt` or `.md` added (exact, then case-insensitive);
-  4. a handle: the last segment (extension dropped) equals a node's short id (`raw_0001`, `cluster_0003`,
-     `merge_0002`), case-insensitive;
+  4. a handle: the last segment (extension dropped) equals a short id (`raw_0001`, `cluster_0003`,
+     `merge_0002`) or a raw document's doc_id, case-insensitive;
   5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere.
 Otherwise the lookup fails, with up to `MAX_SUGGESTIONS` close matches from `difflib`.
 

@@ -180,7 +180,9 @@ class _RawLayer:
         }
         for doc in raw:
             self.entries[doc.path] = _Entry(E_RAW, doc.handle)
-        self.names = P.NameIndex([p for p in self.entries if p], {d.handle: d.path for d in raw})
+        handles = {d.doc_id: d.path for d in raw if P.is_safe_name(d.doc_id)}  # doc_ids name documents too
+        handles.update({d.handle: d.path for d in raw})  # ... but never shadow a raw_NNNN handle
+        self.names = P.NameIndex([p for p in self.entries if p], handles)
         self.cache: dict[str, str] = {}  # serialised raw sections (see Workspace.to_json)
 
 
