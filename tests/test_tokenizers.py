@@ -136,6 +136,23 @@ def hf_gemma(tmp_path_factory) -> HFTokenizer:
     return tok
 
 
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory) -> HFTokenizer:
+    """A Llama-3-like byte-level BPE tokenizer.json with header/eot special tokens."""
+    d = tmp_path_factory.mktemp("hfl")
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+    specials.append("<|eot_id|>")
+    raw = _train_hf(
+        CORPUS, pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), specials, models.BPE()
+    )
+    raw.save(str(d / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(d)
+    assert isinstance(tok, HFTokenizer)
+    return tok
+
+
 # ---- SentencePiece backend -------------------------------------------------------------------------------
 def test_trained_sentencepiece_layout(sp_chatml):
     tok = sp_chatml
@@ -275,6 +292,7 @@ CONVERSATION = [
         ("hf_gemma", "gemma", False),
         ("sp_gemma", "gemma", True),
         ("hf_gemma", "gemma", True),
+        ("hf_llama", "llama3", False),
     ],
 )
 def test_turn_by_turn_ids_equal_encoding_of_rendered_text(request, backend, style, fold):
@@ -298,8 +316,8 @@ def test_turn_by_turn_ids_equal_encoding_of_rendered_text(request, backend, styl
     assert history[len(chat.open_turn("assistant")) :][: len(sampled)] == sampled
 
 
-ALL_BACKENDS = ["sp_chatml", "sp_gemma", "hf_qwen", "hf_gemma"]
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", *GEMMA_MARKERS]
+ALL_BACKENDS = ["sp_chatml", "sp_gemma", "hf_qwen", "hf_gemma", "hf_llama"]
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", *GEMMA_MARKERS, "<|eot_id|>"]
 # Text drawn from the corpus's own characters plus some specials, so every backend can represent it.
 corpus_text = st.text(alphabet=sorted(set("".join(CORPUS)) | set(" \n\t")), max_size=30)
 
@@ -395,8 +413,23 @@ def test_gemma_fold_system_matches_gemmas_own_template(sp_gemma, sp_chatml):
     assert chat.turn("user", "q") == sp_gemma.encode("<start_of_turn>user\nq<end_of_turn>\n")
     chat.start("sys")
     assert chat.open_turn("model") == sp_gemma.encode("<start_of_turn>model\nsys\n\n")
-    with pytest.raises(ValueError, match="fold_system=True is for the gemma style"):
+    with pytest.raises(ValueError, match=r"fold_system=True is for styles without a system role \(gemma\)"):
         chat_template(sp_chatml, fold_system=True)
+
+
+def test_llama3_text_format(hf_llama):
+    chat = chat_template(hf_llama)
+    assert chat.style == "llama3" and chat.add_bos
+    text = chat.render(CONVERSATION[:4], add_generation_prompt=True)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a librarian. Keep answers "
+        "short.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhere are the river ledgers?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n" + CONVERSATION[2]["content"] + "<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\n" + CONVERSATION[3]["content"] + "<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert chat.stop_ids == (hf_llama.token_to_id("<|eot_id|>"),)
+    assert chat.close_turn() == [hf_llama.token_to_id("<|eot_id|>")]
 
 
 def test_style_detection(sp_chatml, sp_gemma, hf_gemma, tmp_path):

@@ -1,4 +1,4 @@
-"""Chat templates that produce token ids directly: ChatML (Qwen) and Gemma.
+"""Chat templates that produce token ids directly: ChatML (Qwen), Gemma, and Llama 3.
 
     chatml:  [BOS if the tokenizer adds one]<|im_start|>system\\n{system}<|im_end|>\\n
              <|im_start|>{role}\\n{content}<|im_end|>\\n ...   (roles system/user/assistant; a "tool" turn is
@@ -6,10 +6,13 @@
              <|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n)
     gemma:   <bos><start_of_turn>user\\n{content}<end_of_turn>\\n
              <start_of_turn>model\\n{content}<end_of_turn>\\n ...   (roles user/model; "assistant" -> "model",
-             "tool" -> "user"; each turn's content is stripped of surrounding whitespace, as Gemma's own
-             template does). Gemma has no system role: by default the system prompt is a user turn of its
-             own right after BOS; with `fold_system=True` it is folded into the first turn as
-             `{system}\\n\\n{content}`, exactly as Gemma's template does.
+             "tool" -> "user"; content stripped of surrounding whitespace, as Gemma's own template does).
+             Gemma has no system role: by default the system prompt is a user turn of its own right after
+             BOS; with `fold_system=True` it is folded into the first turn as `{system}\\n\\n{content}`,
+             exactly as Gemma's template does.
+    llama3:  <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|> ...
+             (roles system/user/assistant, "tool" -> "ipython"; content stripped, as Llama's template does;
+             the date lines Llama 3.1+'s template adds to the system turn are not added)
 
 Every piece of a conversation is encoded once, where it enters the conversation; a turn boundary is always an
 atomic turn marker, so the ids built turn by turn equal `tokenizer.encode(template.render(messages))`. Model
@@ -22,38 +25,79 @@ except with `fold_system=True`: then `start(system)` holds the system prompt unt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from librarian_jax.tokenizers.tokenizer import Tokenizer
 
-STYLES = ("chatml", "gemma")
-_MARKERS = {
-    "chatml": ("<|im_start|>", "<|im_end|>"),
-    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+
+@dataclasses.dataclass(frozen=True)
+class _Style:
+    markers: tuple[str, ...]  # atomic tokens the vocabulary must have (detection looks for these)
+    open: str  # text that opens a turn, formatted with {role}
+    close: str  # text that closes a turn; starts with the end-of-turn token
+    roles: dict[str, str]  # accepted role -> role as written
+    assistant: str  # the role a model's own turns are written with
+    has_system: bool  # whether the style has a system role (Gemma does not)
+    trim: bool  # whether turn content is stripped of surrounding whitespace
+    extra_stops: tuple[str, ...] = ()  # more tokens that end a generated turn, when the vocab has them
+
+
+_STYLES: dict[str, _Style] = {
+    "chatml": _Style(
+        markers=("<|im_start|>", "<|im_end|>"),
+        open="<|im_start|>{role}\n",
+        close="<|im_end|>\n",
+        roles={"system": "system", "user": "user", "assistant": "assistant", "tool": "user"},
+        assistant="assistant",
+        has_system=True,
+        trim=False,
+        extra_stops=("<|endoftext|>",),  # Qwen base models end documents with it
+    ),
+    "gemma": _Style(
+        markers=("<start_of_turn>", "<end_of_turn>"),
+        open="<start_of_turn>{role}\n",
+        close="<end_of_turn>\n",
+        roles={"user": "user", "model": "model", "assistant": "model", "tool": "user"},
+        assistant="model",
+        has_system=False,
+        trim=True,
+    ),
+    "llama3": _Style(
+        markers=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        open="<|start_header_id|>{role}<|end_header_id|>\n\n",
+        close="<|eot_id|>",
+        roles={"system": "system", "user": "user", "assistant": "assistant", "tool": "ipython"},
+        assistant="assistant",
+        has_system=True,
+        trim=True,
+        extra_stops=("<|eom_id|>",),
+    ),
 }
-_CHATML_ROLES = ("system", "user", "assistant", "tool")
-_GEMMA_ROLES = {"user": "user", "model": "model", "assistant": "model", "tool": "user"}
+STYLES = tuple(_STYLES)
 
 
 class ChatTemplate:
     """Builds the ids of a conversation turn by turn for one tokenizer and style.
 
     Attributes:
-      style: "chatml" or "gemma".
+      style: "chatml", "gemma" or "llama3".
       add_bos: whether `start()` begins with BOS.
-      stop_ids: ids that end a generated turn (the end-of-turn marker first, then EOS / <|endoftext|>).
-      open_marker, close_marker: the turn markers' text.
+      fold_system: (Gemma) whether the system prompt is folded into the first turn.
+      stop_ids: ids that end a generated turn (the end-of-turn token first, then EOS and the like).
+      open_marker, close_marker: the tokens that open and close a turn.
     """
 
     def __init__(
         self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None, fold_system: bool = False
     ) -> None:
-        if style not in STYLES:
+        if style not in _STYLES:
             raise ValueError(f"unknown chat template style {style!r}; expected one of {STYLES}")
-        if fold_system and style != "gemma":
-            raise ValueError(f"fold_system=True is for the gemma style (no system role), not {style!r}")
+        spec = _STYLES[style]
+        if fold_system and spec.has_system:
+            raise ValueError(f"fold_system=True is for styles without a system role (gemma), not {style!r}")
         atomic = tokenizer.atomic_tokens
-        missing = [m for m in _MARKERS[style] if m not in atomic]
+        missing = [m for m in spec.markers if m not in atomic]
         if missing:
             raise ValueError(
                 f"chat style {style!r} needs special tokens {missing} that {tokenizer.path} lacks (they must "
@@ -62,29 +106,25 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.style = style
         self.fold_system = fold_system
-        self.open_marker, self.close_marker = _MARKERS[style]
+        self._spec = spec
+        self.open_marker = spec.markers[0]
+        self.close_marker = next(m for m in spec.markers if spec.close.startswith(m))
         if add_bos is None:
-            add_bos = tokenizer.bos_id is not None if style == "gemma" else tokenizer.add_bos
+            add_bos = tokenizer.add_bos if style == "chatml" else tokenizer.bos_id is not None
         if add_bos and tokenizer.bos_id is None:
             raise ValueError(f"add_bos=True but {tokenizer.path} has no BOS token")
         self.add_bos = add_bos
         end_id = atomic[self.close_marker]
-        extra = [tokenizer.eos_id]
-        if style == "chatml":  # Qwen base models end documents with <|endoftext|>
-            extra.append(atomic.get("<|endoftext|>"))
+        extra = [atomic.get(t) for t in spec.extra_stops] + [tokenizer.eos_id]
         more = [i for i in dict.fromkeys(extra) if i is not None and i != end_id]
         self.stop_ids: tuple[int, ...] = (end_id, *more)
         self._pending_system: str | None = None  # only with fold_system
 
     # ---- text pieces (each starts at an atomic token, so encoding them one by one is exact) --------------
     def _role(self, role: str) -> str:
-        if self.style == "chatml":
-            if role not in _CHATML_ROLES:
-                raise ValueError(f"unknown chatml role {role!r}; expected one of {_CHATML_ROLES}")
-            return role
-        if role not in _GEMMA_ROLES:
-            raise ValueError(f"unknown gemma role {role!r}; expected one of {tuple(_GEMMA_ROLES)}")
-        return _GEMMA_ROLES[role]
+        if role not in self._spec.roles:
+            raise ValueError(f"unknown {self.style} role {role!r}; expected one of {tuple(self._spec.roles)}")
+        return self._spec.roles[role]
 
     def _bos_text(self) -> str:
         if not self.add_bos:
@@ -93,39 +133,35 @@ class ChatTemplate:
         return self.tokenizer.id_to_token(self.tokenizer.bos_id)
 
     def _open_text(self, role: str, system: str | None = None) -> str:
-        text = f"{self.open_marker}{self._role(role)}\n"
+        text = self._spec.open.format(role=self._role(role))
         return text if system is None else text + system + "\n\n"
-
-    def _close_text(self) -> str:
-        return f"{self.close_marker}\n"
 
     def _turn_text(self, role: str, content: str, system: str | None = None) -> str:
         if self.style == "chatml" and role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        elif self.style == "gemma":
-            content = content.strip()  # Gemma's template trims every message's content
-        return self._open_text(role, system) + content + self._close_text()
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        elif self._spec.trim:
+            content = content.strip()
+        return self._open_text(role, system) + content + self._spec.close
+
+    def _system_text(self, system: str) -> str:
+        """The system prompt's own turn (a user turn where the style has no system role)."""
+        return self._turn_text("system" if self._spec.has_system else "user", system)
 
     def _pieces(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[str]:
         system, rest = _split_system(messages)
         pieces = [self._bos_text()] if self.add_bos else []
         pending = None
         if system is not None:
-            if self.style == "chatml":
-                pieces.append(self._turn_text("system", system))
-            elif self.fold_system:
+            if self.fold_system:
                 pending = system
             else:
-                pieces.append(self._turn_text("user", system))
+                pieces.append(self._system_text(system))
         for m in rest:
             pieces.append(self._turn_text(m["role"], m["content"], pending))
             pending = None
         if add_generation_prompt:
-            pieces.append(self._open_text(self._assistant_role(), pending))
+            pieces.append(self._open_text(self._spec.assistant, pending))
         return pieces
-
-    def _assistant_role(self) -> str:
-        return "assistant" if self.style == "chatml" else "model"
 
     def _take_pending(self) -> str | None:
         system, self._pending_system = self._pending_system, None
@@ -140,16 +176,14 @@ class ChatTemplate:
         ids = [self.tokenizer.bos_id] if self.add_bos else []
         self._pending_system = None
         if system is not None:
-            if self.style == "chatml":
-                ids += self.turn("system", system)
-            elif self.fold_system:
+            if self.fold_system:
                 self._pending_system = system
             else:
-                ids += self.turn("user", system)
+                ids += self.tokenizer.encode(self._system_text(system))
         return ids  # type: ignore[return-value]
 
     def turn(self, role: str, content: str) -> list[int]:
-        """A closed turn: open marker, role, content, close marker, newline."""
+        """A closed turn: its opening (marker and role), the content, and its closing."""
         return self.tokenizer.encode(self._turn_text(role, content, self._take_pending()))
 
     def open_turn(self, role: str) -> list[int]:
@@ -157,8 +191,8 @@ class ChatTemplate:
         return self.tokenizer.encode(self._open_text(role, self._take_pending()))
 
     def close_turn(self) -> list[int]:
-        """Ids that close a turn opened with `open_turn` after its content (end marker and newline)."""
-        return self.tokenizer.encode(self._close_text())
+        """Ids that close a turn opened with `open_turn`, after its content (e.g. `<|im_end|>\\n`)."""
+        return self.tokenizer.encode(self._spec.close)
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text (`messages`: dicts with "role" and "content", system first if any)."""
@@ -192,23 +226,24 @@ def _split_system(messages: Sequence[Mapping[str, str]]) -> tuple[str | None, li
 
 
 def detect_style(tokenizer: Tokenizer) -> str:
-    """The chat style ("chatml" or "gemma") whose turn markers the vocabulary has; ChatML wins a tie."""
+    """The chat style whose turn markers the vocabulary has (checked in the order of STYLES)."""
     atomic = tokenizer.atomic_tokens
-    for style in STYLES:
-        if all(m in atomic for m in _MARKERS[style]):
+    for style, spec in _STYLES.items():
+        if all(m in atomic for m in spec.markers):
             return style
+    wanted = "; ".join(f"{s}: {list(spec.markers)}" for s, spec in _STYLES.items())
     raise ValueError(
-        f"cannot detect a chat style for {tokenizer.path}: it has neither {_MARKERS['chatml']} nor "
-        f"{_MARKERS['gemma']}; pass style= explicitly after adding the markers"
+        f"cannot detect a chat style for {tokenizer.path}: it has the turn markers of none of ({wanted}); "
+        "pass style= explicitly after adding the markers"
     )
 
 
 def chat_template(
     tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None, fold_system: bool = False
 ) -> ChatTemplate:
-    """A ChatTemplate for `tokenizer`; `style` is "chatml", "gemma", or None to detect it from the vocab.
+    """A ChatTemplate for `tokenizer`; `style` is one of STYLES, or None to detect it from the vocab.
 
-    `add_bos` defaults to True for Gemma and to `tokenizer.add_bos` for ChatML (Qwen has no BOS).
+    `add_bos` defaults to `tokenizer.add_bos` for ChatML (Qwen has no BOS) and to True otherwise.
     `fold_system` (Gemma only) folds the system prompt into the first turn; see the module docstring.
     """
     return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos, fold_system=fold_system)
