@@ -12,6 +12,7 @@ import pytest
 from librarian_jax.data import (
     NOISY_VARIANT,
     DataError,
+    iter_tasks,
     load_bright,
     load_bright_domain,
     load_browsecomp_plus,
@@ -265,3 +266,22 @@ def test_sniffing_and_corpus_round_trip(tmp_path):
     rows[2]["documents"][1]["doc_id"] = rows[2]["documents"][0]["doc_id"]
     with pytest.raises(DataError, match=r":3: field 'documents\[1\]\.doc_id': duplicate doc_id"):
         load_tasks(_write_rows(tmp_path / "c.jsonl", rows), format="corpus")
+
+
+def test_task_jsonl_caps_and_streaming(tmp_path):
+    rows = _fixture_rows("tasks.jsonl")
+    rows[0]["docs"] += [{"doc_id": f"n{i}", "text": f"noise {i}", "is_negative": True} for i in range(5)]
+    path = _write_rows(tmp_path / "t.jsonl", rows)
+    capped = load_tasks(path, max_docs=4, shuffle_docs=True, seed=1)[0]
+    ids = {d.doc_id for d in capped.documents}
+    assert len(ids) == 4 and {"d1", "d2"} <= ids  # gold / evidence documents always stay
+    assert capped.documents == load_tasks(path, max_docs=4, shuffle_docs=True, seed=1)[0].documents
+    stream = iter_tasks(path)
+    assert next(stream).task_id == "q1"  # one row at a time
+    rows.append(
+        {"question_id": "q9", "question": "?", "gold_answer": "x", "docs": [{"doc_id": 1, "text": None}]}
+    )
+    it = iter_tasks(_write_rows(tmp_path / "t2.jsonl", rows))
+    assert [next(it).task_id for _ in range(2)] == ["q1", "2"]  # rows before the bad one still stream
+    with pytest.raises(DataError, match=r"t2\.jsonl:3: field 'docs\[0\]\.text'"):
+        next(it)

@@ -16,6 +16,7 @@ from librarian_jax.data.loaders import (
     iter_browsecomp_plus,
     iter_corpus_jsonl,
     iter_task_jsonl,
+    iter_tasks,
     load_bright,
     load_bright_domain,
     load_browsecomp_plus,
@@ -48,6 +49,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "FORMATS", "NOISY_VARIANT", "CorpusTask", "DataError", "Document", "Question", "WorldConfig",
     "content_hash", "generate_task", "generate_world", "iter_browsecomp_plus", "iter_corpus_jsonl",
-    "iter_task_jsonl", "load_bright", "load_bright_domain", "load_browsecomp_plus", "load_corpus_jsonl",
+    "iter_task_jsonl", "iter_tasks", "load_bright", "load_bright_domain", "load_browsecomp_plus",
+    "load_corpus_jsonl",
     "load_folder", "load_task_jsonl", "load_tasks", "save_tasks", "sniff_format", "world_texts", *_LAZY,
 ]

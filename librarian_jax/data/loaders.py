@@ -30,6 +30,7 @@ Any malformed input raises `DataError` naming the file, the line and the field.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -281,18 +282,46 @@ def _parse_task_row(path: str, line: int, row: dict[str, Any]) -> CorpusTask:
     )
 
 
-def iter_task_jsonl(path: PathLike) -> Iterator[CorpusTask]:
-    """Streams tasks from the paper's task JSONL (see the module docstring for the row format)."""
+def iter_task_jsonl(
+    path: PathLike,
+    *,
+    max_docs: int | None = None,
+    max_negatives: int | None = None,
+    shuffle_docs: bool = False,
+    seed: int = 0,
+) -> Iterator[CorpusTask]:
+    """Streams tasks from the paper's task JSONL (see the module docstring for the row format).
+
+    The caps work as for BrowseComp-Plus: documents flagged `is_gold` or `is_evidence` are always kept, the
+    others are sampled with a shuffle seeded by `(seed, task_id)`.
+    """
+    _check_caps(max_docs, max_negatives)
     ids = _TaskIds(str(path))
     for line, row in iter_json_rows(path):
         task = _parse_task_row(str(path), line, row)
         ids.add(task.task_id, line, "task_id" if "task_id" in row else "question_id")
+        if max_docs is not None or max_negatives is not None or shuffle_docs:
+            kept = _cap_documents(
+                list(task.documents),
+                task_id=task.task_id,
+                max_docs=max_docs,
+                max_negatives=max_negatives,
+                shuffle_docs=shuffle_docs,
+                seed=seed,
+            )
+            task = dataclasses.replace(task, documents=tuple(kept))
         yield task
 
 
-def load_task_jsonl(path: PathLike) -> list[CorpusTask]:
-    """All tasks of a task JSONL file; raises `DataError` on an empty file."""
-    return _non_empty(path, list(iter_task_jsonl(path)))
+def _check_caps(max_docs: int | None, max_negatives: int | None) -> None:
+    for name, value in (("max_docs", max_docs), ("max_negatives", max_negatives)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def load_task_jsonl(path: PathLike, **kwargs: Any) -> list[CorpusTask]:
+    """All tasks of a task JSONL file (`iter_task_jsonl` options); raises `DataError` on an empty file."""
+    return _non_empty(path, list(iter_task_jsonl(path, **kwargs)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -420,9 +449,7 @@ def iter_browsecomp_plus(
     `max_docs` / `max_negatives` cap the corpus keeping every gold / evidence document; the negatives kept and
     (with `shuffle_docs`) the document order come from a shuffle seeded by `(seed, query_id)`.
     """
-    for name, value in (("max_docs", max_docs), ("max_negatives", max_negatives)):
-        if value is not None and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    _check_caps(max_docs, max_negatives)
     ids = _TaskIds(str(path))
     for line, row in iter_json_rows(path):
         task = _parse_browsecomp_row(
@@ -725,22 +752,29 @@ def sniff_format(path: PathLike) -> str:
     raise DataError(str(path), "empty corpus (no rows)")
 
 
-def load_tasks(path: PathLike, format: str = "auto", **kwargs: Any) -> list[CorpusTask]:  # noqa: A002
-    """Loads every task of `path` in the named format (`FORMATS`) or, with `"auto"`, the sniffed one.
-
-    Extra keyword arguments go to the format's loader (e.g. `max_docs=50, shuffle_docs=True` for
-    BrowseComp-Plus, `domains=[...]` for BRIGHT, `extensions=...` for a folder).
-    """
+def iter_tasks(path: PathLike, format: str = "auto", **kwargs: Any) -> Iterator[CorpusTask]:  # noqa: A002
+    """Streams the tasks of `path` one at a time (JSONL formats are read line by line); see `load_tasks`."""
     fmt = sniff_format(path) if format == "auto" else format
     if fmt not in FORMATS:
         raise ValueError(f"unknown corpus format {format!r}; expected 'auto' or one of {FORMATS}")
     logging.info("loading %s as %s", path, fmt)
     if fmt == "tasks":
-        return load_task_jsonl(path, **kwargs)
-    if fmt == "browsecomp_plus":
-        return load_browsecomp_plus(path, **kwargs)
-    if fmt == "bright":
-        return load_bright(path, **kwargs)
-    if fmt == "folder":
-        return [load_folder(path, **kwargs)]
-    return load_corpus_jsonl(path, **kwargs)
+        yield from iter_task_jsonl(path, **kwargs)
+    elif fmt == "browsecomp_plus":
+        yield from iter_browsecomp_plus(path, **kwargs)
+    elif fmt == "bright":
+        yield from load_bright(path, **kwargs)
+    elif fmt == "folder":
+        yield load_folder(path, **kwargs)
+    else:
+        yield from iter_corpus_jsonl(path, **kwargs)
+
+
+def load_tasks(path: PathLike, format: str = "auto", **kwargs: Any) -> list[CorpusTask]:  # noqa: A002
+    """Loads every task of `path` in the named format (`FORMATS`) or, with `"auto"`, the sniffed one.
+
+    Extra keyword arguments go to the format's loader (e.g. `max_docs=50, shuffle_docs=True` for the task
+    JSONL and BrowseComp-Plus, `domains=[...]` for BRIGHT, `extensions=...` for a folder). Raises `DataError`
+    when the file holds no task.
+    """
+    return _non_empty(path, list(iter_tasks(path, format, **kwargs)))
