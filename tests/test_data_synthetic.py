@@ -124,7 +124,8 @@ def test_distractors_look_like_real_entities_but_differ(world):
             twin_facts = {}
             for doc in t.documents:
                 twin_facts.update({r: o for s, r, o in doc.meta["facts"] if s == twin})
-            assert d.meta["facts"] and any(twin_facts.get(r) != o for _, r, o in d.meta["facts"])
+            differ = [twin_facts.get(r) != o for _, r, o in d.meta["facts"]]
+            assert d.meta["facts"] and all(differ), (name, twin)
         questions = [q.question for q in (*t.questions, *t.reuse_questions)]
         assert not any(d.meta["subject"] in q for d in distractors for q in questions)
 

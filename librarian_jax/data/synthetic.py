@@ -533,19 +533,20 @@ def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
         rng.choice(real) for _ in range(n_dis - len(real))
     ]:
         twin = w.look_alike(target)
-        kind = {"person": "Profile: {}", "org": "About the {}", "project": "Report: {}"}[twin.kind]
+        title = {"person": "Profile: {}", "org": "About the {}", "project": "Report: {}"}[twin.kind]
         lead = {
             "person": "This profile describes {}.",
             "org": "This page introduces the {}.",
             "project": "This report covers {}.",
         }[twin.kind]
         doc = len(w.docs)
-        w.docs.append(_Doc("distractor", twin.key, kind.format(twin.name), lead.format(twin.name)))
+        w.docs.append(_Doc("distractor", twin.key, title.format(twin.name), lead.format(twin.name)))
         original = {f.relation: f.obj for f in facts_of.get(target.key, ())}
         for fact in w.attributes(twin):
-            if fact.obj == original.get(fact.relation):  # keep look-alikes' facts different
-                alt = w.draw_object(fact.relation, twin)
-                fact.obj = alt if alt is not None else fact.obj
+            for _ in range(20):  # keep the look-alike's facts different from its original's (where possible)
+                if fact.obj != original.get(fact.relation):
+                    break
+                fact.obj = w.draw_object(fact.relation, twin) or fact.obj
             fact.home = doc
             w.docs[doc].facts.append(len(w.facts))
             w.facts.append(fact)
