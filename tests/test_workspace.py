@@ -86,7 +86,7 @@ def test_long_listing_is_paged() -> None:
     shown = len(first.data["entries"])
     assert 100 < shown < 400
     assert first.text.endswith(
-        f"[showing entries 1-{shown} of 400; continue with list_dir('raw_docs', start={shown + 1})]"
+        f"[showing entries 1-{shown} of 400; continue with list_files('raw_docs', start={shown + 1})]"
     )
     rest = w.list_dir("raw_docs", start=shown + 1)
     assert (
@@ -165,7 +165,7 @@ def test_merge_moves_children_and_lists_counts() -> None:
     ]
     s = w.read_file("merge_0001__infrastructure/summary.txt")
     assert "KIND: directory summary (merge_files)" in s.text
-    assert "CHILDREN: 2 (list_dir 'merge_0001__infrastructure' to see them)" in s.text
+    assert "CHILDREN: 2 (list_files 'merge_0001__infrastructure' to see them)" in s.text
     n = w.nodes["cluster_0001"]
     assert n.parent == "merge_0001" and n.raw_sources == ("raw_0001", "raw_0002") and n.created_turn == 1
     assert w.nodes["merge_0001"].synthetic_sources == ("cluster_0001", "cluster_0002")
@@ -545,9 +545,15 @@ def test_readme_index() -> None:
         for line in w.read_file("README.md").text.split("\n")[1:-1]
     ]
     assert r.ok and shown == r.text.rstrip("\n").split("\n")
-    assert "This workspace holds 6 raw documents and 3 synthetic files in 1 synthetic directories" in r.text
+    assert (
+        "This workspace holds 6 raw documents (under raw_docs/) and 3 synthetic files in 1 synthetic "
+        "directories" in r.text
+    )
     assert 'merge_0001__infrastructure/  "Infrastructure"\n  cluster_0001__bridges.txt  "Bridges"' in r.text
     assert "follow SOURCES_RAW" in r.text
+    empty = Workspace.from_documents(corpus()).readme().text
+    assert "holds 6 raw documents under raw_docs/. No synthetic files have been written yet" in empty
+    assert "(no synthetic files yet)" in empty
     numbered = w.read_file("README.md")
     assert numbered.ok and "    1| # Workspace index" in numbered.text
 

@@ -39,6 +39,9 @@ raises. Codes (see `results.py`):
   that is empty, a child nested inside another child, README.md as a source or target...).
 - `read_too_large`: `num_lines` above `MAX_READ_LINES` (100) in one read.
 
+Text meant for a model (messages, suggestions, README, continuation hints) names the agents' tools:
+`list_files(path)` (this class's `list_dir`) and `read_file(path, start_line, num_lines)`.
+
 Reads return at most `MAX_READ_LINES` display lines and `MAX_READ_CHARS` characters (16,000) and say how to
 continue. Lines longer than 2,000 characters are shown as several display lines (`render.display_lines`).
 
@@ -530,7 +533,7 @@ class Workspace:
             return ActionResult.error(
                 IS_A_DIRECTORY,
                 f"{what} {r.asked!r} is a plain directory; name the files in it",
-                (f"list_dir({r.path or '.'!r})",),
+                (f"list_files({r.path or '.'!r})",),
             )
         return ActionResult.error(
             INVALID_ARGUMENT, f"{what} {r.asked!r} is the generated {README}; name the files it lists instead"
@@ -995,7 +998,7 @@ class Workspace:
             lines.append("SOURCES_SYNTHETIC: (none)")
         if node.kind == DIRECTORY and node.active:
             kids = idx.children.get(node.node_id, [])
-            lines.append(f"CHILDREN: {len(kids)} (list_dir {idx.dir_path[node.node_id]!r} to see them)")
+            lines.append(f"CHILDREN: {len(kids)} (list_files {idx.dir_path[node.node_id]!r} to see them)")
         lines.append("---")
         return "\n".join(lines) + "\n" + node.body
 
@@ -1098,7 +1101,7 @@ class Workspace:
         if truncated:
             text += (
                 f"\n[showing entries {start_v}-{last} of {len(kids)}; continue with "
-                f"list_dir({r.path or '.'!r}, start={last + 1})]"
+                f"list_files({r.path or '.'!r}, start={last + 1})]"
             )
         return ActionResult.success(
             f"listed {r.path or '.'} ({len(kids)} entries)",
@@ -1138,10 +1141,10 @@ class Workspace:
         k = r.entry.kind
         if k in _DIR_ENTRIES:
             sugg = [f"{r.path}/{SUMMARY}"] if k == E_DIR else [README] if k == E_ROOT else []
-            sugg.append(f"list_dir({r.path or '.'!r})")
+            sugg.append(f"list_files({r.path or '.'!r})")
             return ActionResult.error(
                 IS_A_DIRECTORY,
-                f"{r.asked!r} is a directory; list it with list_dir"
+                f"{r.asked!r} is a directory; list it with list_files"
                 + (f" or read its {SUMMARY}" if k == E_DIR else ""),
                 sugg,
             )
@@ -1240,20 +1243,29 @@ class Workspace:
 
         walk(None, 0)
         if len(out) < total:
-            out.append(f"... ({total - len(out)} more synthetic nodes; use list_dir)")
+            out.append(f"... ({total - len(out)} more synthetic nodes; use list_files)")
         return "\n".join(out) if out else "(no synthetic files yet)"
 
     def readme_text(self) -> str:
         st = self.stats()
+        if st["active_synthetic"]:
+            intro = (
+                f"This workspace holds {st['raw_docs']} raw documents (under {RAW_DIR}/) and "
+                f"{st['active_files']} synthetic files in {st['active_dirs']} synthetic directories (nesting "
+                f"depth {st['max_depth']}), written from those documents to make them easier to navigate."
+            )
+        else:
+            intro = (
+                f"This workspace holds {st['raw_docs']} raw documents under {RAW_DIR}/. No synthetic files "
+                f"have been written yet: list {RAW_DIR}/ to see the documents."
+            )
         lines = [
             "# Workspace index",
             "",
-            f"This workspace holds {st['raw_docs']} raw documents and {st['active_files']} synthetic files "
-            f"in {st['active_dirs']} synthetic directories (deepest nesting {st['max_depth']}), written from "
-            f"those documents to make them easier to navigate.",
+            intro,
             "",
             "## How to read",
-            f"- list_dir(path) lists a directory; read_file(path, start_line, num_lines) reads at most "
+            f"- list_files(path) lists a directory; read_file(path, start_line, num_lines) reads at most "
             f"{MAX_READ_LINES} lines and {R.fmt_int(MAX_READ_CHARS)} characters at a time and says how to "
             f"continue.",
             "- Every synthetic file starts with a header: TITLE, KIND, PATH, SOURCES_RAW (the original "
