@@ -138,7 +138,7 @@ def test_create_file_renders_header_and_body() -> None:
         f"- raw_docs/raw_0004__harbour_tides_report.txt (sha256:{sha4})",
         "SOURCES_SYNTHETIC:",
         '- merge_0001__infrastructure/summary.txt ("Infrastructure")',
-        "RAW_PROVENANCE: 4 raw documents in total through the sources (provenance lists them)",
+        "RAW_PROVENANCE: 4 raw documents in total, reached through the synthetic sources' headers",
         "---",
         "Tide notes.",
     ]

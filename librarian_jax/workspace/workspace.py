@@ -991,8 +991,8 @@ class Workspace:
                 lines.append(f'- {idx.file_path(sn)} ("{R.clip(sn.title, 80)}"{status})')
             prov = self._raw_provenance(node.node_id)
             lines.append(
-                f"RAW_PROVENANCE: {len(prov)} raw documents in total through the sources "
-                f"(provenance lists them)"
+                f"RAW_PROVENANCE: {len(prov)} raw documents in total, reached through the synthetic sources' "
+                f"headers"
             )
         else:
             lines.append("SOURCES_SYNTHETIC: (none)")
