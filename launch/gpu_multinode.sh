@@ -113,9 +113,7 @@ show() {
 
 # Runs (or, with --dry-run, prints) main with JAX's distributed variables: run_main ADDRESS N ID [LOCAL_IDS].
 run_main() {
-  local -a env_words=(
-    "JAX_COORDINATOR_ADDRESS=$1" "JAX_NUM_PROCESSES=$2" "JAX_PROCESS_ID=$3" "LIBRARIAN_JAX_DISTRIBUTED=1"
-  )
+  local -a env_words=("JAX_COORDINATOR_ADDRESS=$1" "JAX_NUM_PROCESSES=$2" "JAX_PROCESS_ID=$3")
   [[ -n "${4:-}" ]] && env_words+=("JAX_LOCAL_DEVICE_IDS=$4")
   env_words+=("${envs[@]}")
   if ((dry_run)); then

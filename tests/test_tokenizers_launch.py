@@ -6,6 +6,7 @@ tests check the exact commands and JAX variables each process would get, without
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ RECORDER = textwrap.dedent(
     name="$(basename "$0")"
     out="$RECORD_DIR/$name.${JAX_PROCESS_ID:-$$}"
     printf '%s\\n' "$@" > "$out.argv"
-    env | grep -E '^(JAX_|LIBRARIAN_|EXTRA_)' | sort > "$out.env"
+    env | grep -E '^(JAX_|EXTRA_)' | sort > "$out.env"
     if [[ -n "${FAIL_ID:-}" && "${JAX_PROCESS_ID:-}" == "$FAIL_ID" ]]; then exit 3; fi
     if [[ -n "${SLEEP:-}" ]]; then sleep "$SLEEP"; touch "$out.finished"; fi
     """
@@ -34,11 +35,18 @@ RECORDER = textwrap.dedent(
 
 @pytest.fixture()
 def fake_bin(tmp_path) -> Path:
-    """A bin dir with recording stand-ins for python, gcloud, scontrol and srun."""
+    """A bin dir with recording stand-ins for python, gcloud, curl, scontrol and srun."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("fakepython", "gcloud"):
-        (bin_dir / name).write_text(RECORDER)
+    (bin_dir / "fakepython").write_text(RECORDER)
+    # gcloud: `describe` answers with two workers; anything else (ssh, scp) is recorded.
+    describe = json.dumps({"networkEndpoints": [{"ipAddress": "10.0.0.7"}, {"ipAddress": "10.0.0.8"}]})
+    answer = f"[[ \"$4\" == describe ]] && {{ echo '{describe}'; exit; }}\n"
+    shebang = "#!/usr/bin/env bash\n"
+    (bin_dir / "gcloud").write_text(RECORDER.replace(shebang, shebang + answer))
+    # curl: the metadata server of worker $FAKE_WORKER.
+    curl = '#!/usr/bin/env bash\n[[ "$*" == *agent-worker-number* ]] && echo "$FAKE_WORKER"\n'
+    (bin_dir / "curl").write_text(curl)
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu01\\ngpu02\\n'\n")
     # srun: run the task command once per task with SLURM's per-task variables, like srun on 1 node per task.
     (bin_dir / "srun").write_text(
@@ -98,39 +106,56 @@ def test_tpu_pod_runs_main_on_every_worker(fake_bin, tmp_path):
     )
     dry = _run(TPU, "--dry-run", *args, env=_env(fake_bin))
     assert dry.returncode == 0, dry.stderr
-    (line,) = dry.stdout.splitlines()
-    printed = shlex.split(line)
-    assert printed[:8] == [
+    describe, ssh = (shlex.split(line) for line in dry.stdout.splitlines())
+    assert describe == [
+        "gcloud", "compute", "tpus", "tpu-vm", "describe", "pod-1", "--zone=us-east5-a", "--project=proj",
+        "--format=json",
+    ]  # fmt: skip
+    assert ssh[:8] == [
         "gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1", "--zone=us-east5-a", "--project=proj"
     ]  # fmt: skip
-    assert "--worker=all" in printed
-    # Run for real: the stand-in gcloud gets exactly the printed argv.
+    assert "--worker=all" in ssh
+    # Run for real: the stand-in gcloud gets the printed ssh argv, with the described workers filled in.
     real = _run(TPU, *args, env=_env(fake_bin))
     assert real.returncode == 0, real.stderr
     record = fake_bin.parent / "record"
     (argv_file,) = record.glob("gcloud.*.argv")
     gcloud_argv = argv_file.read_text().splitlines()
-    assert ["gcloud", *gcloud_argv] == printed
-    # What each worker's shell runs: cd into the checkout, then main with the flags forwarded verbatim.
+    filled = [a.replace("\\<worker-0-ip\\>", "10.0.0.7").replace("\\<number-of-workers\\>", "2") for a in ssh]
+    assert ["gcloud", *gcloud_argv] == filled
+    # What each worker's shell runs: cd into the checkout, then main with the flags forwarded verbatim and
+    # the JAX variables of that worker.
     command = next(a for a in gcloud_argv if a.startswith("--command="))[len("--command=") :]
-    worker = subprocess.run(["bash", "-c", command], env=_env(fake_bin), capture_output=True, text=True)
-    assert worker.returncode == 0, worker.stderr
-    (main_argv,) = record.glob("fakepython.*.argv")
-    assert main_argv.read_text().splitlines() == [
-        "-m",
-        "librarian_jax.main",
-        "--config=configs/grpo.py:qwen3_5_4b",
-        "--config.train.num_steps=3",
-        "--note=it's a test",
-    ]
-    main_env = _read_env(next(record.glob("fakepython.*.env")))
-    assert main_env == {"LIBRARIAN_JAX_DISTRIBUTED": "1", "EXTRA_FLAGS": "--a=1 --b"}
+    for worker in ("0", "1"):
+        ran = subprocess.run(
+            ["bash", "-c", command], env=_env(fake_bin, FAKE_WORKER=worker), capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert (record / f"fakepython.{worker}.argv").read_text().splitlines() == [
+            "-m",
+            "librarian_jax.main",
+            "--config=configs/grpo.py:qwen3_5_4b",
+            "--config.train.num_steps=3",
+            "--note=it's a test",
+        ]
+        assert _read_env(record / f"fakepython.{worker}.env") == {
+            "EXTRA_FLAGS": "--a=1 --b",
+            "JAX_COORDINATOR_ADDRESS": "10.0.0.7:8476",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": worker,
+        }
+    # A worker whose metadata server does not answer stops with a message instead of running as process "".
+    env = _env(fake_bin, FAKE_WORKER="")
+    ran = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
+    assert ran.returncode == 1 and "agent-worker-number" in ran.stderr
 
 
 def test_tpu_pod_copy_repo_and_missing_arguments(fake_bin):
-    dry = _run(TPU, "--tpu=t", "--zone=z", "--copy-repo", "--dry-run", env=_env(fake_bin))
+    args = ("--tpu=t", "--zone=z", "--workers=10.1.1.1", "--copy-repo", "--dry-run")
+    dry = _run(TPU, *args, env=_env(fake_bin))
     lines = [shlex.split(line) for line in dry.stdout.splitlines()]
     assert [cmd[4] for cmd in lines] == ["ssh", "scp", "ssh"]
+    assert "JAX_COORDINATOR_ADDRESS=10.1.1.1:8476 JAX_NUM_PROCESSES=1" in lines[2][-1]
     assert lines[1][5:8] == ["--recurse", f"{ROOT}/.", "t:~/librarian_jax"]
     missing = _run(TPU, "--dry-run", env=_env(fake_bin))
     assert missing.returncode == 2 and "missing --tpu" in missing.stderr and "--zone" in missing.stderr
@@ -148,7 +173,6 @@ def test_gpu_local_processes_get_their_jax_variables(fake_bin):
             "JAX_LOCAL_DEVICE_IDS": str(i),
             "JAX_NUM_PROCESSES": "3",
             "JAX_PROCESS_ID": str(i),
-            "LIBRARIAN_JAX_DISTRIBUTED": "1",
         }
         argv = (record / f"fakepython.{i}.argv").read_text().splitlines()
         assert argv == ["-m", "librarian_jax.main", "--config=configs/grpo.py", "--x=1"]
@@ -179,7 +203,6 @@ def test_gpu_slurm_mode_runs_one_task_per_node(fake_bin):
             "JAX_COORDINATOR_ADDRESS": "gpu01:12355",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(i),
-            "LIBRARIAN_JAX_DISTRIBUTED": "1",
         }
         argv = (record / f"fakepython.{i}.argv").read_text().splitlines()
         assert argv == ["-m", "librarian_jax.main", "--config=configs/grpo.py", "--y=2"]
@@ -190,9 +213,9 @@ def test_gpu_manual_mode_and_bad_arguments(fake_bin):
         GPU, "--coordinator=node0:999", "--num-processes=4", "--process-id=3", "--dry-run", env=_env(fake_bin)
     )
     assert dry.returncode == 0, dry.stderr
-    assert shlex.split(dry.stdout)[:5] == [
+    assert shlex.split(dry.stdout) == [
         "env", "JAX_COORDINATOR_ADDRESS=node0:999", "JAX_NUM_PROCESSES=4", "JAX_PROCESS_ID=3",
-        "LIBRARIAN_JAX_DISTRIBUTED=1",
+        "python3", "-m", "librarian_jax.main", "--config=configs/grpo.py",
     ]  # fmt: skip
     for args, message in [
         ((), "no SLURM allocation"),
