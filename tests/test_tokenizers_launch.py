@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -227,3 +229,25 @@ def test_gpu_manual_mode_and_bad_arguments(fake_bin):
     ]:
         done = _run(GPU, *args, env=_env(fake_bin))
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_gpu_local_mode_starts_a_real_two_process_jax_run(tmp_path):
+    """Two real JAX processes (CPU) started by the launcher find each other through the coordinator."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    probe = tmp_path / "python"
+    code = (
+        "import os, jax; e = os.environ; "
+        "jax.distributed.initialize(e['JAX_COORDINATOR_ADDRESS'], int(e['JAX_NUM_PROCESSES']), "
+        "int(e['JAX_PROCESS_ID'])); "
+        "open(os.path.join(os.environ['OUT'], str(jax.process_index())), 'w')"
+        ".write(f'{jax.process_count()} {os.environ[\"JAX_PROCESS_ID\"]}')"
+    )
+    # Stands in for the interpreter: ignores `-m librarian_jax.main ...` and runs the probe instead.
+    probe.write_text(f"#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} -c {shlex.quote(code)}\n")
+    probe.chmod(0o755)
+    env = {"JAX_PLATFORMS": "cpu", "OUT": str(tmp_path), "PATH": os.environ["PATH"]}
+    done = _run(GPU, "--local=2", f"--python={probe}", f"--port={port}", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "0").read_text() == "2 0" and (tmp_path / "1").read_text() == "2 1"
