@@ -179,10 +179,16 @@ def test_sentencepiece_round_trip_and_matches_native(sp_chatml, text):
         assert ids == native.encode(text)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.text(max_size=40))
-def test_sentencepiece_round_trips_any_text(sp_chatml, text):
-    assert sp_chatml.decode(sp_chatml.encode(text)) == text
+@pytest.mark.parametrize("backend", ["sp_chatml", "hf_qwen"])
+def test_byte_fallback_and_byte_level_round_trip_any_text(request, backend):
+    tok = request.getfixturevalue(backend)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.text(max_size=40))
+    def check(text):
+        assert tok.decode(tok.encode(text)) == text
+
+    check()
 
 
 def test_special_tokens_are_single_ids_sentencepiece(sp_chatml):
