@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFRaw
 
 from librarian_jax.tokenizers import (
@@ -276,6 +277,49 @@ def test_special_tokens_are_single_ids_hf(hf_qwen, hf_gemma):
     ids = hf_gemma.encode(text)
     assert ids[:2] == [hf_gemma.bos_id, hf_gemma.token_to_id("<start_of_turn>")]
     assert hf_gemma.decode(ids) == text  # Metaspace's per-segment prefix space is undone per segment
+
+
+def _sentencepiece_as_tokenizer_json(sp_path: str, out_dir: Path) -> str:
+    """The same vocabulary as a Gemma-style tokenizer.json (byte-fallback BPE, as transformers converts)."""
+    sp = spm.SentencePieceProcessor(model_file=sp_path)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    merges = []
+    for piece, rank in vocab.items():  # the merge that makes each piece, in the order of the pieces
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        local = [ab for ab in splits if ab[0] in vocab and ab[1] in vocab]
+        merges += [(rank, ab) for ab in sorted(local, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))]
+    merges.sort(key=lambda m: m[0])
+    bpe = models.BPE(vocab, [ab for _, ab in merges], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    raw = HFRaw(bpe)
+    raw.normalizer = normalizers.Replace(" ", "\u2581")
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    special = [i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+    added = [*special, *range(4, 4 + len(DEFAULT_SPECIAL_TOKENS))]
+    raw.add_tokens([AddedToken(sp.id_to_piece(i), special=i in special, normalized=False) for i in added])
+    out_dir.mkdir()
+    raw.save(str(out_dir / "tokenizer.json"))
+    return str(out_dir / "tokenizer.json")
+
+
+def test_same_vocabulary_gives_same_ids_through_both_backends(sp_chatml, tmp_path):
+    hf = load_tokenizer(_sentencepiece_as_tokenizer_json(sp_chatml.path, tmp_path / "converted"))
+    assert isinstance(hf, HFTokenizer) and hf.vocab_size == sp_chatml.vocab_size
+    assert (hf.bos_id, hf.eos_id, hf.pad_id, hf.unk_id) == (BOS_ID, EOS_ID, PAD_ID, UNK_ID)
+    for text in TEXTS:
+        assert hf.encode(text) == sp_chatml.encode(text), text
+        assert hf.decode(hf.encode(text)) == text
+    conversation = chat_template(hf).encode_messages(CONVERSATION, add_generation_prompt=True)
+    assert conversation == chat_template(sp_chatml).encode_messages(CONVERSATION, add_generation_prompt=True)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.lists(st.one_of(st.text(max_size=12), st.sampled_from(DEFAULT_SPECIAL_TOKENS)), max_size=6))
+    def check(parts):
+        text = "".join(parts)
+        assert hf.encode(text) == sp_chatml.encode(text)
+
+    check()
 
 
 # ---- chat templates --------------------------------------------------------------------------------------
