@@ -2,7 +2,7 @@
 
     tok = load_tokenizer("path/to/tokenizer.model" | "path/to/tokenizer.json" | "path/to/folder")
     ids = tok.encode("<|im_start|>user\\nhi<|im_end|>\\n")       # special tokens become their single ids
-    chat = chat_template(tok)                                   # "chatml" or "gemma", detected from the vocab
+    chat = chat_template(tok)                       # "chatml", "gemma" or "llama3", detected from the vocab
     prompt = chat.start(system="...") + chat.turn("user", "hi") + chat.open_turn("assistant")
     # ... sample ids until one of chat.stop_ids, then append chat.close_turn() after the sampled ids.
 """

@@ -361,9 +361,9 @@ class HFTokenizer(Tokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def _encode_plain(self, segments: list[str]) -> list[list[int]]:
-        if len(segments) == 1:
-            return [self._tok.encode(segments[0], add_special_tokens=False).ids]
-        return [e.ids for e in self._tok.encode_batch(segments, add_special_tokens=False)]
+        # One by one: the few segments of a text are not worth encode_batch's thread pool, which also makes
+        # `tokenizers` warn (and disable itself) in data-loader processes forked afterwards.
+        return [self._tok.encode(segment, add_special_tokens=False).ids for segment in segments]
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
