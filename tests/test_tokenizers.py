@@ -517,6 +517,14 @@ def test_small_text_is_padded_to_the_exact_vocab_size(tmp_path):
     assert max(ids) < first_unused and tok.decode(ids) == text
 
 
+def test_long_lines_are_cut_at_spaces_for_training():
+    line = " ".join(f"word{k}" for k in range(3000)) + "x" * 3000
+    chunks = list(training_mod._sentences(["short line", "  \n", line]))
+    assert chunks[0] == "short line" and "".join(chunks[1:]) == line
+    assert all(len(c) <= training_mod._CHUNK_CHARS for c in chunks)
+    assert all(c.startswith(" ") for c in chunks[2:-3])  # cut before a space, not inside a word
+
+
 def test_training_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no text"):
         train_sentencepiece(["", "  \n"], tmp_path / "x.model")

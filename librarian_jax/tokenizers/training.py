@@ -37,11 +37,11 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
     "</tool_response>",
 )
 
-# SentencePiece skips sentences longer than this many bytes (its default is 4192); longer lines are cut at
-# spaces into chunks of at most this size before training.
-_MAX_SENTENCE_BYTES = 2048
+# SentencePiece skips sentences longer than `max_sentence_length` bytes, so lines longer than this many
+# characters (<= 4 bytes each) are cut at spaces into chunks of at most this size before training.
+_CHUNK_CHARS = 1024
 # Bumped whenever the trainer options below change, so cached files trained with old options are not reused.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 
 def _sentences(texts: Iterable[str]) -> Iterator[str]:
@@ -50,15 +50,15 @@ def _sentences(texts: Iterable[str]) -> Iterator[str]:
         if not isinstance(text, str):
             raise TypeError(f"texts[{k}] is {type(text).__name__}, expected str")
         for line in text.splitlines():
-            if not line.strip():
-                continue
-            while len(line.encode("utf-8")) > _MAX_SENTENCE_BYTES:
-                cut = line.rfind(" ", 0, _MAX_SENTENCE_BYTES // 4)
-                cut = cut if cut > 0 else _MAX_SENTENCE_BYTES // 4
-                yield line[:cut]
-                line = line[cut:]
-            if line.strip():
-                yield line
+            start = 0
+            while len(line) - start > _CHUNK_CHARS:
+                cut = line.rfind(" ", start + 1, start + _CHUNK_CHARS)
+                cut = cut if cut > start else start + _CHUNK_CHARS
+                if line[start:cut].strip():
+                    yield line[start:cut]
+                start = cut
+            if line[start:].strip():
+                yield line[start:]
 
 
 def train_sentencepiece(
@@ -118,7 +118,7 @@ def train_sentencepiece(
             split_digits=True,
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
-            max_sentence_length=_MAX_SENTENCE_BYTES * 4,
+            max_sentence_length=_CHUNK_CHARS * 4,
             num_threads=1,
             minloglevel=2,
         )
