@@ -73,6 +73,10 @@ class TrainBatch:
                 "row_weights": self.row_weights}
 
 
+class NoTrainableTokens(ValueError):
+    """No segment of the batch holds a generated token (e.g. every session hit the cache limit at once)."""
+
+
 def pick_bucket(length: int, buckets: Sequence[int], max_len: int) -> int:
     """Smallest bucket >= length, capped at max_len (max_len itself when no bucket fits)."""
     for b in sorted(buckets):
@@ -130,7 +134,7 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
             if float(np.sum(seg.loss_mask)) > 0:
                 rows.append((i, seg))
     if not rows:
-        raise ValueError("build_rows: no segment holds a generated token (every loss_mask is zero)")
+        raise NoTrainableTokens("build_rows: no segment holds a generated token (every loss_mask is zero)")
     per_episode = collections.Counter(i for i, _ in rows)
     longest = max(len(seg.tokens) for _, seg in rows)
     seq = pick_bucket(longest, config.seq_buckets, config.max_seq_len)

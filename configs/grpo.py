@@ -1,0 +1,139 @@
+"""GRPO training of the librarian builder.
+
+    python -m librarian_jax.main --config=configs/grpo.py                 # embedded CPU run (default)
+    python -m librarian_jax.main --config=configs/grpo.py:qwen3_5_4b \\
+        --config.model.path=/ckpt/Qwen3.5-4B --config.data.path=/data/tasks.jsonl --config.workdir=/runs/q4b
+
+Presets: `embedded` (default: tiny model, SentencePiece tokenizer trained on the synthetic world and cached
+under the workdir, a synthetic corpus, a few minutes on 2 CPU cores), `qwen3_5_4b` and `gemma3_4b` (the
+paper's main-run settings: LoRA rank 32, lr 2e-5 (the paper sweeps 1e-5..4e-5), 16 tasks x group 4, <= 4096
+new tokens per builder turn, PPO clip 0.8/1.2, H = 32 builder turns, 4 probe repeats).
+Every key is read by `librarian_jax.main` and checked by `librarian_jax.config_validation` at start.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+PRESETS = ("embedded", "qwen3_5_4b", "gemma3_4b")
+
+
+def _base() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.preset = "embedded"
+    c.workdir = "/tmp/librarian_jax/grpo"
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict(dict(
+        preset="tiny",          # models.PRESETS name (architecture)
+        init="random",          # "random" | "hf" (safetensors folder) | "orbax" (checkpoint dir or step dir)
+        path="",                # weights for init="hf" / "orbax"
+        tokenizer="",           # file/folder; "" = model.path (hf) or a SentencePiece trained on data
+        tokenizer_vocab_size=2048,
+        dtype="",               # "" = the preset's; e.g. "float32" on CPU, "bfloat16" on accelerators
+        lora_rank=0,            # 0 = full fine-tuning
+        lora_alpha=64.0,
+        lora_module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*",
+        frozen_path="",         # answerer/executor weights (HF folder); "" = the policy's initial weights
+    ))
+    c.data = ml_collections.ConfigDict(dict(
+        source="synthetic",     # "synthetic" | "file"
+        path="",                # tasks file/folder for source="file" (data.load_tasks)
+        format="auto",
+        num_tasks=16,           # synthetic world size
+        docs_per_task=4,
+        min_words=30,
+        max_words=60,
+        questions_per_task=2,
+        reuse_questions_per_task=0,
+        heldout_fraction=0.25,  # tasks kept out of training (by task-id hash), for eval
+        tasks_per_batch=2,
+        shuffle_seed=0,
+    ))
+    c.rollout = ml_collections.ConfigDict(dict(
+        group_size=2,
+        policy_slots=8,         # builder engine slots
+        frozen_slots=16,        # answerer/executor engine slots
+        max_seq_len=4096,       # tokens one session may hold (the builder's first prompt holds the corpus)
+        round_steps=32,         # decode steps per engine.step()
+        probe_repeats=1,
+        probe_min_gap=1,
+        max_probes=1,
+        probe_threshold=0.25,
+        probe_scale=1.0,
+        terminal_repeats=1,
+        no_stop_penalty=0.1,
+        use_model_judge=False,
+        record_snapshots=True,
+        builder=ml_collections.ConfigDict(dict(
+            max_turns=3, max_new_tokens=48, temperature=1.0, executor="extractive",
+            compaction="deterministic", compaction_budget=3000, malformed_penalty=0.05)),
+        answerer=ml_collections.ConfigDict(dict(max_turns=2, max_new_tokens=24, forced_max_new_tokens=16,
+                                                 context_budget=3000)),
+    ))
+    c.train = ml_collections.ConfigDict(dict(
+        num_steps=3,
+        learning_rate=1e-4,
+        warmup_steps=0,
+        decay="cosine",         # "cosine" | "linear" | "constant"
+        end_lr_ratio=0.1,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        micro_batches=1,
+        remat=False,
+        loss="ppo",             # rl.losses registry
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=3.0,
+        tis_cap=2.0,
+        kl_beta=0.0,
+        aggregation="token_mean",  # "token_mean" | "sequence_mean" | "drgrpo"
+        old_logprobs="trainer",    # "trainer" | "sampler"
+        advantage="paper",         # rl.advantages registry: paper | grpo | drgrpo | rloo
+        step_weight=0.0,           # per-step (reward-to-go) advantage weight; 0 = off
+        step_gamma=1.0,
+        max_seq_len=4096,          # training rows longer than this are truncated
+    ))
+    c.eval = ml_collections.ConfigDict(dict(
+        every=0,                # evaluate the policy on held-out tasks every N steps (0 = never)
+        num_tasks=2,
+        repeats=1,
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        every=1,                # save every N steps (and at the end)
+        keep=2,
+        async_save=True,
+        resume=True,            # restore the newest good checkpoint in workdir/checkpoints
+    ))
+    return c
+
+
+def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.ConfigDict:
+    """The paper's main-run settings on a real model (HF safetensors in model.path)."""
+    c.model.update(preset=model_preset, init="hf", dtype="bfloat16", lora_rank=32, lora_alpha=64.0)
+    c.data.update(source="file", num_tasks=0, tasks_per_batch=16, heldout_fraction=0.0)
+    c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
+                     probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True)
+    c.rollout.builder.update(max_turns=32, max_new_tokens=4096, executor="model", compaction_budget=3000)
+    c.rollout.answerer.update(max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
+                              context_budget=32768)
+    c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
+                   eps_high=0.2, advantage="paper", micro_batches=8, remat=True, max_seq_len=16384)
+    c.eval.update(every=20, num_tasks=16, repeats=4)
+    c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
+    c.checkpoint.update(every=10, keep=3)
+    c.workdir = f"/tmp/librarian_jax/grpo_{model_preset}"
+    return c
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+    """The GRPO config for `preset` (None = "embedded"); see the module doc."""
+    preset = preset or "embedded"
+    if preset not in PRESETS:
+        raise ValueError(f"configs/grpo.py: unknown preset {preset!r}; known: {list(PRESETS)}")
+    c = _base()
+    if preset != "embedded":
+        c = _paper(c, preset)
+    c.preset = preset
+    return c

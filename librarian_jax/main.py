@@ -1,0 +1,347 @@
+"""The training command: multi-turn GRPO of the librarian builder.
+
+    python -m librarian_jax.main --config=configs/grpo.py [--config.train.num_steps=N --config.workdir=DIR]
+    python -m librarian_jax.main --config=configs/grpo.py:qwen3_5_4b --config.model.path=... --dry_run
+
+Per step: a batch of tasks (grain) -> G builder episodes per task on the policy engine, with probes and the
+final evaluation answered on the frozen engine (`rollout.run_batch`) -> training rows -> one optimizer update
+-> the policy engine takes the new weights on device -> metrics to TensorBoard (`workdir/tb`) and one
+console line -> episode records to `workdir/episodes/step_N.jsonl` -> an Orbax checkpoint every
+`checkpoint.every` steps (`workdir/checkpoints`; a restart resumes from the newest good one).
+Multi-process runs (`JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, or a TPU pod slice) call
+`jax.distributed.initialize` first; see launch/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from librarian_jax import config_validation
+
+_CONFIG = config_flags.DEFINE_config_file("config", None,
+                                          "Path to a config file, e.g. configs/grpo.py[:preset].")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
+
+
+# ------------------------------------------------------------------------------------------- distributed
+
+
+def maybe_initialize_distributed(env: dict[str, str] | None = None) -> bool:
+    """Calls `jax.distributed.initialize` for multi-process runs: explicit coordinator env vars, or a TPU
+    pod slice (several worker hostnames). Returns whether it did."""
+    env = dict(os.environ if env is None else env)
+    if env.get("JAX_COORDINATOR_ADDRESS") and int(env.get("JAX_NUM_PROCESSES", "1")) > 1:
+        jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                                   num_processes=int(env["JAX_NUM_PROCESSES"]),
+                                   process_id=int(env.get("JAX_PROCESS_ID", "0")))
+        return True
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        jax.distributed.initialize()  # TPU pod: coordinator and ids come from the TPU metadata
+        return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
+    """(train tasks, held-out tasks) from the synthetic world or a tasks file."""
+    from librarian_jax import data
+
+    d = config.data
+    if d.source == "synthetic":
+        tasks = data.generate_world(config.seed, d.num_tasks, docs_per_task=d.docs_per_task,
+                                    min_words=d.min_words, max_words=d.max_words,
+                                    questions_per_task=d.questions_per_task,
+                                    reuse_questions_per_task=d.reuse_questions_per_task)
+    else:
+        tasks = data.load_tasks(d.path, format=d.format)
+    train, heldout = data.split_tasks(tasks, float(d.heldout_fraction)) if d.heldout_fraction else (tasks, [])
+    if not train:
+        raise config_validation.ConfigError(
+            f"config.data.heldout_fraction: {d.heldout_fraction} leaves no training task of {len(tasks)}")
+    return list(train), list(heldout)
+
+
+def build_tokenizer(config: Any, tasks: list[Any]) -> Any:
+    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained on the tasks (cached)."""
+    from librarian_jax import data, tokenizers
+
+    if config.model.tokenizer:
+        return tokenizers.load_tokenizer(config.model.tokenizer)
+    if config.model.init == "hf":
+        return tokenizers.load_tokenizer(config.model.path)
+    cache = os.path.join(config.workdir, "tokenizer")
+    return tokenizers.cached_tokenizer(data.world_texts(tasks), cache, config.model.tokenizer_vocab_size)
+
+
+def build_model(config: Any, mesh: Any, tokenizer: Any) -> Any:
+    """The policy's initial weights: random, Hugging Face safetensors, or an Orbax checkpoint."""
+    from flax import nnx
+
+    from librarian_jax import checkpoint, models
+
+    m = config.model
+    overrides = {"dtype": m.dtype, "param_dtype": m.dtype} if m.dtype else {}
+    if m.init == "hf":
+        model = models.load_hf(m.path, dtype=m.dtype or "bfloat16", mesh=mesh)
+    else:
+        model = models.Transformer(models.get_preset(m.preset, **overrides), rngs=nnx.Rngs(config.seed))
+        if m.init == "orbax":
+            nnx.update(model, checkpoint.restore_params(m.path, nnx.state(model, nnx.Param)))
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise config_validation.ConfigError(
+            f"config.model.preset: vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}")
+    return model
+
+
+def make_mesh(config: Any) -> Any:
+    from librarian_jax.engine import make_mesh as engine_mesh
+
+    shape = config_validation.validate_mesh(config.mesh.shape.to_dict(), jax.device_count())
+    n = int(np.prod(list(shape.values())))
+    return engine_mesh(shape, devices=jax.devices()[:n])
+
+
+def train_config(config: Any) -> Any:
+    from librarian_jax.rl import losses, train_step
+
+    t = config.train
+    return train_step.TrainConfig(
+        loss=losses.LossConfig(name=t.loss, eps_low=t.eps_low, eps_high=t.eps_high, dual_clip=t.dual_clip,
+                               tis_cap=t.tis_cap, kl_beta=t.kl_beta,
+                               temperature=config.rollout.builder.get("temperature", 1.0) or 1.0,
+                               aggregation=t.aggregation),
+        optim=train_step.OptimConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
+                                     decay=t.decay, total_steps=max(t.num_steps, 1),
+                                     end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
+                                     grad_clip=t.grad_clip),
+        micro_batches=t.micro_batches, old_logprobs=t.old_logprobs, remat=t.remat)
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def step_metrics(records: list[Any], row_metrics: dict[str, float], update: dict[str, float],
+                 sched_stats: Any, rollout_s: float) -> dict[str, float]:
+    """Everything logged for one step (TensorBoard scalars)."""
+    nan = float("nan")
+    rewards = np.array([r.total_reward for r in records])
+    probes = [s for r in records for s in r.probe_scores]
+    gen = float(sum(sched_stats.generated_tokens.values()))
+    out = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/terminal_mean": float(np.mean([r.terminal_reward for r in records])),
+        "probe/accuracy": float(np.mean(probes)) if probes else float("nan"),
+        "probe/count": float(len(probes)),
+        "episode/turns": float(np.mean([r.num_turns for r in records])),
+        "episode/stopped": float(np.mean([r.stopped for r in records])),
+        "rollout/time_s": rollout_s, "rollout/generated_tokens": gen,
+        "rollout/tokens_per_s": gen / max(rollout_s, 1e-9),
+        "rollout/engine_s": float(sched_stats.engine_s), "rollout/host_s": float(sched_stats.host_s),
+        "train/time_s": update["time_s"],
+        "train/tokens_per_s": row_metrics.get("rows/tokens", 0.0) / max(update["time_s"], 1e-9),
+    }
+    for k in ("adv/episode_std", "adv/equal_reward_groups_frac"):
+        out[k] = nan
+    out.update(row_metrics)
+    for k in ("loss", "kl", "clip_frac", "entropy", "skipped"):
+        out[f"train/{k}"] = nan
+    out.update({f"train/{k}": v for k, v in update.items() if k != "time_s"})
+    return out
+
+
+def progress_line(step: int, total: int, m: dict[str, float]) -> str:
+    return (f"step {step}/{total} | reward {m['reward/mean']:.3f} probe acc {m['probe/accuracy']:.3f} "
+            f"adv spread {m['adv/episode_std']:.3f} (equal groups {m['adv/equal_reward_groups_frac']:.2f}) | "
+            f"loss {m['train/loss']:.4f} kl {m['train/kl']:.4f} clip {m['train/clip_frac']:.3f} "
+            f"ent {m['train/entropy']:.3f}{' SKIPPED' if m['train/skipped'] else ''} | "
+            f"{m['rollout/tokens_per_s']:.0f} gen tok/s, {m['train/tokens_per_s']:.0f} train tok/s | "
+            f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def describe(config: Any) -> str:
+    """What a run of `config` would do, in a few lines."""
+    m, d, r, t = config.model, config.data, config.rollout, config.train
+    weights = {"random": "random init", "hf": f"HF safetensors {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
+    data = f"a synthetic world of {d.num_tasks} tasks" if d.source == "synthetic" else f"tasks from {d.path}"
+    tuning = f"LoRA rank {m.lora_rank}" if m.lora_rank else "full fine-tuning"
+    return (f"GRPO preset {config.preset!r}: model {m.preset} ({weights}, {tuning}) on {data}; "
+            f"{t.num_steps} steps of {d.tasks_per_batch} tasks x group {r.group_size}, "
+            f"builder H={r.builder.max_turns}, {t.advantage} advantages, {t.loss} loss ({t.aggregation}), "
+            f"lr {t.learning_rate}; "
+            f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}")
+
+
+def run(config: Any) -> dict[str, Any]:
+    """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
+    from flax import nnx
+    from tensorboardX import SummaryWriter
+
+    from librarian_jax import checkpoint, rollout
+    from librarian_jax.data import TaskPipeline
+    from librarian_jax.engine import Engine
+    from librarian_jax.rl import rows as rows_lib
+    from librarian_jax.rl import train_step
+
+    t_start = time.perf_counter()
+    config_validation.validate(config)
+    logging.info("%s", describe(config))
+    workdir = config.workdir
+    os.makedirs(workdir, exist_ok=True)
+    primary = jax.process_index() == 0
+    if primary:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+    train_tasks, heldout = build_tasks(config)
+    tokenizer = build_tokenizer(config, train_tasks + heldout)
+    mesh = make_mesh(config)
+    base = build_model(config, mesh, tokenizer)
+    policy = base
+    if config.model.lora_rank:
+        policy = train_step.apply_lora(base, config.model.lora_rank, config.model.lora_alpha,
+                                       config.model.lora_module_path, seed=config.seed)
+    frozen = base
+    if config.model.frozen_path:
+        from librarian_jax import models
+
+        frozen = models.load_hf(config.model.frozen_path, dtype=config.model.dtype or "bfloat16", mesh=mesh)
+    r = config.rollout
+    policy_engine = Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps)
+    frozen_engine = Engine(frozen, r.frozen_slots, r.max_seq_len, mesh, round_steps=r.round_steps)
+    engines = {"policy": policy_engine, "frozen": frozen_engine}
+    rollout_cfg = config_validation.rollout_config(config)
+
+    trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
+    logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
+                 "LoRA" if trainer.lora else "full")
+    t = config.train
+    rows_cfg = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight, step_gamma=t.step_gamma,
+                                   max_seq_len=t.max_seq_len, row_multiple=trainer.row_multiple())
+    pipeline = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
+                            seed=config.data.shuffle_seed, num_epochs=None)
+    it = pipeline.iterator()
+    rng = jax.random.key(config.seed)
+
+    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
+                                 keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    start = 0
+    if config.checkpoint.resume:
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+        if restored is not None:
+            trainer.set_state(restored.params, restored.opt_state, restored.step)
+            if restored.rng is not None:
+                rng = restored.rng
+            if restored.data_state is not None:
+                it.set_state(restored.data_state)
+            policy_engine.update_params(trainer.policy_state())
+            start = restored.step
+            logging.info("resumed from step %d", start)
+
+    writer = SummaryWriter(os.path.join(workdir, "tb")) if primary else None
+    episodes_dir = os.path.join(workdir, "episodes")
+    totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
+    metrics: dict[str, float] = {}
+    step = start
+    try:
+        for step in range(start + 1, t.num_steps + 1):
+            tasks = next(it)
+            rng, sub = jax.random.split(rng)
+            seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
+            sched = rollout.Scheduler(engines)
+            t0 = time.perf_counter()
+            records = rollout.run_batch(tasks, r.group_size, engines, tokenizer, rollout_cfg, rng=seed,
+                                        scheduler=sched)
+            rollout_s = time.perf_counter() - t0
+            totals["rollout_s"] += rollout_s
+            try:
+                batch, row_metrics = rows_lib.build_rows(records, rows_cfg)
+            except rows_lib.NoTrainableTokens as e:
+                logging.warning("step %d: %s; no update this step", step, e)
+                batch, row_metrics = None, {}
+            if batch is not None:
+                update = trainer.update(batch)
+                policy_engine.update_params(trainer.policy_state())
+            else:
+                update = {"time_s": 0.0, "skipped": 1.0}
+            trainer.step = step  # the optimizer schedule counts loop steps, skipped ones included
+            totals["update_s"] += update["time_s"]
+            metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
+            if config.eval.every and step % config.eval.every == 0 and heldout:
+                t1 = time.perf_counter()
+                metrics.update(evaluate(config, heldout, engines, tokenizer, rollout_cfg, seed))
+                totals["eval_s"] += time.perf_counter() - t1
+            logging.info("%s", progress_line(step, t.num_steps, metrics))
+            if writer is not None:
+                for k, v in metrics.items():
+                    if np.isfinite(v):
+                        writer.add_scalar(k, v, step)
+                writer.flush()
+            if primary:
+                rollout.write_jsonl(os.path.join(episodes_dir, f"step_{step}.jsonl"), records)
+            ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng,
+                    data_state=it.get_state(), force=step == t.num_steps)
+    finally:
+        ck.close()
+        if writer is not None:
+            writer.close()
+    wall = time.perf_counter() - t_start
+    summary = {"start_step": start, "last_step": step, "wall_s": wall, **totals,
+               "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
+    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1, step,
+                 wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
+    if primary:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    del nnx
+    return summary
+
+
+def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer: Any, rollout_cfg: Any,
+             seed: int) -> dict[str, float]:
+    """Greedy builder episodes on held-out tasks: the mean terminal accuracy (and total reward)."""
+    from librarian_jax import rollout
+
+    cfg = dataclasses.replace(rollout_cfg, builder=dataclasses.replace(rollout_cfg.builder, temperature=0.0))
+    records = rollout.run_batch(heldout[: config.eval.num_tasks], config.eval.repeats, engines, tokenizer,
+                                cfg, rng=seed)
+    return {"eval/accuracy": float(np.mean([r.terminal_reward for r in records])),
+            "eval/reward": float(np.mean([r.total_reward for r in records]))}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
+    maybe_initialize_distributed()
+    try:
+        config_validation.validate(config)
+        if _DRY_RUN.value:
+            print(describe(config))  # noqa: T201 - the CLI's answer
+            return
+        run(config)
+    except config_validation.ConfigError as e:
+        logging.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)  # noqa: T201
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
