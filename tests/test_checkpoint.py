@@ -1,0 +1,128 @@
+"""checkpoint: exact resume (params, optimizer, RNG, grain iterator state) and half-written checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from librarian_jax import checkpoint, models
+from librarian_jax.data import TaskPipeline, generate_world
+from librarian_jax.rl import losses
+from librarian_jax.rl import train_step as ts
+
+VOCAB, ROWS, SEQ = 16, 4, 16
+CONFIG = ts.TrainConfig(loss=losses.LossConfig(tis_cap=2.0),
+                        optim=ts.OptimConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8))
+
+
+def _model() -> models.Transformer:
+    cfg = models.get_preset("tiny", vocab_size=VOCAB, num_layers=1, hidden_size=32, intermediate_size=64,
+                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
+    return models.Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _batch(tasks, key) -> dict[str, np.ndarray]:
+    """Rows depend on the data (task ids) and on the step's RNG key, so both must resume exactly."""
+    seed = int.from_bytes(hashlib.sha256("|".join(t.task_id for t in tasks).encode()).digest()[:4], "little")
+    rng = np.random.default_rng(seed)
+    noise = np.asarray(jax.random.normal(key, (ROWS, 1)))
+    mask = np.zeros((ROWS, SEQ), np.float32)
+    mask[:, 4:] = 1
+    return {"tokens": rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
+            "valid": np.ones((ROWS, SEQ), bool), "loss_mask": mask,
+            "sampler_logprobs": np.full((ROWS, SEQ), -2.7, np.float32) * mask,
+            "advantages": (noise * mask).astype(np.float32), "row_weights": np.ones(ROWS, np.float32)}
+
+
+def _run(workdir: str, num_steps: int, stop_after: int | None = None) -> tuple[ts.Trainer, int]:
+    """A training loop with the real pieces; returns (trainer, first step it ran)."""
+    trainer = ts.Trainer(_model(), CONFIG)
+    it = TaskPipeline(generate_world(0, 6, docs_per_task=1, questions_per_task=1), tasks_per_batch=2, seed=3,
+                      num_epochs=None, shard_index=0, shard_count=1).iterator()
+    rng = jax.random.key(42)
+    ck = checkpoint.Checkpointer(workdir, save_every=1, keep=2)
+    start = 0
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    if restored is not None:
+        trainer.set_state(restored.params, restored.opt_state, restored.step)
+        rng, start = restored.rng, restored.step
+        it.set_state(restored.data_state)
+    for step in range(start + 1, num_steps + 1):
+        tasks = next(it)
+        rng, sub = jax.random.split(rng)
+        trainer.update(_batch(tasks, sub))
+        ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng, data_state=it.get_state())
+        if step == stop_after:
+            break
+    ck.close()
+    return trainer, start + 1
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, caplog):
+    k = 2
+    straight, _ = _run(str(tmp_path / "straight"), k + 2)
+    killed_dir = str(tmp_path / "killed")
+    _run(killed_dir, k + 2, stop_after=k)  # "killed" after step k (its checkpoint committed)
+    resumed, first = _run(killed_dir, k + 2)
+    assert first == k + 1
+    for a, b in zip(_leaves(straight.params), _leaves(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_leaves(straight.opt_state), _leaves(resumed.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # A half-written newest step (no commit marker) and an orbax tmp dir are skipped with a warning.
+    os.remove(os.path.join(killed_dir, str(k + 2), checkpoint.COMMIT_MARKER))
+    tmp_dir = os.path.join(killed_dir, "9.orbax-checkpoint-tmp-77")
+    shutil.copytree(os.path.join(killed_dir, str(k + 1)), tmp_dir)
+    with caplog.at_level("WARNING"):
+        ck = checkpoint.Checkpointer(killed_dir, save_every=1, keep=2)
+        trainer = ts.Trainer(_model(), CONFIG)
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+        ck.close()
+    assert restored.step == k + 1
+    assert f"{os.path.join(killed_dir, str(k + 2))} is incomplete (no commit_success.txt)" in caplog.text
+    assert "9.orbax-checkpoint-tmp-77 is incomplete (orbax tmp dir)" in caplog.text
+    assert sorted(os.listdir(os.path.join(killed_dir, checkpoint.INCOMPLETE_DIR)))[0].startswith(f"{k + 2}.")
+    assert restored.data_state is not None and restored.rng is not None
+
+
+def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
+    d = str(tmp_path / "ck")
+    trainer = ts.Trainer(_model(), CONFIG)
+    ck = checkpoint.Checkpointer(d, save_every=2, keep=3, async_save=False)
+    assert not ck.save(1, params=trainer.params, opt_state=trainer.opt_state)  # not due
+    for step in (2, 4):
+        assert ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=jax.random.key(step),
+                       data_state={"step": step})
+    ck.wait()
+    assert ck.steps() == [2, 4]
+    shutil.rmtree(os.path.join(d, "4", "params"))
+    with caplog.at_level("WARNING"):
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert restored.step == 2 and restored.data_state == {"step": 2}
+    assert "checkpoint step 4" in caplog.text and "could not be restored" in caplog.text
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(2)))
+
+
+def test_restore_params_for_initial_weights(tmp_path):
+    trainer = ts.Trainer(_model(), CONFIG)
+    ck = checkpoint.Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False)
+    ck.save(1, params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    fresh = models.Transformer(_model().config, rngs=nnx.Rngs(7))
+    nnx.update(fresh, checkpoint.restore_params(str(tmp_path), nnx.state(fresh, nnx.Param)))
+    for a, b in zip(_leaves(trainer.params), _leaves(nnx.state(fresh, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.restore_params(str(tmp_path / "nope"), nnx.state(fresh, nnx.Param))
