@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from librarian_jax.models import Transformer, cache_logical_axes, get_preset, init_cache, load_hf
+from librarian_jax.models import Transformer, cache_logical_axes, get_preset, init_cache, init_model, load_hf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "golden")
 LENGTHS = (19, 7, 13)  # real tokens per row; every row ends at a different step
@@ -88,6 +89,7 @@ def test_hybrid_qwen3_5_cache_matches_full_forward():
 def test_tiny_preset_bf16_and_cache_tree():
     config = get_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
     model = Transformer(config, rngs=nnx.Rngs(0))
+    assert model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     cache = init_cache(config, 2, 16)
     axes = cache_logical_axes(config)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
@@ -100,3 +102,40 @@ def test_tiny_preset_bf16_and_cache_tree():
     assert logits.dtype == jnp.float32 and logits.shape == (2, 5, config.vocab_size)
     assert np.isfinite(np.asarray(logits)).all()
     np.testing.assert_array_equal(np.asarray(cache.lengths), [5, 5])
+
+
+def test_query_blocked_attention_equals_dense():
+    """Long inputs go through query blocks; same result (and gradient) as one dense block."""
+    from librarian_jax.models.layers import attend
+
+    rng = np.random.default_rng(1)
+    b, s, t = 2, 11, 16
+    q = jnp.asarray(rng.normal(size=(b, s, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32)
+    q_key_idx = jnp.asarray([[3], [5]]) + jnp.arange(s)[None, :]
+    key_valid = jnp.asarray(np.arange(t)[None, :] < np.array([[14], [16]]))
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def value_and_grad(q, block):
+        f = lambda q: attend(q, k, v, q_key_idx, key_valid=key_valid, window=5, scale=0.3, block=block)
+        out, vjp = jax.vjp(f, q)
+        return out, vjp(jnp.cos(out))[0]
+
+    out_blocked, g_blocked = value_and_grad(q, 4)
+    out_dense, g_dense = value_and_grad(q, 64)
+    np.testing.assert_allclose(np.asarray(out_blocked), np.asarray(out_dense), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_dense), atol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host_platform_device_count=8)")
+def test_init_model_creates_params_in_their_shardings():
+    config = get_preset("tiny", num_layers=1)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = init_model(config, seed=0, mesh=mesh)
+    emb = model.embed_tokens.embedding[...]
+    assert emb.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert {x.data.shape for x in emb.addressable_shards} == {(2048 // 4, 128)}
+    down = model.layers[0].mlp.down_proj.kernel[...]
+    assert down.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert float(jnp.std(emb)) == pytest.approx(0.02, rel=0.1)

@@ -121,6 +121,9 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """dataclasses.replace; a new `num_layers` without `layer_types` repeats a uniform layer type."""
+        if "num_layers" in changes and "layer_types" not in changes and len(set(self.layer_types)) == 1:
+            changes["layer_types"] = (self.layer_types[0],) * changes["num_layers"]
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
@@ -197,4 +200,4 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     config = PRESETS[name]
-    return dataclasses.replace(config, **overrides) if overrides else config
+    return config.replace(**overrides) if overrides else config

@@ -120,24 +120,64 @@ class MLP(nnx.Module):
 # ----------------------------------------------------------------------------------------------- attention
 
 
-def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float
-) -> jax.Array:
-    """Grouped-query softmax attention.
+Q_BLOCK = 512  # queries per block when a call has more than this many new tokens
 
-    q `[batch, seq, heads, head_dim]`, k/v `[batch, keys, kv_heads, head_dim]`, allowed bool
-    `[batch, seq, keys]` -> `[batch, seq, heads, head_dim]`. Scores and softmax in float32; probabilities
-    are cast to v's dtype for the value product. A query with no allowed key gets a uniform average
-    (never NaN); callers only produce that for padding.
-    """
+
+def _attend_dense(q, k, v, q_key_idx, key_valid, window, scale):
     b, s, h, d = q.shape
     kvh = k.shape[2]
+    k_idx = jnp.arange(k.shape[1], dtype=jnp.int32)
+    allowed = k_idx[None, None, :] <= q_key_idx[:, :, None]  # [batch, seq, keys]
+    if window is not None:
+        allowed &= (q_key_idx[:, :, None] - k_idx[None, None, :]) < window
+    if key_valid is not None:
+        allowed &= key_valid[:, None, :]
     qg = q.reshape(b, s, kvh, h // kvh, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_key_idx: jax.Array,
+    *,
+    key_valid: jax.Array | None = None,
+    window: int | None = None,
+    scale: float,
+    block: int = Q_BLOCK,
+) -> jax.Array:
+    """Causal grouped-query softmax attention.
+
+    q `[batch, seq, heads, head_dim]`; k/v `[batch, keys, kv_heads, head_dim]`; q_key_idx int32 `[batch, seq]`
+    is each query's own index on the key axis: query s of row b sees key t iff t <= q_key_idx[b, s], and
+    q_key_idx[b, s] - t < window (sliding layers), and key_valid[b, t] (bool `[batch, keys]`, optional).
+    Returns `[batch, seq, heads, head_dim]`. Scores and softmax in float32, probabilities cast to v's dtype.
+    A query with no visible key gets a uniform average (never NaN); only padding produces that.
+
+    Memory: scores are `[batch, heads, seq, keys]` float32 for seq <= `block`; longer inputs are processed in
+    query blocks of `block` (a rematerialised `lax.map`), so memory grows with block * keys, not seq * keys.
+    """
+    b, s, h, d = q.shape
+    if s <= block:
+        return _attend_dense(q, k, v, q_key_idx, key_valid, window, scale)
+    nb = -(-s // block)
+    pad = nb * block - s
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    ip = jnp.pad(q_key_idx, ((0, 0), (0, pad)))
+    qb = qp.reshape(b, nb, block, h, d).swapaxes(0, 1)
+    ib = ip.reshape(b, nb, block).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        qi, ii = args
+        return _attend_dense(qi, k, v, ii, key_valid, window, scale)
+
+    out = jax.lax.map(one, (qb, ib))  # [blocks, batch, block, heads, head_dim]
+    return out.swapaxes(0, 1).reshape(b, nb * block, h, d)[:, :s]
 
 
 class Attention(nnx.Module):
@@ -168,17 +208,17 @@ class Attention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],
         *,
         mask: jax.Array,
-        positions: jax.Array,
         cache: dict[str, jax.Array] | None = None,
         lengths: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """Self-attention over the new tokens (and the cache when given).
 
         x `[batch, seq, hidden]`; rope = (cos, sin) `[batch, seq, rotary_dim // 2]`; mask bool `[batch, seq]`
-        (True = real token, padding a suffix); positions int32 `[batch, seq]` (window distances without a
-        cache). With `cache` = {"k", "v": `[batch, max_len, kv_heads, head_dim]`} and `lengths` int32
-        `[batch]`: new token t of row b is written at cache index lengths[b] + t (padded tokens are not
-        written) and attends to cache indices <= lengths[b] + t. Returns (y `[batch, seq, hidden]`, new cache
+        (True = real token, padding a suffix). Without a cache, token s sees tokens t <= s that are real.
+        With `cache` = {"k", "v": `[batch, max_len, kv_heads, head_dim]`} and `lengths` int32 `[batch]`: new
+        token t of row b is written at cache index lengths[b] + t (padded tokens are not written) and attends
+        to cache indices <= lengths[b] + t. Sliding layers also drop keys whose index is `window` or more
+        below the query's (HF: kv_idx > q_idx - sliding_window). Returns (y `[batch, seq, hidden]`, new cache
         or None).
         """
         b, s, _ = x.shape
@@ -197,27 +237,22 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if cache is None:
-            idx = jnp.arange(s)
-            allowed = (idx[None, :, None] >= idx[None, None, :]) & mask[:, None, :]
-            if self.window is not None:
-                allowed &= (positions[:, :, None] - positions[:, None, :]) < self.window
-            new_cache = None
+            q_key_idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            key_valid, new_cache = mask, None
         else:
             max_len = cache["k"].shape[1]
-            q_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
-            write_idx = jnp.where(mask, q_idx, max_len)  # padded tokens -> out of range -> dropped
+            q_key_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
+            write_idx = jnp.where(mask, q_key_idx, max_len)  # padded tokens -> out of range -> dropped
             rows = jnp.arange(b)[:, None]
             new_cache = {
                 "k": cache["k"].at[rows, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
                 "v": cache["v"].at[rows, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
             }
             k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
-            k_idx = jnp.arange(max_len, dtype=jnp.int32)
-            allowed = k_idx[None, None, :] <= q_idx[:, :, None]
-            if self.window is not None:
-                allowed &= (q_idx[:, :, None] - k_idx[None, None, :]) < self.window
+            key_valid = None  # every index <= q_key_idx was written by a real token of this row
 
-        out = attend(q, k, v, allowed, self.scale).reshape(b, s, h * d)
+        out = attend(q, k, v, q_key_idx, key_valid=key_valid, window=self.window, scale=self.scale)
+        out = out.reshape(b, s, h * d)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), new_cache

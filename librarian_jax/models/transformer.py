@@ -13,10 +13,12 @@ import math
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from librarian_jax.models.cache import Cache
 from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.layers import INIT_STD, MLP, Attention, RMSNorm, dense, rope_inv_freq, rope_tables
+from librarian_jax.models.partitioning import Rules, state_shardings
 
 
 class DecoderLayer(nnx.Module):
@@ -45,15 +47,13 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, rope, *, mask, positions, cache=None, lengths=None):
+    def __call__(self, x, rope, *, mask, cache=None, lengths=None):
         """x `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, new layer cache or None)."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h, new_cache = self.linear_attn(h, cache=cache, mask=mask)
         else:
-            h, new_cache = self.self_attn(
-                h, rope, mask=mask, positions=positions, cache=cache, lengths=lengths
-            )
+            h, new_cache = self.self_attn(h, rope, mask=mask, cache=cache, lengths=lengths)
         if self.post_norms:
             x = x + self.post_attention_layernorm(h)
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -97,7 +97,21 @@ class Transformer(nnx.Module):
         < lengths[b] plus the new tokens up to t; padded tokens (mask False) are never written to the cache,
         so they never change what later tokens see; returns the cache with lengths + mask.sum(1).
         The caller keeps lengths[b] + mask[b].sum() <= max_len (writes past the end are dropped).
+        `positions` (int32 `[batch, seq]`) only overrides the RoPE positions.
         """
+        hidden, cache = self.hidden(tokens, positions=positions, cache=cache, mask=mask)
+        return self.project(hidden), cache
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache: Cache | None = None,
+        mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, Cache | None]:
+        """As `__call__` but returns the final-norm hidden states `[batch, seq, hidden]` (activation dtype)
+        instead of logits, so callers can project only the positions they need (see `project`)."""
         config = self.config
         b, s = tokens.shape
         mask = jnp.ones((b, s), jnp.bool_) if mask is None else mask.astype(jnp.bool_)
@@ -119,23 +133,45 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
             x, new_layer_cache = layer(
-                x, ropes.get(layer.layer_type), mask=mask, positions=positions, cache=layer_cache,
-                lengths=lengths,
+                x, ropes.get(layer.layer_type), mask=mask, cache=layer_cache, lengths=lengths
             )
             new_layers.append(new_layer_cache)
         x = self.norm(x)
+        if cache is None:
+            return x, None
+        return x, Cache(lengths=lengths + mask.sum(axis=1, dtype=jnp.int32), layers=tuple(new_layers))
 
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """hidden `[..., hidden]` -> logits float32 `[..., vocab]` (tied embedding or lm_head, softcapped)."""
+        config = self.config
         if config.tie_embeddings:
-            w = self.embed_tokens.embedding[...].astype(x.dtype)
-            logits = jnp.einsum("bse,ve->bsv", x, w, preferred_element_type=jnp.float32)
+            w = self.embed_tokens.embedding[...].astype(hidden.dtype)
+            logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
         else:
-            w = self.lm_head.kernel[...].astype(x.dtype)
-            logits = jnp.einsum("bse,ev->bsv", x, w, preferred_element_type=jnp.float32)
+            w = self.lm_head.kernel[...].astype(hidden.dtype)
+            logits = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
         if config.final_logit_softcapping:
             cap = config.final_logit_softcapping
             logits = jnp.tanh(logits / cap) * cap
+        return logits
 
-        if cache is None:
-            return logits, None
-        new_cache = Cache(lengths=lengths + mask.sum(axis=1, dtype=jnp.int32), layers=tuple(new_layers))
-        return logits, new_cache
+
+def init_model(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
+               rules: Rules | None = None) -> Transformer:
+    """A randomly initialised Transformer, built in one compiled program.
+
+    With `mesh`, every parameter is created directly in its NamedSharding (logical axes through `rules`),
+    so a large model never exists unsharded on one device. Same values as
+    `Transformer(config, rngs=nnx.Rngs(seed))`.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = None
+    if mesh is not None:
+        shardings = state_shardings(abstract_state, mesh, rules)
+
+    def init(key: jax.Array) -> nnx.State:
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(key)))
+
+    state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    return nnx.merge(graphdef, state)
