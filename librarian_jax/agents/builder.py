@@ -210,7 +210,6 @@ class BuilderAgent:
         user = prompt_text.render(
             "builder_user",
             num_docs=num_docs,
-            readme=_text(workspace.readme()),
             listing=render_result(workspace.list_dir(".")),
             raw_listing=render_result(workspace.list_dir(RAW_DIR)),
         )
@@ -387,10 +386,6 @@ class BuilderAgent:
             self.segments.append(self.log.segment())
             self.log.close()
         return self.segments
-
-
-def _text(x: Any) -> str:
-    return x if isinstance(x, str) else (getattr(x, "text", None) or str(x))
 
 
 __all__ = [

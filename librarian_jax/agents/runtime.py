@@ -25,6 +25,7 @@ from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from absl import logging
 
 POLICY = "policy"  # the engine of the trained builder
 FROZEN = "frozen"  # the engine of the frozen answerer / executor / judge / summariser
@@ -102,9 +103,26 @@ class AgentContext:
         return list(self.tokenizer.encode(text))
 
     def decode_new(self, ids: Sequence[int]) -> str:
-        """Decodes newly generated ids for parsing, dropping stop ids (the ids themselves stay as sampled)."""
+        """Decodes newly generated ids for parsing, dropping stop ids and ids outside the tokenizer's
+        vocabulary (a model's embedding table may be larger); never raises. The ids stay as sampled."""
         stops = set(self.template.stop_ids)
-        return self.tokenizer.decode([int(t) for t in ids if int(t) not in stops])
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        keep = [int(t) for t in ids if int(t) not in stops and (vocab is None or 0 <= int(t) < vocab)]
+        try:
+            return self.tokenizer.decode(keep)
+        except (
+            ValueError,
+            IndexError,
+            TypeError,
+            UnicodeDecodeError,
+        ):  # a model id the tokenizer cannot decode
+            parts = []
+            for t in keep:
+                try:
+                    parts.append(self.tokenizer.decode([t]))
+                except (ValueError, IndexError, TypeError, UnicodeDecodeError):
+                    parts.append("\ufffd")
+            return "".join(parts)
 
 
 @dataclasses.dataclass
@@ -210,7 +228,10 @@ class SessionLog:
             self.closed = True
             close = getattr(self.session, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except RuntimeError as e:  # only when unwinding after another error (a turn still in flight)
+                    logging.warning("could not close a %s session: %s", self.role, e)
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:

@@ -127,36 +127,34 @@ def run_episode(
     rec.initial_score = previous
     builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents))
     last_probe_n = 0
-    try:
-        while True:
-            out = yield from builder.turn()
-            n = out.turn + 1
-            reward = out.penalty
-            counts["executor_prompt"] += out.executor_prompt_tokens
-            counts["executor_generated"] += out.executor_generated_tokens
-            rec.tool_calls.append([c.to_dict() for c in out.calls])
-            rec.tool_errors.append(out.errors)
-            if R.should_probe(n, out.successful_writes > 0, last_probe_n, len(rec.probe_scores), config):
-                snap = ws.copy()
-                score, answers = yield from evaluate(
-                    ctx, snap, task.questions, config.probe_repeats, f"probe_{out.turn}", config
-                )
-                count_answers(answers)
-                reward += R.probe_reward(score, previous, config)
-                previous = score
-                last_probe_n = n
-                rec.probe_scores.append(score)
-                rec.probe_turns.append(out.turn)
-                if config.record_snapshots:
-                    rec.workspace_snapshots[f"probe_{out.turn}"] = _snapshot(snap)
-            if out.ended and not out.stopped:
-                reward -= config.no_stop_penalty
-            rec.turn_rewards.append(float(reward))
-            if out.ended:
-                rec.stopped = out.stopped
-                break
-    finally:
-        rec.segments = builder.finish()
+    while True:
+        out = yield from builder.turn()
+        n = out.turn + 1
+        reward = out.penalty
+        counts["executor_prompt"] += out.executor_prompt_tokens
+        counts["executor_generated"] += out.executor_generated_tokens
+        rec.tool_calls.append([c.to_dict() for c in out.calls])
+        rec.tool_errors.append(out.errors)
+        if R.should_probe(n, out.successful_writes > 0, last_probe_n, len(rec.probe_scores), config):
+            snap = ws.copy()
+            score, answers = yield from evaluate(
+                ctx, snap, task.questions, config.probe_repeats, f"probe_{out.turn}", config
+            )
+            count_answers(answers)
+            reward += R.probe_reward(score, previous, config)
+            previous = score
+            last_probe_n = n
+            rec.probe_scores.append(score)
+            rec.probe_turns.append(out.turn)
+            if config.record_snapshots:
+                rec.workspace_snapshots[f"probe_{out.turn}"] = _snapshot(snap)
+        if out.ended and not out.stopped:
+            reward -= config.no_stop_penalty
+        rec.turn_rewards.append(float(reward))
+        if out.ended:
+            rec.stopped = out.stopped
+            break
+    rec.segments = builder.finish()
     rec.num_turns = len(rec.turn_rewards)
     rec.compactions = builder.compactions
     counts["summary_tokens"] += builder.summary_tokens

@@ -1,0 +1,75 @@
+"""End to end: a batch of builder episodes with the tiny random model, the real engine and a real
+SentencePiece tokenizer trained on the synthetic world. Probes are batched into the frozen engine's decode loop, and the
+records hold exactly the ids the engine sampled and was given, with the sampler's log-probs."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from librarian_jax.agents import AnswererConfig, BuilderConfig, prompt_text
+from librarian_jax.data.synthetic import generate_world, world_texts
+from librarian_jax.engine import Engine
+from librarian_jax.models import Transformer, get_preset
+from librarian_jax.rollout import RolloutConfig, Scheduler, run_batch
+from librarian_jax.tokenizers import cached_tokenizer, chat_template
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tasks = generate_world(0, 2, questions_per_task=2, reuse_questions_per_task=0)
+    tok = cached_tokenizer(world_texts(tasks) + prompt_text.all_texts(), tmp_path_factory.mktemp("tok"), 2048)
+    model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+    policy = Engine(model, num_slots=4, max_seq_len=2048, round_steps=16)
+    frozen = Engine(model, num_slots=16, max_seq_len=1536, round_steps=16)
+    return tasks, tok, model, policy, frozen
+
+
+def test_batch_of_episodes_with_the_tiny_model(world):
+    tasks, tok, model, policy, frozen = world
+    cfg = RolloutConfig(
+        builder=BuilderConfig(max_turns=2, max_new_tokens=MAX_NEW, executor="model"),
+        answerer=AnswererConfig(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8),
+        probe_repeats=2,
+        probe_at_start=True,
+        terminal_repeats=1,
+        terminal_questions="hidden",
+        use_model_judge=False,
+    )
+    sched = Scheduler({"policy": policy, "frozen": frozen})
+    records = run_batch(tasks, 2, {"policy": policy, "frozen": frozen}, tok, cfg, 0, scheduler=sched)
+    assert [(r.group_id, r.episode_index) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # every builder turn of the 4 episodes decoded together; each probe's 4 x 2 x 2 answerer runs together
+    assert max(s.active_slots for s in policy.stats) == 4
+    assert max(s.active_slots for s in frozen.stats) == 16
+    assert max(sched.stats.inflight_per_step["frozen"]) == 16
+    tpl = chat_template(tok)
+    stops = set(tpl.stop_ids)
+    for r in records:
+        r.check()
+        assert r.num_turns == len(r.turn_rewards) == 2
+        assert len([a for a in r.answers if a["phase"] == "start"]) == 4
+        assert len([a for a in r.answers if a["phase"] == "final"]) == 2
+        assert r.token_counts["answerer_runs"] == 6 and r.reading_tokens > 0
+        expect_penalty = [-0.05 * len(e) for e in r.tool_errors]
+        expect_penalty[-1] -= 0.0 if r.stopped else 0.1
+        assert r.turn_rewards == pytest.approx(expect_penalty)  # no write succeeded: no probe after turns
+        (seg,) = r.segments
+        # the prompt is exactly the builder's first prompt; each turn's sampled ids end at a stop id or budget
+        assert seg.tokens[: len(tpl.start())].tolist() == tpl.start()
+        for t in range(r.num_turns):
+            ids = seg.tokens[seg.turn_index == t]
+            assert 0 < len(ids) <= MAX_NEW
+            assert ids[-1] in stops or len(ids) == MAX_NEW
+        assert np.array_equal(seg.loss_mask > 0, seg.turn_index >= 0)
+    # the sampler's log-probs are the model's log_softmax at exactly these ids (temperature 1)
+    seg = records[0].segments[0]
+    logits, _ = model(jax.numpy.asarray(seg.tokens[None, :-1]))
+    lp = jax.nn.log_softmax(logits[0].astype(jax.numpy.float32), axis=-1)
+    picked = np.asarray(lp[np.arange(len(seg.tokens) - 1), seg.tokens[1:]])
+    sampled = seg.loss_mask[1:] > 0
+    np.testing.assert_allclose(seg.logprobs[1:][sampled], picked[sampled], atol=2e-3)
