@@ -1,6 +1,6 @@
 """End to end: a batch of builder episodes with the tiny random model, the real engine and a real
-SentencePiece tokenizer trained on the synthetic world. Probes are batched into the frozen engine's decode loop, and the
-records hold exactly the ids the engine sampled and was given, with the sampler's log-probs."""
+SentencePiece tokenizer trained on the synthetic world. Probes are batched into the frozen engine's decode
+loop, and the records hold exactly the ids the engine sampled and was given, with the sampler's log-probs."""
 
 from __future__ import annotations
 
