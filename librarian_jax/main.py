@@ -324,7 +324,18 @@ def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer
             "eval/reward": float(np.mean([r.total_reward for r in records]))}
 
 
+def _quiet_library_info_logs() -> None:
+    """Orbax logs several INFO lines per save; keep the console to our progress lines and warnings."""
+    import logging as py_logging
+
+    def keep(record: py_logging.LogRecord) -> bool:
+        return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
+
+
 def main(argv: list[str]) -> None:
+    _quiet_library_info_logs()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = _CONFIG.value

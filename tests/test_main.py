@@ -1,0 +1,133 @@
+"""main: config validation names the bad key; the command runs end to end on a very small config."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from librarian_jax import config_validation as cv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILE = os.path.join(ROOT, "configs", "grpo.py")
+
+
+def grpo():
+    spec = importlib.util.spec_from_file_location("configs_grpo", CONFIG_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_default_and_paper_presets():
+    mod = grpo()
+    c = mod.get_config()
+    cv.validate(c, num_devices=1)
+    assert c.preset == "embedded" and c.model.preset == "tiny" and c.model.init == "random"
+    for name in ("qwen3_5_4b", "gemma3_4b"):
+        p = mod.get_config(name)
+        assert (p.model.preset, p.model.lora_rank) == (name, 32)
+        assert (p.rollout.group_size, p.data.tasks_per_batch) == (4, 16)
+        assert p.rollout.builder.max_turns == 32 and p.rollout.builder.max_new_tokens == 4096
+        assert (1 - p.train.eps_low, 1 + p.train.eps_high) == (0.8, 1.2)
+        assert 1e-5 <= p.train.learning_rate <= 4e-5
+        with pytest.raises(cv.ConfigError, match=r"config\.model\.path: required when model\.init='hf'"):
+            cv.validate(p, num_devices=8)
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known: \\['embedded'"):
+        mod.get_config("nope")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("train.num_steps", -1, r"config\.train\.num_steps: must be >= 0, got -1"),
+    ("rollout.group_size", 0, r"config\.rollout\.group_size: must be >= 1, got 0"),
+    ("data.tasks_per_batch", -3, r"config\.data\.tasks_per_batch: must be >= 1"),
+    ("model.preset", "gpt5", r"config\.model\.preset: must be one of .*got 'gpt5'"),
+    ("train.aggregation", "mean", r"config\.train\.aggregation: must be one of"),
+    ("train.advantage", "ppo", r"config\.train\.advantage: must be one of"),
+    ("model.init", "hf", r"config\.model\.path: required when model\.init='hf'"),
+    ("data.source", "file", r"config\.data\.path: required when data\.source='file'"),
+    ("model.tokenizer", "/no/such/tokenizer.model", r"config\.model\.tokenizer: '/no/such/tokenizer\.model'"),
+    ("train.eps_low", 1.5, r"config\.train\.eps_low: must be <= 1\.0"),
+    ("checkpoint.keep", 0, r"config\.checkpoint\.keep: must be >= 1"),
+    ("rollout.builder.max_turns", 0, r"config\.rollout: .*max_turns must be >= 1"),
+])
+def test_validation_names_the_bad_key(key, value, message):
+    c = grpo().get_config()
+    section, _, name = key.rpartition(".")
+    node = c
+    for part in section.split("."):
+        node = node[part]
+    node[name] = value
+    with pytest.raises(cv.ConfigError, match=message):
+        cv.validate(c, num_devices=8)
+
+
+def test_validation_of_mesh_and_unknown_rollout_keys():
+    c = grpo().get_config()
+    c.mesh.shape.update(data=3, fsdp=-1)
+    with pytest.raises(cv.ConfigError, match=r"config\.mesh\.shape: .*8 devices not divisible by 3"):
+        cv.validate(c, num_devices=8)
+    c.mesh.shape.update(data=4, fsdp=4)
+    with pytest.raises(cv.ConfigError, match=r"config\.mesh\.shape: .*needs 16 devices, only 8 present"):
+        cv.validate(c, num_devices=8)
+    c.mesh.shape.update(data=0, fsdp=1)
+    with pytest.raises(cv.ConfigError, match=r"config\.mesh\.shape\.data: must be a positive integer or -1"):
+        cv.validate(c, num_devices=8)
+    c = grpo().get_config()
+    c.rollout.builder.bogus = 1
+    with pytest.raises(cv.ConfigError, match=r"config\.rollout: .*unknown key builder\.'bogus'"):
+        cv.validate(c, num_devices=1)
+
+
+def test_cli_reports_bad_key_and_dry_run():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    bad = subprocess.run([sys.executable, "-m", "librarian_jax.main", f"--config={CONFIG_FILE}",
+                          "--config.train.num_steps=-2"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "error: config.train.num_steps: must be >= 0, got -2" in bad.stderr
+    dry = subprocess.run([sys.executable, "-m", "librarian_jax.main", f"--config={CONFIG_FILE}", "--dry_run",
+                          "--config.train.num_steps=7", "--config.workdir=/tmp/somewhere"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "GRPO preset 'embedded': model tiny (random init, full fine-tuning)" in dry.stdout
+    assert "7 steps of 2 tasks x group 2" in dry.stdout and "workdir /tmp/somewhere" in dry.stdout
+
+
+def tiny_run_config(workdir: str, num_steps: int):
+    c = grpo().get_config()
+    c.workdir = workdir
+    c.data.update(num_tasks=3, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1,
+                  heldout_fraction=0.0, tasks_per_batch=1)
+    c.rollout.update(group_size=2, policy_slots=2, frozen_slots=4, max_seq_len=2048, round_steps=16,
+                     record_snapshots=False)
+    c.rollout.builder.update(max_turns=1, max_new_tokens=16)
+    c.rollout.answerer.update(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8)
+    c.train.update(num_steps=num_steps, max_seq_len=2048)
+    return c
+
+
+@pytest.mark.slow
+def test_main_end_to_end_writes_events_episodes_checkpoint_and_resumes(tmp_path):
+    from librarian_jax import main
+    from librarian_jax.rollout import read_jsonl
+
+    workdir = str(tmp_path / "run")
+    first = main.run(tiny_run_config(workdir, num_steps=1))
+    assert (first["start_step"], first["last_step"]) == (0, 1)
+    assert glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
+    records = list(read_jsonl(os.path.join(workdir, "episodes", "step_1.jsonl")))
+    assert len(records) == 2 and all(r.segments for r in records)
+    assert os.path.exists(os.path.join(workdir, "checkpoints", "1", "commit_success.txt"))
+    assert "reward/mean" in first["metrics"] and first["rollout_s"] > 0
+    # a second invocation with more steps resumes after step 1
+    second = main.run(tiny_run_config(workdir, num_steps=2))
+    assert (second["start_step"], second["last_step"]) == (1, 2)
+    assert os.path.exists(os.path.join(workdir, "checkpoints", "2", "commit_success.txt"))
+    with open(os.path.join(workdir, "summary.json")) as f:
+        assert json.load(f)["last_step"] == 2
