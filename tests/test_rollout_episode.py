@@ -341,3 +341,46 @@ def test_answerer_forced_answer_and_word_cut():
     text = eng.sessions[0].text()
     assert text.count("Paris is the capital") == 3  # three reads were answered
     assert out.prompt_tokens + out.generated_tokens == len(eng.sessions[0].tokens)
+
+
+def test_greedy_repeats_deduplicated_give_the_same_rewards():
+    recs, _, frozen = run(config(dedupe_greedy_repeats=True))
+    (r,) = recs
+    assert r.turn_rewards == pytest.approx([0.0, 0.5, -0.05, 0.45, 0.0, 0.0]) and r.terminal_reward == 1.0
+    assert r.token_counts["answerer_runs"] == 6 and len(r.answers) == 14  # 2+2+2 runs, recorded R times
+    assert frozen.batch_sizes == [2, 2, 2, 2, 2, 2]
+
+
+def test_malformed_replies_become_the_documented_observations():
+    huge = format_call("create_file", {"title": "t", "input_paths": RAW, "instructions": "x" * 25_000})
+    script = [
+        [7, 255, 256, 3, 259, 12],  # raw ids: bytes and stray markers
+        '<tool_call>{"name": "read_file", "arguments": {"path": "raw',
+        huge,
+        format_call("summon", {"x": 1}) + format_call("read_file", {"path": 3}),
+        format_call("read_file", {"path": "../../etc/passwd"}),
+        format_call("stop"),
+    ]
+    recs, _, _ = run(config(probe_min_gap=100, builder={"max_new_tokens": 40_000}), script=script)
+    (r,) = recs
+    codes = [[e["code"] for e in errs] for errs in r.tool_errors]
+    assert codes == [
+        ["no_tool_call"],
+        ["unterminated_call"],
+        ["call_too_large"],
+        ["unknown_tool", "invalid_argument_type"],
+        [],
+        [],
+    ]
+    assert r.turn_rewards == pytest.approx([-0.05, -0.05, -0.05, -0.1, 0.0, 0.0])
+    text = TOK.decode(r.segments[0].tokens)
+    for code in (
+        "no_tool_call",
+        "unterminated_call",
+        "call_too_large",
+        "unknown_tool",
+        "invalid_argument_type",
+    ):
+        assert f"status: error {code}" in text
+    # a valid call the workspace refuses is an ordinary observation (its code), with no penalty
+    assert r.tool_calls[4][0]["code"] == "path_escape" and "status: error path_escape" in text

@@ -56,9 +56,22 @@ def _answer_and_judge(
 def evaluate(
     ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig
 ) -> AgentGen:
-    """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts)."""
-    gens = [_answer_and_judge(ctx, ws, q, r, phase, config) for q in questions for r in range(repeats)]
+    """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts).
+
+    With `config.dedupe_greedy_repeats` and a greedy answerer (temperature 0) the R runs of a question would
+    be identical, so one run is made and recorded R times (copies carry `"copy": True` and no tokens).
+    """
+    dedupe = config.dedupe_greedy_repeats and config.answerer.temperature == 0.0 and repeats > 1
+    runs = 1 if dedupe else repeats
+    gens = [_answer_and_judge(ctx, ws, q, r, phase, config) for q in questions for r in range(runs)]
     answers = (yield Parallel(gens)) if gens else []
+    if dedupe:
+        full = []
+        for a in answers:
+            full.append(a)
+            for r in range(1, repeats):
+                full.append({**a, "repeat": r, "copy": True, "prompt_tokens": 0, "generated_tokens": 0})
+        answers = full
     return R.mean_correct([a["correct"] for a in answers]), answers
 
 
@@ -114,7 +127,7 @@ def run_episode(
         rec.answers.extend(answers)
         counts["answerer_prompt"] += sum(a["prompt_tokens"] for a in answers)
         counts["answerer_generated"] += sum(a["generated_tokens"] for a in answers)
-        counts["answerer_runs"] += len(answers)
+        counts["answerer_runs"] += sum(1 for a in answers if not a.get("copy"))
 
     previous = 0.0
     if config.probe_at_start:

@@ -17,6 +17,9 @@ it has them, else its hidden questions — the paper's main run; `"hidden"`; `"r
 (the turn limit, or a full context) costs `no_stop_penalty` (0.1) on the last turn's reward. Every malformed
 tool call costs `builder.malformed_penalty` (0.05) on its turn's reward. The episode's total reward is
 `sum(turn_rewards) + terminal_reward`.
+
+`dedupe_greedy_repeats` (off by default, the paper runs all R): with a greedy answerer the R runs of a
+question are identical, so one run is made and counted R times — the same score for 1/R of the probe cost.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class RolloutConfig:
     use_model_judge: bool = True
     judge_max_new_tokens: int = 16
     record_snapshots: bool = True
+    dedupe_greedy_repeats: bool = False  # greedy answerer: run each question once, count it R times
 
     def __post_init__(self) -> None:
         if self.terminal_questions not in TERMINAL_SETS:

@@ -215,6 +215,16 @@ def run_batch(
         from librarian_jax.tokenizers import chat_template
 
         template = chat_template(tokenizer)
+    max_len = getattr(by_role[POLICY], "max_seq_len", None)
+    b = config.builder
+    if max_len is not None and b.compaction != "none" and b.compaction_budget + b.max_new_tokens > max_len:
+        logging.warning(
+            "builder compaction_budget %d + max_new_tokens %d exceeds the policy engine's max_seq_len "
+            "%d: long episodes will end with cache_full",
+            b.compaction_budget,
+            b.max_new_tokens,
+            max_len,
+        )
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(int(rng))
     gens = []
     for b, task in enumerate(tasks):
