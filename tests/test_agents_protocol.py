@@ -231,3 +231,17 @@ def test_random_json_calls_never_raise():
         text = "<tool_call>" + json.dumps({"name": rng.choice(names), "arguments": args}) + "</tool_call>"
         p = parse_tool_calls(text, BUILDER_TOOLS)
         assert len(p.calls) + len(p.errors) == 1
+
+
+def test_calls_inside_thinking_are_not_calls():
+    call = format_call("list_files")
+    p = parse_tool_calls(f"<think>maybe {format_call('stop')}?</think> ok {call}", BUILDER_TOOLS)
+    assert [c.name for c in p.calls] == ["list_files"] and p.errors == ()
+    p = parse_tool_calls(
+        f"{format_call('stop')} then </think>{call}", BUILDER_TOOLS
+    )  # think opened in prompt
+    assert [c.name for c in p.calls] == ["list_files"]
+    p = parse_tool_calls(f"{call}<think>I could {call} but ran out", BUILDER_TOOLS)
+    assert len(p.calls) == 1
+    p = parse_tool_calls(f"<think>{call}", BUILDER_TOOLS)
+    assert [e.code for e in p.errors] == ["no_tool_call"]

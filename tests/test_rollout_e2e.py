@@ -9,12 +9,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from librarian_jax.agents import AnswererConfig, BuilderConfig, prompt_text
+from librarian_jax.agents import (
+    AgentContext,
+    AnswererConfig,
+    BuilderConfig,
+    compaction,
+    executor,
+    prompt_text,
+)
+from librarian_jax.agents.builder import excerpt_sources
+from librarian_jax.agents.judge import judge_answer
 from librarian_jax.data.synthetic import generate_world, world_texts
 from librarian_jax.engine import Engine
 from librarian_jax.models import Transformer, get_preset
 from librarian_jax.rollout import RolloutConfig, Scheduler, run_batch
 from librarian_jax.tokenizers import cached_tokenizer, chat_template
+from librarian_jax.workspace import Workspace
 
 MAX_NEW = 24
 
@@ -73,3 +83,25 @@ def test_batch_of_episodes_with_the_tiny_model(world):
     picked = np.asarray(lp[np.arange(len(seg.tokens) - 1), seg.tokens[1:]])
     sampled = seg.loss_mask[1:] > 0
     np.testing.assert_allclose(seg.logprobs[1:][sampled], picked[sampled], atol=2e-3)
+
+
+def test_model_executor_judge_and_summary_share_the_frozen_engine(world):
+    tasks, tok, _, policy, frozen = world
+    ctx = AgentContext(tok, chat_template(tok), {"policy": policy, "frozen": frozen})
+    ws = Workspace.from_documents(list(tasks[0].documents))
+    ex = ws.source_excerpts([d.path for d in ws.raw_docs[:2]])
+    gens = [
+        executor.write(
+            ctx, "People", "list the people", excerpt_sources(ex), ex.text, kind="model", max_new_tokens=12
+        )
+        for _ in range(2)
+    ]
+    gens.append(judge_answer(ctx, "Who?", "wrong", ["right"], use_model_judge=True, max_new_tokens=8))
+    gens.append(compaction.model_summary(ctx, ["turn 1: list_files {} -> ok"], ws.tree(), 8))
+    before = len(frozen.stats)
+    a, b, verdict, (summary, used) = Scheduler({"frozen": frozen}).run(gens)
+    assert max(s.active_slots for s in frozen.stats[before:]) == 4  # four different agents, one decode loop
+    assert a == b  # temperature 0: the same prompt writes the same text
+    assert 0 < a.generated_tokens <= 12 and a.prompt_tokens > len(tok.encode(ex.text))
+    assert a.text.strip()  # the model's text, or (if it decoded to nothing) the flagged extractive fallback
+    assert verdict in (0.0, 1.0) and summary.strip() and used > 0

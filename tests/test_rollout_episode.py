@@ -384,3 +384,13 @@ def test_malformed_replies_become_the_documented_observations():
         assert f"status: error {code}" in text
     # a valid call the workspace refuses is an ordinary observation (its code), with no penalty
     assert r.tool_calls[4][0]["code"] == "path_escape" and "status: error path_escape" in text
+
+
+def test_one_engine_can_serve_every_role():
+    def both(s):
+        return builder_policy(SCRIPT)(s) if "You are the librarian" in s.text() else answerer_policy(s)
+
+    eng = ScriptedEngine(TOK, both)
+    recs = run_batch([TASK], 2, eng, TOK, config(), 0, template=TPL)
+    assert [r.total_reward for r in recs] == pytest.approx([1.9, 1.9])
+    assert max(eng.batch_sizes) == 12  # the final evaluation: 2 episodes x 2 questions x 3 repeats

@@ -5,8 +5,9 @@ Convention (Qwen's): a model calls tools by writing, anywhere in its reply, one 
     <tool_call>{"name": "read_file", "arguments": {"path": "raw_docs/raw_0001__a.txt"}}</tool_call>
 
 Several blocks in one reply are several calls, run in order. Text outside the blocks is free reasoning and is
-ignored. Parsing works on the TEXT decoded from the newly generated ids only; the ids themselves stay exactly
-as sampled in the training record (nothing is decoded and re-encoded into the history).
+ignored, and so are blocks inside `<think>...</think>` reasoning spans (Qwen3 style, see `strip_thinking`).
+Parsing works on the TEXT decoded from the newly generated ids only; the ids themselves stay exactly as
+sampled in the training record (nothing is decoded and re-encoded into the history).
 
 Parsing is total: any string (random bytes, truncated JSON, huge arguments, unknown tools, wrong argument
 types) gives a `ParsedTurn`; nothing raises. Each malformed call becomes a `CallError` with one of the codes
@@ -44,6 +45,8 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 _TYPES = ("str", "int", "list[str]")
 _MAX_JSON_DEPTH = 32
@@ -310,6 +313,27 @@ def _parse_block(
     return _validate(spec, args, index, raw)
 
 
+def strip_thinking(text: str) -> str:
+    """`text` without its `<think>...</think>` spans (Qwen3-style reasoning): calls written while thinking are
+    not calls. An unclosed `<think>` hides the rest of the reply; a stray `</think>` hides what precedes it
+    (templates that open the think block in the prompt)."""
+    if THINK_CLOSE in text and (THINK_OPEN not in text or text.find(THINK_CLOSE) < text.find(THINK_OPEN)):
+        text = text[text.find(THINK_CLOSE) + len(THINK_CLOSE) :]
+    out = []
+    pos = 0
+    while True:
+        start = text.find(THINK_OPEN, pos)
+        if start < 0:
+            out.append(text[pos:])
+            break
+        out.append(text[pos:start])
+        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+        if end < 0:
+            break
+        pos = end + len(THINK_CLOSE)
+    return "".join(out)
+
+
 def parse_tool_calls(
     text: str, tools: Sequence[ToolSpec] | dict[str, ToolSpec], config: ProtocolConfig | None = None
 ) -> ParsedTurn:
@@ -328,6 +352,7 @@ def parse_tool_calls(
             if isinstance(text, (bytes, bytearray))
             else str(text)
         )
+    text = strip_thinking(text)
     calls: list[ToolCall] = []
     errors: list[CallError] = []
     pos = 0
