@@ -104,6 +104,7 @@ def test_probes_fire_on_schedule_and_rewards_match_hand_computation():
     (r,) = recs
     r.check()
     assert r.num_turns == 6 and r.stopped
+    assert r.replies == SCRIPT
     assert r.probe_turns == [1, 3]  # after the 2nd and 4th turns; the 5th write is 1 turn after, cap reached
     assert r.probe_scores == [0.5, 1.0]
     # turn 0: read; 1: probe 0 -> 0.5; 2: no call (-0.05); 3: probe 0.5 -> 1.0 and an unknown tool (-0.05)

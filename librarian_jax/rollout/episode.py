@@ -26,6 +26,8 @@ from librarian_jax.agents.runtime import AgentContext, AgentGen, Parallel
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.records import EpisodeRecord
 
+REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspection
+
 
 def _answer_and_judge(
     ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig
@@ -148,6 +150,7 @@ def run_episode(
         counts["executor_generated"] += out.executor_generated_tokens
         rec.tool_calls.append([c.to_dict() for c in out.calls])
         rec.tool_errors.append(out.errors)
+        rec.replies.append(out.text if len(out.text) <= REPLY_CHARS else out.text[:REPLY_CHARS] + " [...]")
         if R.should_probe(n, out.successful_writes > 0, last_probe_n, len(rec.probe_scores), config):
             snap = ws.copy()
             score, answers = yield from evaluate(

@@ -78,6 +78,7 @@ class EpisodeRecord:
     stopped: bool = False
     tool_calls: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)  # per turn
     tool_errors: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)  # per turn (malformed)
+    replies: list[str] = dataclasses.field(default_factory=list)  # per turn: the decoded reply (cut)
     workspace_snapshots: dict[str, Any] = dataclasses.field(default_factory=dict)  # "probe_<t>", "final"
     answers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     token_counts: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -129,8 +130,8 @@ class EpisodeRecord:
                 raise ValueError(f"episode {self.task_id}/{self.episode_index} segment {i}: {e}") from None
         if len(self.turn_rewards) != self.num_turns:
             raise ValueError(f"turn_rewards has {len(self.turn_rewards)} entries for {self.num_turns} turns")
-        if len(self.tool_calls) != self.num_turns or len(self.tool_errors) != self.num_turns:
-            raise ValueError("tool_calls / tool_errors need one entry per turn")
+        if any(len(x) != self.num_turns for x in (self.tool_calls, self.tool_errors, self.replies)):
+            raise ValueError("tool_calls / tool_errors / replies need one entry per turn")
         total = float(sum(self.turn_rewards) + self.terminal_reward)
         if abs(total - self.total_reward) > 1e-6:
             raise ValueError(f"total_reward {self.total_reward} != sum(turn_rewards) + terminal = {total}")
