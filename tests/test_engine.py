@@ -1,0 +1,280 @@
+"""Engine: cached greedy decode == full forward argmax for every family, sessions, sampling, scheduling.
+
+Compile cost dominates, so every test shares a few module-level engines over tiny models.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from librarian_jax import models
+from librarian_jax.engine import Engine, SamplingParams, generate, sample
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+             dtype="float32", param_dtype="float32")
+
+FAMILIES = {
+    "qwen3": lambda: models.get_preset("tiny", num_layers=2, layer_types=("full_attention",) * 2, **SMALL),
+    # window 8, prompts + generation run well past it
+    "gemma3": lambda: models.get_preset(
+        "gemma3_1b", num_layers=3, sliding_window=8, query_pre_attn_scalar=16.0,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"), **SMALL),
+    "llama3": lambda: models.get_preset("llama3_2_1b", num_layers=2, layer_types=("full_attention",) * 2,
+                                        rope_original_max_position=16, **SMALL),
+    "qwen3_5": lambda: models.get_preset(
+        "qwen3_5_4b", num_layers=2, layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        **SMALL),
+}
+
+
+def _model(config: models.ModelConfig, seed: int = 0) -> models.Transformer:
+    model = models.Transformer(config, rngs=nnx.Rngs(seed))
+    # Random weights near init give near-uniform logits; scale them so argmax decisions are well separated.
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, state))
+    return model
+
+
+def _full_logits(model: models.Transformer, tokens: np.ndarray) -> np.ndarray:
+    """Logits `[len, vocab]` of one full (uncached) forward pass over `tokens`."""
+    logits, _ = model(jnp.asarray(tokens, jnp.int32)[None])
+    return np.asarray(logits[0])
+
+
+def _assert_greedy_matches_forward(model, prompt, generated):
+    seq = np.asarray(list(prompt) + list(generated))
+    logits = _full_logits(model, seq)
+    want = logits[len(prompt) - 1 : len(seq) - 1].argmax(-1)
+    np.testing.assert_array_equal(np.asarray(generated), want)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generate_equals_full_forward_argmax(family):
+    model = _model(FAMILIES[family]())
+    rng = np.random.default_rng(1)
+    # lengths straddle the prefill bucket (32) so one row needs two chunks; the gemma rows exceed its window 8
+    prompts = [rng.integers(0, 128, size=n).tolist() for n in (1, 11, 37)]
+    out = generate(model, prompts, 12)
+    assert [len(o) for o in out] == [12, 12, 12]
+    for p, o in zip(prompts, out, strict=True):
+        _assert_greedy_matches_forward(model, p, o)
+
+
+# ------------------------------------------------------------------------------------ shared engine
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return _model(FAMILIES["qwen3"]())
+
+
+@pytest.fixture(scope="module")
+def engine(qwen):
+    # 3 slots, short rounds: exercises admission, waiting and eviction.
+    return Engine(qwen, num_slots=3, max_seq_len=96, round_steps=8, prefill_buckets=(8, 32))
+
+
+def _drain(engine: Engine) -> None:
+    engine.run_until_done()
+    for s in list(engine._owner):
+        if s is not None:
+            s.close()
+
+
+def test_session_five_turns_equals_one_prefill_of_history(engine, qwen):
+    rng = np.random.default_rng(2)
+    s = engine.new_session(rng.integers(0, 128, size=9).tolist())
+    expected = s.tokens
+    mask = [0.0] * len(expected)
+    temperature = 0.8
+    for turn in range(5):
+        req = engine.submit(s, 6, SamplingParams(temperature=temperature, seed=7, stream=turn), stop_ids=())
+        engine.run_until_done()
+        res = req.result
+        assert res is not None and res.status == "length" and len(res.tokens) == 6
+        expected += res.tokens
+        mask += [1.0] * 6
+        obs = rng.integers(0, 128, size=3 + 5 * turn).tolist()  # observations of varied length
+        s.append(obs)
+        expected += obs
+        mask += [0.0] * len(obs)
+    rec = s.record()
+    np.testing.assert_array_equal(rec.tokens, expected)
+    np.testing.assert_array_equal(rec.loss_mask, mask)
+    # The sampler's log-probs == the trainer's recomputation from one forward pass over the whole history.
+    logp = jax.nn.log_softmax(jnp.asarray(_full_logits(qwen, rec.tokens)) / temperature, axis=-1)
+    idx = np.nonzero(rec.loss_mask)[0]
+    want = np.asarray(logp)[idx - 1, rec.tokens[idx]]
+    np.testing.assert_allclose(rec.logprobs[idx], want, atol=2e-4)
+    assert np.all(rec.logprobs[rec.loss_mask == 0] == 0)
+    # And the continued cache decodes exactly what a fresh prefill of the whole history decodes.
+    req = engine.submit(s, 5)
+    fresh = engine.new_session(rec.tokens)
+    req2 = engine.submit(fresh, 5)
+    engine.run_until_done()
+    assert req.result.tokens == req2.result.tokens
+    _assert_greedy_matches_forward(qwen, rec.tokens, req.result.tokens)
+    s.close()
+    fresh.close()
+
+
+def test_stop_tokens_and_budgets(engine, qwen):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    s = engine.new_session(prompt)
+    req = engine.submit(s, 10)
+    engine.run_until_done()
+    free_run = req.result.tokens
+    assert req.result.status == "length" and len(free_run) == 10
+    # Stop at the first occurrence of the 4th token; the stop token is included.
+    stop = free_run[3]
+    cut = free_run.index(stop) + 1
+    s2 = engine.new_session(prompt)
+    req = engine.submit(s2, 10, stop_ids=[stop, 127 if stop != 127 else 126])
+    engine.run_until_done()
+    assert req.result.status == "stop"
+    assert req.result.tokens == free_run[:cut]
+    assert s2.record().tokens.tolist() == prompt + free_run[:cut]
+    # generate() returns the stop token too.
+    assert generate(qwen, [prompt], 10, stop_ids=[stop])[0] == free_run[:cut]
+    # A zero budget finishes at once with no tokens.
+    req = engine.submit(s2, 0)
+    assert [r.status for r in engine.step()] == ["length"] and req.result.tokens == []
+    s.close()
+    s2.close()
+
+
+def test_cache_full_ends_turn_not_crash(engine, qwen):
+    s = engine.new_session(list(range(1, 81)))  # 80 of max_seq_len 96 tokens
+    req = engine.submit(s, 50)
+    engine.run_until_done()
+    assert req.result.status == "cache_full"
+    assert len(req.result.tokens) == 16 and len(s) == 96
+    _assert_greedy_matches_forward(qwen, list(range(1, 81)), req.result.tokens)
+    req = engine.submit(s, 5)  # no room for even one token: immediate cache_full, no tokens
+    res = engine.step()
+    assert [r.status for r in res] == ["cache_full"] and req.result.tokens == []
+    s.close()
+    # Appending past the limit also ends the next turn with cache_full, never an exception.
+    s = engine.new_session([1, 2, 3])
+    s.append(list(range(100)))
+    req = engine.submit(s, 5)
+    engine.run_until_done()
+    assert req.result.status == "cache_full"
+    s.close()
+
+
+def test_more_sessions_than_slots_and_lru_eviction(engine, qwen):
+    rng = np.random.default_rng(3)
+    sessions = [engine.new_session(rng.integers(0, 128, size=5 + 9 * i).tolist()) for i in range(5)]
+    reqs = [engine.submit(s, 4 + 3 * i) for i, s in enumerate(sessions)]
+    first = engine.step()
+    assert sum(st is not None for st in engine._owner) == 3
+    assert engine.stats[-1].active_slots == 3
+    assert sum(s.status == "waiting" for s in sessions) == 2
+    results = first + engine.run_until_done()
+    assert sorted(id(r.session) for r in results) == sorted(id(s) for s in sessions)
+    assert all(r.done and r.result.status == "length" for r in reqs)
+    evictions = sum(st.evictions for st in engine.stats)
+    assert evictions >= 2
+    # Second turn for everyone, in reverse order: the least recently used idle sessions are evicted and
+    # re-prefilled from their exact records; greedy tokens still equal the full forward argmax.
+    for s in sessions:
+        s.append([7, 8, 9])
+    # LRU: a newcomer takes the slot of the resident idle session used least recently.
+    resident = [s for s in engine._owner if s is not None]
+    resident[0].append([1])  # now the most recently used
+    lru = min(resident[1:], key=lambda s: s.last_used)
+    newcomer = engine.new_session([1, 2])
+    engine.submit(newcomer, 1)
+    engine.run_until_done()
+    assert lru.slot is None and newcomer.slot is not None and resident[0].slot is not None
+    newcomer.close()
+    before = [s.record().tokens.copy() for s in sessions]
+    reqs = [engine.submit(s, 5) for s in reversed(sessions)]
+    engine.run_until_done()
+    assert sum(st.evictions for st in engine.stats) > evictions
+    for s, rec in zip(sessions, before, strict=True):
+        toks = s.record().tokens
+        np.testing.assert_array_equal(toks[: len(rec)], rec)  # the record is never re-encoded
+        _assert_greedy_matches_forward(qwen, rec.tolist(), toks[len(rec) :].tolist())
+    for s in sessions:
+        s.close()
+    assert all(o is None for o in engine._owner)
+
+
+def test_sampling_reproducible_topk1_is_greedy_and_independent_of_batch(engine, qwen):
+    prompts = [[5, 6, 7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], [1]]
+    greedy = generate(qwen, prompts, 10)
+    assert generate(qwen, prompts, 10, temperature=1.0, top_k=1, seed=5) == greedy
+    a = generate(qwen, prompts, 10, temperature=1.0, seed=5)
+    assert a == generate(qwen, prompts, 10, temperature=1.0, seed=5)
+    assert a != generate(qwen, prompts, 10, temperature=1.0, seed=6)
+    # A session's samples depend on (seed, stream, position), not on its slot, batch or round split.
+    sp = SamplingParams(temperature=1.0, seed=5, stream=1)
+    s = engine.new_session(prompts[1])
+    req = engine.submit(s, 10, sp)
+    engine.run_until_done()  # alone in the engine, rounds of 8 steps
+    assert req.result.tokens == a[1]
+    s.close()
+
+
+def test_update_params_swaps_weights(qwen):
+    other = _model(FAMILIES["qwen3"](), seed=1)
+    eng = Engine(qwen, num_slots=3, max_seq_len=96, round_steps=8, prefill_buckets=(8, 32))
+    prompt = [4, 5, 6, 7]
+
+    def run():
+        s = eng.new_session(prompt)
+        req = eng.submit(s, 8)
+        eng.run_until_done()
+        s.close()
+        return req.result.tokens
+
+    mine = run()
+    eng.update_params(nnx.state(other))
+    theirs = run()
+    assert theirs == generate(other, [prompt], 8)[0] and mine == generate(qwen, [prompt], 8)[0]
+    assert mine != theirs
+    with pytest.raises(ValueError, match="state tree"):
+        eng.update_params(nnx.state(_model(FAMILIES["llama3"]())))
+
+
+# ------------------------------------------------------------------------------------ sampling alone
+
+
+def test_sample_logprobs_topk_topp():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 50)).astype(np.float32) * 3)
+    n = logits.shape[0]
+    temperature = jnp.asarray([0.0, 1.0, 0.7, 1.3, 1.0, 1.0], jnp.float32)
+    top_k = jnp.asarray([0, 0, 5, 0, 1, 3], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 1.0, 0.5, 1.0, 0.9], jnp.float32)
+    zeros = jnp.zeros((n,), jnp.int32)
+    draws = []
+    jsample = jax.jit(sample)
+    for pos in range(200):
+        tok, lp, plp = jsample(logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=zeros,
+                              streams=jnp.arange(n, dtype=jnp.int32), positions=zeros + pos)
+        draws.append(np.asarray(tok))
+        t = np.where(np.asarray(temperature) > 0, np.asarray(temperature), 1.0)
+        full = np.asarray(jax.nn.log_softmax(logits / t[:, None], axis=-1))
+        np.testing.assert_allclose(np.asarray(lp), full[np.arange(n), np.asarray(tok)], rtol=1e-5, atol=1e-5)
+        # processed log-prob of row 2 (temperature 0.7, top-5): renormalised over its top 5
+        top5 = np.sort(np.asarray(logits[2]) / 0.7)[-5:]
+        want = np.asarray(logits[2])[tok[2]] / 0.7 - np.log(np.exp(top5).sum())
+        np.testing.assert_allclose(float(plp[2]), want, rtol=1e-4, atol=1e-4)
+    draws = np.stack(draws)  # [200, rows]
+    order = np.argsort(-np.asarray(logits), axis=-1)
+    assert np.all(draws[:, 0] == order[0, 0]) and np.all(draws[:, 4] == order[4, 0])  # greedy, top-k 1
+    assert set(draws[:, 2]) <= set(order[2, :5]) and len(set(draws[:, 2])) > 1
+    assert set(draws[:, 5]) <= set(order[5, :3])
+    # top-p 0.5 at T=1.3: only the smallest prefix of the sorted distribution reaching mass 0.5
+    p = np.asarray(jax.nn.softmax(logits[3] / 1.3))[order[3]]
+    nucleus = order[3, : int(np.searchsorted(np.cumsum(p), 0.5) + 1)]
+    assert set(draws[:, 3]) <= set(nucleus)
+    assert len(set(draws[:, 1])) > 5  # plain T=1 sampling spreads out
