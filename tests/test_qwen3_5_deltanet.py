@@ -163,13 +163,15 @@ def test_padding_leaves_state_as_after_last_real_token(layer_a):
     np.testing.assert_array_equal(np.asarray(c_pad["state"][1]), np.asarray(start["state"][1]))
 
     x_next = jax.random.normal(jax.random.key(4), (2, 1, config.hidden_size))
-    y_next_pad, _ = apply(graphdef, state, x_next, c_pad, None)
+    y_next_pad, c_next_pad = apply(graphdef, state, x_next, c_pad, None)
     y_next_ref, _ = apply(graphdef, state, x_next, c_ref, None)
     close(y_next_pad[0], y_next_ref[0], 2e-5)
     # padding in a decode step (an idle slot): mask False leaves that row's cache exactly as it was
     _, c_idle = apply(graphdef, state, x_next, c_pad, jnp.asarray([[True], [False]]))
     np.testing.assert_array_equal(np.asarray(c_idle["state"][1]), np.asarray(c_pad["state"][1]))
     np.testing.assert_array_equal(np.asarray(c_idle["conv"][1]), np.asarray(c_pad["conv"][1]))
+    close(c_idle["conv"][0], c_next_pad["conv"][0], 1e-6)  # a 1-token conv tail: old columns shifted
+    close(c_idle["state"][0], c_next_pad["state"][0], 1e-6)
     assert not np.array_equal(np.asarray(c_idle["state"][0]), np.asarray(c_pad["state"][0]))
 
 

@@ -1,0 +1,240 @@
+"""Qwen3.5 hybrid prefill and decode: our chunked Gated DeltaNet prefill and recurrent decode vs transformers.
+
+    python -m librarian_jax.bench.prefill [--seq_lens=256,512,1024,2048,4096] [--decode_batches=1,8]
+        [--decode_steps=64] [--decode_prompt=256] [--repeats=3] [--torch_threads=2]
+
+Model: a Qwen3.5-style hybrid (`bench_config`): hidden 256, 4 layers [linear, linear, linear, full],
+Gated DeltaNet with 2 key heads / 4 value heads of 64, conv kernel 4; gated full attention 4 heads / 2 KV
+heads of 64 with partial rotary 0.25; intermediate 768, vocab 8000, tied embeddings; random weights, fp32.
+
+Prefill: one cached call over `seq` tokens at batch 1 (the DeltaNet layers run the 64-token chunked form and
+fill their conv/recurrent state; all logits are computed on both sides, as HF's forward does).
+Decode: `decode_steps` greedy tokens after a `decode_prompt`-token prefill, one token per call (the DeltaNet
+layers run the recurrent form); ours is one jitted on-device `lax.scan` over the steps, transformers a Python
+loop over `model(input_ids=tok, cache=cache)` with argmax. Times are the best of `repeats` after a warm-up.
+
+The transformers side (`Qwen3_5ForCausalLM` loaded from our `save_hf` export, so the weights are identical;
+torch CPU with `torch.set_num_threads(torch_threads)`) runs only when torch and transformers import, e.g.
+`/work/tvenv/bin/python -m librarian_jax.bench.prefill`; otherwise only our figures are printed. HF uses its
+PyTorch fallbacks for the delta rule and the conv when flash-linear-attention / causal-conv1d are absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from librarian_jax import models
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("seq_lens", "256,512,1024,2048,4096", "comma-separated prefill lengths (batch 1)")
+flags.DEFINE_string("decode_batches", "1,8", "comma-separated decode batch sizes")
+flags.DEFINE_integer("decode_steps", 64, "greedy tokens decoded per row")
+flags.DEFINE_integer("decode_prompt", 256, "prompt tokens prefilled before decoding")
+flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
+flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads for the transformers side")
+
+
+def bench_config() -> models.ModelConfig:
+    """The Qwen3.5-style hybrid this benchmark runs (see the module docstring)."""
+    return models.ModelConfig(
+        vocab_size=8000, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=64, rope_theta=10_000_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+        model_type="qwen3_5_text", layer_types=("linear_attention",) * 3 + ("full_attention",),
+        qk_norm=True, norm_plus_one=True, attn_output_gate=True, partial_rotary_factor=0.25,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=8192,
+    )
+
+
+def _best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(best wall time of `repeats` calls after one warm-up call, the last result)."""
+    out = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+# ----------------------------------------------------------------------------------------------- ours
+
+
+@jax.jit
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: models.Cache):
+    """tokens `[batch, seq]` -> (last-position logits `[batch, vocab]`, max |logit|, filled cache)."""
+    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+    return logits[:, -1], jnp.max(jnp.abs(logits)), cache
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, token: jax.Array, cache: models.Cache, steps: int):
+    """Greedy decode of `steps` tokens from `token` `[batch, 1]`, on device: -> tokens `[batch, steps]`."""
+    model = nnx.merge(graphdef, state)
+
+    def step(carry, _):
+        tok, cache = carry
+        logits, cache = model(tok, cache=cache)
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        return (nxt, cache), nxt[:, 0]
+
+    (_, cache), toks = jax.lax.scan(step, (token, cache), None, length=steps)
+    return toks.T, cache
+
+
+def ours_prefill(model: models.Transformer, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(tokens, jnp.int32)
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
+
+    def run():
+        last, top, _ = _prefill(graphdef, state, ids, cache)
+        return np.asarray(jax.block_until_ready(last)), float(top)
+
+    seconds, (last, _) = _best_time(run, repeats)
+    return seconds, last
+
+
+def ours_decode(
+    model: models.Transformer, prompts: np.ndarray, steps: int, repeats: int
+) -> tuple[float, np.ndarray]:
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(prompts, jnp.int32)
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1] + steps)
+    last, _, cache = _prefill(graphdef, state, ids, cache)
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
+
+    def run():
+        toks, _ = _decode(graphdef, state, first, cache, steps=steps)
+        return np.asarray(jax.block_until_ready(toks))
+
+    return _best_time(run, repeats)
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+
+
+class TorchSide:
+    """transformers' Qwen3_5ForCausalLM with our weights (via save_hf), or `available = False`."""
+
+    def __init__(self, model: models.Transformer, threads: int) -> None:
+        self.available = False
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            return
+        self.torch = torch
+        torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory() as directory:
+            models.save_hf(model, directory)
+            hf_model = transformers.Qwen3_5ForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        self.model = hf_model.eval()
+        self.available = True
+        self.version = (
+            f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads"
+        )
+
+    def prefill(self, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+        torch = self.torch
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+
+        def run():
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, use_cache=True)
+            return out.logits[:, -1].float().numpy()
+
+        return _best_time(run, repeats)
+
+    def decode(self, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, np.ndarray]:
+        torch = self.torch
+        ids = torch.as_tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=True)
+        prefilled = out.cache
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+
+        def run():
+            cache, tok, toks = copy.deepcopy(prefilled), first, []
+            with torch.inference_mode():
+                for _ in range(steps):
+                    step = self.model(input_ids=tok, cache=cache, use_cache=True)
+                    cache = step.cache
+                    tok = step.logits[:, -1].argmax(-1, keepdim=True)
+                    toks.append(tok)
+            return torch.cat(toks, dim=1).numpy()
+
+        return _best_time(run, repeats)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = bench_config()
+    model = models.Transformer(config, rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    hf = TorchSide(model, FLAGS.torch_threads)
+    load = os.getloadavg()
+    lines = [
+        f"Qwen3.5-style hybrid ({params / 1e6:.2f}M params, layers {list(config.layer_types)}), fp32, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} CPUs, "
+        f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        "transformers side: " + (hf.version if hf.available else
+                                  "not measured (torch/transformers not importable in this python)"),
+        "",
+        f"{'prefill seq':>11} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | {'HF tok/s':>10} | "
+        f"{'HF/ours':>7} | {'max|dlogit|':>11}",
+    ]
+    rng = np.random.default_rng(0)
+    for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
+        tokens = rng.integers(0, config.vocab_size, size=(1, seq))
+        t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
+        row = f"{seq:>11} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
+        if hf.available:
+            t_hf, last_hf = hf.prefill(tokens, FLAGS.repeats)
+            diff = float(np.abs(last_ours - last_hf).max())
+            row += f"{t_hf * 1e3:9.1f} | {seq / t_hf:10.0f} | {t_hf / t_ours:7.2f} | {diff:11.1e}"
+        else:
+            row += f"{'-':>9} | {'-':>10} | {'-':>7} | {'-':>11}"
+        lines.append(row)
+        logging.info(row)
+
+    lines += [
+        "",
+        f"decode: {FLAGS.decode_steps} greedy steps after a {FLAGS.decode_prompt}-token prefill",
+        f"{'batch':>11} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | same tokens",
+    ]
+    for batch in [int(b) for b in FLAGS.decode_batches.split(",")]:
+        prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.decode_prompt))
+        n = batch * FLAGS.decode_steps
+        t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
+        row = f"{batch:>11} | {n / t_ours:10.1f} | "
+        if hf.available:
+            t_hf, toks_hf = hf.decode(prompts, FLAGS.decode_steps, FLAGS.repeats)
+            same = float(np.mean(toks_ours == toks_hf))
+            row += f"{n / t_hf:10.1f} | {t_hf / t_ours:7.2f} | {same:.0%}"
+        else:
+            row += f"{'-':>10} | {'-':>7} | -"
+        lines.append(row)
+        logging.info(row)
+    load = os.getloadavg()
+    lines.append(f"load average after {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print("\n".join(lines))  # noqa: T201 - the CLI's report
+
+
+if __name__ == "__main__":
+    app.run(main)
