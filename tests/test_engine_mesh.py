@@ -1,0 +1,117 @@
+"""Engine on meshes: shape resolution, logical-axis rules with replication fallback, sharded == unsharded.
+
+The sharded tests need 8 devices (tests/run.sh simulates 8 CPU devices).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from librarian_jax import models
+from librarian_jax.engine import Engine, SamplingParams, logical_to_spec, make_mesh, resolve_mesh_shape
+from librarian_jax.engine.sharding import default_rules
+
+CONFIG = models.get_preset(
+    "tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+    head_dim=8, layer_types=("full_attention",) * 2, dtype="float32", param_dtype="float32",
+)
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+
+
+def test_resolve_mesh_shape():
+    assert resolve_mesh_shape({"data": -1, "fsdp": 1, "tensor": 1}, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert resolve_mesh_shape({"data": 2, "tensor": -1}, 8) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert resolve_mesh_shape(None, 1) == {"data": 1, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match="unknown axis names"):
+        resolve_mesh_shape({"model": 2}, 2)
+    with pytest.raises(ValueError, match="at most one axis"):
+        resolve_mesh_shape({"data": -1, "tensor": -1}, 8)
+    with pytest.raises(ValueError, match="covers 4 devices"):
+        resolve_mesh_shape({"data": 2, "tensor": 2}, 8)
+    with pytest.raises(ValueError, match="not divisible"):
+        resolve_mesh_shape({"data": -1, "tensor": 3}, 8)
+
+
+@needs8
+def test_logical_to_spec_fallback_to_replication():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = default_rules()
+    assert rules["heads"] == "tensor"  # models' "model" axis is the engine's "tensor" axis
+    assert logical_to_spec(("embed", "heads"), (32, 64), mesh, rules) == PartitionSpec("fsdp", "tensor")
+    # 3 heads do not divide over 2 devices: replicated
+    assert logical_to_spec(("embed", "heads"), (32, 3), mesh, rules) == PartitionSpec("fsdp", None)
+    # one mesh axis is used at most once per array
+    assert logical_to_spec(("heads", "mlp"), (4, 4), mesh, rules) == PartitionSpec("tensor", None)
+    assert logical_to_spec(None, (4,), mesh, rules) == PartitionSpec()
+    with pytest.raises(ValueError, match="do not match shape"):
+        logical_to_spec(("embed",), (4, 4), mesh, rules)
+
+
+def _model(seed: int) -> models.Transformer:
+    model = models.Transformer(CONFIG, rngs=nnx.Rngs(seed))
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, nnx.state(model, nnx.Param)))
+    return model
+
+
+PROMPTS = [list(range(1 + i, 4 + 5 * i)) for i in range(8)]  # 3..38 tokens
+
+
+def _run(engine: Engine, temperature: float = 0.0) -> list[tuple[list[int], np.ndarray]]:
+    sessions = [engine.new_session(p) for p in PROMPTS]
+    reqs = [engine.submit(s, 6, SamplingParams(temperature=temperature, seed=3, stream=i))
+            for i, s in enumerate(sessions)]
+    engine.run_until_done()
+    for s in sessions:  # second turn: cache continuation on the mesh
+        s.append([5, 6, 7])
+    reqs = [engine.submit(s, 4) for s in sessions]
+    engine.run_until_done()
+    out = [(s.record().tokens.tolist(), s.record().logprobs) for s in sessions]
+    del reqs
+    for s in sessions:
+        s.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(Engine(_model(0), num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16, 64)))
+
+
+@needs8
+@pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"tensor": 8}])
+def test_sharded_equals_unsharded(reference, shape):
+    mesh = make_mesh(shape)
+    engine = Engine(_model(0), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
+    k_spec = engine.cache.layers[0]["k"].sharding.spec
+    if mesh.shape["data"] > 1:
+        assert k_spec[0] == "data"  # slots spread over the data axis
+    if mesh.shape["tensor"] > 1:
+        q = engine.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+        assert "tensor" in tuple(q.sharding.spec)  # 8 heads divide 2 and 8
+    got = _run(engine)
+    for (toks, lps), (ref_toks, ref_lps) in zip(got, reference, strict=True):
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, atol=1e-4)
+
+
+@needs8
+def test_two_engines_share_a_mesh():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    policy = Engine(_model(0), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
+    frozen = Engine(_model(1), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
+    a = policy.new_session([1, 2, 3])
+    b = frozen.new_session([1, 2, 3])
+    ra, rb = policy.submit(a, 6), frozen.submit(b, 6)
+    policy.step()
+    frozen.step()
+    assert ra.done and rb.done and ra.result.tokens != rb.result.tokens
+    # the policy takes the frozen engine's weights, device to device
+    policy.update_params(frozen.params)
+    a2 = policy.new_session([1, 2, 3])
+    r = policy.submit(a2, 6)
+    policy.run_until_done()
+    assert r.result.tokens == rb.result.tokens
