@@ -57,6 +57,7 @@ def _model(seed: int) -> models.Transformer:
     return model
 
 
+KW = dict(num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16, 64))
 PROMPTS = [list(range(1 + i, 4 + 5 * i)) for i in range(8)]  # 3..38 tokens
 
 
@@ -78,14 +79,14 @@ def _run(engine: Engine, temperature: float = 0.0) -> list[tuple[list[int], np.n
 
 @pytest.fixture(scope="module")
 def reference():
-    return _run(Engine(_model(0), num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16, 64)))
+    return _run(Engine(_model(0), **KW))
 
 
 @needs8
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"tensor": 8}])
 def test_sharded_equals_unsharded(reference, shape):
     mesh = make_mesh(shape)
-    engine = Engine(_model(0), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
+    engine = Engine(_model(0), mesh=mesh, **KW)
     k_spec = engine.cache.layers[0]["k"].sharding.spec
     if mesh.shape["data"] > 1:
         assert k_spec[0] == "data"  # slots spread over the data axis
@@ -101,8 +102,8 @@ def test_sharded_equals_unsharded(reference, shape):
 @needs8
 def test_two_engines_share_a_mesh():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    policy = Engine(_model(0), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
-    frozen = Engine(_model(1), num_slots=8, max_seq_len=64, mesh=mesh, round_steps=8, prefill_buckets=(16, 64))
+    policy = Engine(_model(0), mesh=mesh, **KW)
+    frozen = Engine(_model(1), mesh=mesh, **KW)
     a = policy.new_session([1, 2, 3])
     b = frozen.new_session([1, 2, 3])
     ra, rb = policy.submit(a, 6), frozen.submit(b, 6)
