@@ -72,6 +72,14 @@ def test_configs_read_family_switches():
     assert qwen35.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert qwen35.tie_embeddings and qwen35.attn_output_gate and qwen35.rotary_dim == 8
     assert qwen35.rope_theta == 1e7
+    # google/gemma-3-4b-it's published config.json leaves most text fields to the HF class defaults
+    gemma_4b = config_from_hf({
+        "model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"},
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+    }, dtype="bfloat16")
+    assert gemma_4b == get_preset("gemma3_4b")
     # every preset survives config_to_hf -> config_from_hf
     for preset in ("qwen3_4b", "gemma3_4b", "llama3_2_1b", "qwen3_5_4b"):
         cfg = get_preset(preset)

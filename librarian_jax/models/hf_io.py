@@ -34,6 +34,21 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+# transformers' config-class defaults for fields a config.json may omit (Gemma 3 multimodal text_configs do).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=32_768),
+    "llama": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048),
+    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        max_position_embeddings=131_072, query_pre_attn_scalar=256, sliding_window=4096,
+                        hidden_activation="gelu_pytorch_tanh"),
+    "qwen3_5_text": dict(vocab_size=248_320, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=32,
+                         num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                         max_position_embeddings=32_768),
+}
 _EMBED_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 
@@ -107,6 +122,8 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
         model_type = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}[model_type]
     else:
         tie = bool(d.get("tie_word_embeddings", model_type == "gemma3_text"))
+    defaults = _HF_DEFAULTS[model_type]
+    d = defaults | {k: v for k, v in d.items() if v is not None or k not in defaults}
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
             raise NotImplementedError(f"config.json: {key}=true is not supported")
@@ -128,7 +145,7 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
     )
     layer_types = d.get("layer_types")
     if model_type in ("qwen3", "llama"):
-        fields |= _rope_fields(_rope_block(d), 1_000_000.0 if model_type == "qwen3" else 500_000.0)
+        fields |= _rope_fields(_rope_block(d), 10_000.0)
         fields |= dict(qk_norm=model_type == "qwen3", layer_types=("full_attention",) * n_layers)
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} for {model_type}")
