@@ -57,8 +57,8 @@ def load_layer(folder: str, index: int) -> GatedDeltaNet:
             *parents, leaf = path.split(".")
             owner = functools.reduce(getattr, parents, layer)
             var = getattr(owner, leaf)
-            assert var.value.shape == tensor.shape, (suffix, var.value.shape, tensor.shape)
-            var.value = jnp.asarray(tensor)
+            assert var.get_value().shape == tensor.shape, (suffix, var.get_value().shape, tensor.shape)
+            var.set_value(jnp.asarray(tensor))
     return layer
 
 
@@ -192,7 +192,7 @@ def test_gradients_of_chunked_form_match_recurrent(layer_a):
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), path
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()), rtol=0, err_msg=str(path))
-    assert np.abs(np.asarray(g_c["A_log"].value)).max() > 0
+    assert np.abs(np.asarray(g_c["A_log"].get_value())).max() > 0
 
 
 def test_params_cache_description_and_hf_map():
@@ -200,11 +200,11 @@ def test_params_cache_description_and_hf_map():
     config = config_from_json("qwen3_5_b")
     layer = nnx.eval_shape(lambda: GatedDeltaNet(config, rngs=nnx.Rngs(0)))
     params = nnx.state(layer, nnx.Param)
-    paths = {".".join(str(k) for k in path): v for path, v in params.flat_state()}
+    paths = {".".join(str(k) for k in path): v for path, v in nnx.to_flat_state(params)}
     assert set(paths) == {p for p, _ in HF_PARAMS.values()}
     for name, var in paths.items():
         axes = var.get_metadata().get("out_sharding")
-        assert axes is not None and len(axes) == var.value.ndim, name
+        assert axes is not None and len(axes) == var.get_value().ndim, name
     with safe_open(os.path.join(GOLDEN, "qwen3_5_b", "model.safetensors"), "np") as f:
         prefix = "model.layers.1.linear_attn."
         hf_suffixes = {k[len(prefix) :] for k in f.keys() if k.startswith(prefix)}
