@@ -54,12 +54,16 @@ def one_layer() -> models.Transformer:
 
 
 def test_micro_batched_gradients_equal_full_batch(one_layer):
-    """sequence_mean with unequal row weights (the other modes' additivity: test_rl_losses)."""
+    """sequence_mean with unequal row weights (the other modes' additivity: test_rl_losses). With 8 devices
+    the micro-batched trainer is also sharded (data 2 x fsdp 2 x tensor 2) and keeps the engine's layout."""
+    from librarian_jax.engine import make_mesh
+
     model = one_layer
     loss_cfg = losses.LossConfig(aggregation="sequence_mean", tis_cap=2.0)
-    batch = random_batch()
+    batch = random_batch(rows=8)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if jax.device_count() >= 8 else None
     full = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=1))
-    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=4))
+    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=2), mesh=mesh)
     l1, g1 = full.loss_and_grads(batch)
     l4, g4 = micro.loss_and_grads(batch)
     np.testing.assert_allclose(l4, l1, rtol=1e-5)
@@ -67,6 +71,19 @@ def test_micro_batched_gradients_equal_full_batch(one_layer):
     assert norm > 0
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-7)
+    if mesh is None:
+        return
+    assert micro.row_multiple() == 2 * 4
+    with pytest.raises(ValueError, match="must be a multiple of 8"):
+        micro.update(random_batch(rows=4))
+    micro.update(batch)
+    # the updated arrays keep exactly the policy engine's shardings: update_params moves nothing
+    engine = Engine(model, num_slots=2, max_seq_len=16, mesh=mesh)
+    state = micro.policy_state()
+    for new, old in zip(jax.tree.leaves(state), jax.tree.leaves(engine.params), strict=True):
+        assert new.sharding.is_equivalent_to(old.sharding, new.ndim)
+    assert any(len(set(x.sharding.spec) - {None}) for x in jax.tree.leaves(state))
+    engine.update_params(state)
 
 
 def test_lora_trains_only_lora_params_and_serves_from_engine(model):
@@ -156,3 +173,4 @@ def test_grpo_learns_target_token_with_engine_sampling():
     np.testing.assert_allclose(tis, 1.0, atol=1e-3)
     assert mean_rewards[0] < 0.15
     assert np.mean(mean_rewards[-3:]) > 0.5, mean_rewards
+

@@ -148,8 +148,26 @@ def shard_state(state: Any, mesh: Mesh | None, rules: Any = None) -> Any:
 # ----------------------------------------------------------------------------------------------- trainer
 
 
+def pad_rows(arrays: Mapping[str, np.ndarray], rows: int, seq: int) -> dict[str, np.ndarray]:
+    """Zero-pads every `[R, S...]` / `[R]` array to `rows` rows and `seq` tokens (padding rows weigh 0)."""
+    out = {}
+    for k, v in arrays.items():
+        v = np.asarray(v)
+        pad = [(0, rows - v.shape[0])] + ([(0, seq - v.shape[1])] if v.ndim > 1 else [])
+        out[k] = np.pad(v, pad + [(0, 0)] * (v.ndim - len(pad)))
+    return out
+
+
 def _tree_where(cond: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(cond, n, o), new, old)
+
+
+def _constrain(tree: Any, shardings: tuple | None) -> Any:
+    if shardings is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
+                                        for x, s in zip(leaves, shardings, strict=True)])
 
 
 class Trainer:
@@ -174,6 +192,17 @@ class Trainer:
         self.rest = shard_state(rest, mesh, rules)
         self.tx = make_optimizer(config.optim)
         self.opt_state = jax.jit(self.tx.init)(self.params)
+        # The step's outputs are pinned to these shardings (XLA would otherwise pick its own), so params keep
+        # the policy engine's layout step after step and `update_params` moves nothing.
+        self._out_shardings = None
+        if mesh is not None:
+            def on_mesh(x: jax.Array) -> NamedSharding:
+                ok = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                return x.sharding if ok else NamedSharding(mesh, P())  # e.g. Adam's step count
+
+            self.opt_state = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.opt_state)
+            self._out_shardings = (tuple(on_mesh(x) for x in jax.tree.leaves(self.params)),
+                                   tuple(on_mesh(x) for x in jax.tree.leaves(self.opt_state)))
         self.step = 0
         self.ref_params = None
         if config.loss.kl_beta:
@@ -197,8 +226,8 @@ class Trainer:
         return nnx.state(self.model())
 
     def row_multiple(self) -> int:
-        """Row counts must be a multiple of this (micro-batches x data-parallel shards)."""
-        return self.config.micro_batches * data_parallel_size(self.mesh)
+        """This process's row count must be a multiple of this (micro-batches x its data-parallel shards)."""
+        return self.config.micro_batches * max(data_parallel_size(self.mesh) // jax.process_count(), 1)
 
     def update(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step on `batch` (rows `[R, S]` with R a multiple of `row_multiple()`).
@@ -210,8 +239,8 @@ class Trainer:
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         device_batch = self._device_batch(arrays)
         self.params, self.opt_state, metrics = _update_step(
-            self.graphdef, self.config, self.params, self.opt_state, self.rest, self.ref_params, device_batch,
-            jnp.asarray(self.step, jnp.int32))
+            self.graphdef, self.config, self._out_shardings, self.params, self.opt_state, self.rest,
+            self.ref_params, device_batch, jnp.asarray(self.step, jnp.int32))
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step += 1
         out["time_s"] = time.perf_counter() - t0
@@ -235,7 +264,17 @@ class Trainer:
     # -- internals ------------------------------------------------------------------------------------
 
     def _device_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host rows `[R, S]` -> device arrays `[micro_batches, R / micro_batches, S]`, rows split over the
+        mesh's data axes. With several processes each holds its own rows: they agree on one `[R, S]` (the
+        largest, zero-padded) and form one global batch without gathering rows anywhere."""
         m = self.config.micro_batches
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        multi = jax.process_count() > 1
+        if multi:
+            from jax.experimental import multihost_utils
+
+            shapes = multihost_utils.process_allgather(np.asarray(arrays["tokens"].shape, np.int64))
+            arrays = pad_rows(arrays, *(int(x) for x in np.max(np.reshape(shapes, (-1, 2)), axis=0)))
         rows = arrays["tokens"].shape[0]
         if rows % self.row_multiple():
             raise ValueError(f"batch has {rows} rows; it must be a multiple of {self.row_multiple()} "
@@ -243,8 +282,12 @@ class Trainer:
         out = {}
         sharding = NamedSharding(self.mesh, P(None, batch_axes(self.mesh) or None)) if self.mesh else None
         for k, v in arrays.items():
-            v = np.asarray(v).reshape(m, rows // m, *np.shape(v)[1:])
-            out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
+            v = v.reshape(m, rows // m, *v.shape[1:])
+            if multi and sharding is not None:
+                global_shape = (m, rows // m * jax.process_count(), *v.shape[2:])
+                out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
+            else:
+                out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
         return out
 
     def loss_and_grads(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> tuple[float, Any]:
@@ -317,11 +360,12 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
 _accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, opt_state: Any, rest: Any,
-                 ref_params: Any, batch: dict[str, jax.Array], step: jax.Array
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tuple | None, params: Any,
+                 opt_state: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array], step: jax.Array
                  ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One optimizer step; a non-finite loss or gradient norm leaves params and optimizer state unchanged."""
+    """One optimizer step; a non-finite loss or gradient norm leaves params and optimizer state unchanged.
+    `out_shardings`: (param leaf shardings, optimizer-state leaf shardings) the outputs keep, or None."""
     loss, grads, sums = _accumulate(graphdef, config, params, rest, ref_params, batch)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -330,6 +374,8 @@ def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, opt_s
     new_params = optax.apply_updates(params, updates)
     params = _tree_where(finite, new_params, params)
     opt_state = _tree_where(finite, new_opt, opt_state)
+    if out_shardings is not None:
+        params, opt_state = _constrain(params, out_shardings[0]), _constrain(opt_state, out_shardings[1])
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {
         "loss": loss, "grad_norm": grad_norm, "lr": make_schedule(config.optim)(step),
