@@ -384,7 +384,7 @@ def load_hf(
                 f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint shape {hf_shape} "
                 f"(as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
             )
-        host = np.ascontiguousarray(_to_ours(tensors.get(key), transpose).astype(target_dtype))
+        host = np.ascontiguousarray(_to_ours(tensors.get(key), transpose).astype(target_dtype, copy=False))
         if mesh is None:
             value = jnp.asarray(host)
         else:
