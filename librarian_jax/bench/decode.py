@@ -4,10 +4,10 @@
 
 Model: the ``decode_bench`` preset (Qwen3-style, ~12M params: hidden 384, 6 layers, 6 heads / 2 KV heads,
 head_dim 64, intermediate 1024, vocab 8000, tied embeddings), random weights, fp32, greedy, KV cache on.
-The HF side (PyTorch CPU, ``torch.set_num_threads(2)``, the same config as ``Qwen3ForCausalLM``) runs only when
-torch and transformers import (e.g. ``/work/tvenv/bin/python -m librarian_jax.bench.decode``); otherwise only our
-figures are printed. The limit is the time of the same decode steps' matrix products alone: a jitted loop of
-``new_tokens`` steps of the projections, MLP and LM head at the same batch, without attention, norms,
+The HF side (PyTorch CPU, ``torch.set_num_threads(2)``, the same config as ``Qwen3ForCausalLM``) runs only
+when torch and transformers import (e.g. ``/work/tvenv/bin/python -m librarian_jax.bench.decode``); otherwise
+only our figures are printed. The limit is the time of the same decode steps' matrix products alone: a jitted
+loop of ``new_tokens`` steps of the projections, MLP and LM head at the same batch, without attention, norms,
 sampling or cache updates.
 """
 
@@ -82,7 +82,9 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
     return _best_time(lambda: run(x0).block_until_ready(), repeats)
 
 
-def hf_seconds(config: models.ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int) -> float | None:
+def hf_seconds(
+    config: models.ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int
+) -> float | None:
     """Time of HF transformers' greedy ``generate`` on the same config (None without torch/transformers)."""
     try:
         import torch
@@ -148,7 +150,8 @@ def main(argv: list[str]) -> None:
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
         t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats)
         line = (
-            f"batch {batch:3d}: generate {tokens / t_ours:9.1f} tok/s | matmul limit {tokens / t_limit:9.1f} tok/s "
+            f"batch {batch:3d}: generate {tokens / t_ours:9.1f} tok/s | "
+            f"matmul limit {tokens / t_limit:9.1f} tok/s "
             f"(ours = {t_limit / t_ours:.2f} of limit)"
         )
         if t_hf is None:

@@ -246,6 +246,32 @@ class Engine:
                 raise ValueError(f"update_params: leaf shape {new.shape} != the engine's {old.shape}")
         self.params = jax.device_put(state, self._param_shardings)
 
+    def warmup(self) -> float:
+        """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
+        inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
+        t = time.perf_counter()
+        for chunk in self.prefill_buckets:
+            for k in self._slot_buckets:
+                self.cache = slot_programs.prefill(
+                    self.graphdef,
+                    self.params,
+                    self.cache,
+                    np.full((k,), self.num_slots, np.int32),
+                    np.zeros((k, chunk), np.int32),
+                    np.zeros((k, chunk), bool),
+                    np.zeros((k,), bool),
+                    cache_sharding=self._cache_sharding,
+                )
+        n = self.num_slots
+        zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
+        self.cache, out = slot_programs.decode(
+            self.graphdef, self.params, self.cache, zi, np.zeros((n,), bool), zi,
+            np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi,
+            max_len=self.max_seq_len, num_steps=self.round_steps, cache_sharding=self._cache_sharding,
+        )
+        jax.block_until_ready(out)
+        return time.perf_counter() - t
+
     def reset_stats(self) -> None:
         self.stats = []
         self._last_end = None
