@@ -51,7 +51,6 @@ RECURRENT_MAX_SEQ = 8
 _L2NORM_EPS = 1e-6  # as HF's l2norm / FLA's use_qk_l2norm_in_kernel
 
 
-
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """A parameter tagged with logical axis names only.
 
@@ -60,9 +59,11 @@ def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
+
 HF_PARAMS: dict[str, tuple[str, bool]] = {
     # HF tensor suffix under `model.layers.{i}.linear_attn.` -> (nnx attribute path, transpose?).
-    # transpose=True: the HF tensor is `ours.T` (torch Linear's [out, in] vs our [in, out] kernel).
+    # transpose=True: the HF tensor is ours with the last two axes swapped (torch Linear's [out, in] vs our
+    # [in, out] kernel).
     "in_proj_qkv.weight": ("in_proj_qkv.kernel", True),
     "in_proj_z.weight": ("in_proj_z.kernel", True),
     "in_proj_b.weight": ("in_proj_b.kernel", True),
