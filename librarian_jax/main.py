@@ -292,8 +292,9 @@ def run(config: Any) -> dict[str, Any]:
                     if np.isfinite(v):
                         writer.add_scalar(k, v, step)
                 writer.flush()
-            if primary:
-                rollout.write_jsonl(os.path.join(episodes_dir, f"step_{step}.jsonl"), records)
+            # each process writes the episodes of its own tasks
+            suffix = "" if primary else f".p{jax.process_index()}"
+            rollout.write_jsonl(os.path.join(episodes_dir, f"step_{step}{suffix}.jsonl"), records)
             ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng,
                     data_state=it.get_state(), force=step == t.num_steps)
     finally:
