@@ -118,8 +118,11 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.rollout.builder.update(max_turns=32, max_new_tokens=4096, executor="model", compaction_budget=3000)
     c.rollout.answerer.update(max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
                               context_budget=32768)
+    # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
+    # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch).
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
-                   eps_high=0.2, advantage="paper", micro_batches=8, remat=True, max_seq_len=16384)
+                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat=True,
+                   max_seq_len=16384)
     c.eval.update(every=20, num_tasks=16, repeats=4)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
     c.checkpoint.update(every=10, keep=3)

@@ -144,6 +144,10 @@ class Checkpointer:
         self.save_every = save_every
         os.makedirs(self.directory, exist_ok=True)
         quarantine_incomplete(self.directory)
+        if jax.process_count() > 1:  # every process sees the same directory before orbax lists it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("librarian_jax.checkpoint.quarantine")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
                                                enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
