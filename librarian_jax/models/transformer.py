@@ -47,8 +47,20 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, rope, *, mask, cache=None, lengths=None):
-        """x `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, new layer cache or None)."""
+    def __call__(
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array] | None,
+        *,
+        mask: jax.Array,
+        cache: dict[str, jax.Array] | None = None,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """x `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, new layer cache or None).
+
+        rope: (cos, sin) `[batch, seq, rotary_dim // 2]` for attention layers (None for linear attention);
+        mask bool `[batch, seq]`; cache/lengths as in `Attention.__call__` / the GatedDeltaNet contract.
+        """
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h, new_cache = self.linear_attn(h, cache=cache, mask=mask)
