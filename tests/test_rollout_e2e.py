@@ -34,8 +34,8 @@ def world(tmp_path_factory):
     tasks = generate_world(0, 2, questions_per_task=2, reuse_questions_per_task=0)
     tok = cached_tokenizer(world_texts(tasks) + prompt_text.all_texts(), tmp_path_factory.mktemp("tok"), 2048)
     model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
-    policy = Engine(model, num_slots=4, max_seq_len=2048, round_steps=16)
-    frozen = Engine(model, num_slots=16, max_seq_len=1536, round_steps=16)
+    policy = Engine(model, num_slots=4, max_seq_len=1536, round_steps=16)
+    frozen = Engine(model, num_slots=16, max_seq_len=1024, round_steps=16)
     return tasks, tok, model, policy, frozen
 
 
@@ -51,8 +51,15 @@ def test_batch_of_episodes_with_the_tiny_model(world):
         use_model_judge=False,
     )
     sched = Scheduler({"policy": policy, "frozen": frozen})
-    records = run_batch(tasks, 2, {"policy": policy, "frozen": frozen}, tok, cfg, 0, scheduler=sched)
+    made = []  # every builder session the engine opened, to compare with the records
+    open_session = policy.new_session
+    policy.new_session = lambda ids: made.append(open_session(ids)) or made[-1]
+    try:
+        records = run_batch(tasks, 2, {"policy": policy, "frozen": frozen}, tok, cfg, 0, scheduler=sched)
+    finally:
+        del policy.new_session
     assert [(r.group_id, r.episode_index) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len(made) == 4 and all(m.status == "closed" for m in made)
     # every builder turn of the 4 episodes decoded together; each probe's 4 x 2 x 2 answerer runs together
     assert max(s.active_slots for s in policy.stats) == 4
     assert max(s.active_slots for s in frozen.stats) == 16
@@ -65,10 +72,14 @@ def test_batch_of_episodes_with_the_tiny_model(world):
         assert len([a for a in r.answers if a["phase"] == "start"]) == 4
         assert len([a for a in r.answers if a["phase"] == "final"]) == 2
         assert r.token_counts["answerer_runs"] == 6 and r.reading_tokens > 0
+        assert all(a["status"] == "ok" for a in r.answers)  # no answerer session outgrew its engine
         expect_penalty = [-0.05 * len(e) for e in r.tool_errors]
         expect_penalty[-1] -= 0.0 if r.stopped else 0.1
         assert r.turn_rewards == pytest.approx(expect_penalty)  # no write succeeded: no probe after turns
         (seg,) = r.segments
+        # tokens, mask and log-probs are exactly the engine's record of what it sampled and was appended
+        (same,) = [m.record() for m in made if np.array_equal(m.record().tokens, seg.tokens)]
+        assert np.array_equal(same.loss_mask, seg.loss_mask) and np.array_equal(same.logprobs, seg.logprobs)
         # the prompt is exactly the builder's first prompt; each turn's sampled ids end at a stop id or budget
         assert seg.tokens[: len(tpl.start())].tolist() == tpl.start()
         for t in range(r.num_turns):

@@ -51,6 +51,7 @@ def _engine_summary(name: str, engine, wall: float) -> dict:
         "prefill_s": sum(s.prefill_s for s in engine.stats),
         "decode_s": sum(s.decode_s for s in engine.stats),
         "evictions": sum(s.evictions for s in engine.stats),
+        "active_per_round": [s.active_slots for s in rounds],
     }
 
 
@@ -123,6 +124,8 @@ def main(argv: list[str]) -> None:
             f"prefilled {e['prefill_tokens']}, prefill {e['prefill_s']:.2f}s, decode {e['decode_s']:.2f}s, "
             f"evictions {e['evictions']}"
         )
+    for e in (p, fz):
+        print(f"  {e['engine']:>6} active slots per decode round: {e['active_per_round']}")
     runs = sum(r.token_counts["answerer_runs"] for r in records)
     print(
         f"  episodes {len(records)}, answerer runs {runs}, "
