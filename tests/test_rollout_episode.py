@@ -117,9 +117,10 @@ def test_probes_fire_on_schedule_and_rewards_match_hand_computation():
     phases = [a["phase"] for a in r.answers]
     assert phases.count("probe_1") == 4 and phases.count("probe_3") == 4 and phases.count("final") == 6
     assert set(r.workspace_snapshots) == {"probe_1", "probe_3", "final"}
-    snap = Workspace.from_dict(r.workspace_snapshots["probe_1"])
+    assert "text" not in r.workspace_snapshots["final"]["raw"][0]  # raw texts are in the task, not each record
+    snap = Workspace.from_dict(r.workspace_snapshots["probe_1"], docs=DOCS)
     assert [n.title for n in snap.active_nodes()] == ["Capital notes"]  # snapshot, not the live workspace
-    assert len(Workspace.from_dict(r.workspace_snapshots["final"]).active_nodes()) == 3
+    assert len(Workspace.from_dict(r.workspace_snapshots["final"], docs=DOCS).active_nodes()) == 3
     # builder: every turn one engine session, sampled at temperature 1 with fresh seeds
     temps = {s.temperature for s in policy.samplings}
     assert temps == {1.0} and len({s.seed for s in policy.samplings}) == 6
@@ -210,7 +211,7 @@ def test_writes_in_one_turn_run_their_executors_together_then_in_call_order():
     ]
     # the two creates were written in one step; the merge (whose children did not exist yet) in a later one
     assert frozen.batch_sizes[:2] == [2, 1]
-    final = Workspace.from_dict(r.workspace_snapshots["final"])
+    final = Workspace.from_dict(r.workspace_snapshots["final"], docs=DOCS)
     assert {n.body for n in final.active_nodes()} == {"EXECUTOR WROTE THIS."}
     obs = TOK.decode(r.segments[0].tokens)
     assert "EXECUTOR WROTE THIS." in obs.split("merge_0001__both/summary.txt")[-1]

@@ -15,7 +15,6 @@ Rewards and the schedule: `rollout.rewards`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,8 +76,10 @@ def evaluate(
     return R.mean_correct([a["correct"] for a in answers]), answers
 
 
-def _snapshot(ws: Any) -> Any:
-    return json.loads(ws.to_json())
+def _snapshot(ws: Any, config: R.RolloutConfig) -> Any:
+    """The workspace as JSON data; raw texts left out unless `snapshot_raw_text` (restore with
+    `Workspace.from_dict(snapshot, docs=task.documents)`)."""
+    return ws.to_dict(include_raw_text=config.snapshot_raw_text)
 
 
 def run_episode(
@@ -138,7 +139,7 @@ def run_episode(
         )
         count_answers(answers)
         if config.record_snapshots:
-            rec.workspace_snapshots["start"] = _snapshot(ws)
+            rec.workspace_snapshots["start"] = _snapshot(ws, config)
     rec.initial_score = previous
     builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents))
     last_probe_n = 0
@@ -163,7 +164,7 @@ def run_episode(
             rec.probe_scores.append(score)
             rec.probe_turns.append(out.turn)
             if config.record_snapshots:
-                rec.workspace_snapshots[f"probe_{out.turn}"] = _snapshot(snap)
+                rec.workspace_snapshots[f"probe_{out.turn}"] = _snapshot(snap, config)
         if out.ended and not out.stopped:
             reward -= config.no_stop_penalty
         rec.turn_rewards.append(float(reward))
@@ -186,7 +187,7 @@ def run_episode(
     rec.terminal_reward = float(terminal)
     rec.total_reward = float(sum(rec.turn_rewards) + rec.terminal_reward)
     if config.record_snapshots:
-        rec.workspace_snapshots["final"] = _snapshot(ws)
+        rec.workspace_snapshots["final"] = _snapshot(ws, config)
     rec.token_counts = counts
     rec.meta["stats"] = ws.stats() if hasattr(ws, "stats") else {}
     return rec

@@ -52,6 +52,7 @@ class RolloutConfig:
     use_model_judge: bool = True
     judge_max_new_tokens: int = 16
     record_snapshots: bool = True
+    snapshot_raw_text: bool = False  # snapshots keep raw doc hashes; texts only when True
     dedupe_greedy_repeats: bool = False  # greedy answerer: run each question once, count it R times
 
     def __post_init__(self) -> None:
