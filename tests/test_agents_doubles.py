@@ -117,7 +117,8 @@ class FakeSession:
 
 
 class ScriptedEngine:
-    """Answers every turn with `policy(session) -> str | list[int]` (ids used as they are)."""
+    """Answers every turn with `policy(session) -> str | list[int]` (text is encoded and ends with `end_id`;
+    ids are used as they are). Works with any tokenizer (the byte double or a real one)."""
 
     def __init__(
         self,
@@ -125,9 +126,11 @@ class ScriptedEngine:
         policy: Callable[[FakeSession], str | list[int]],
         num_slots: int = 64,
         max_seq_len: int = 1_000_000,
+        end_id: int = IM_END,
     ):
         self.tok = tok
         self.policy = policy
+        self.end_id = end_id
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.queue: list[tuple[FakeSession, int, tuple[int, ...]]] = []
@@ -154,7 +157,7 @@ class ScriptedEngine:
         out = []
         for s, max_new, stops in batch:
             reply = self.policy(s)
-            ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [IM_END]
+            ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.end_id]
             status = "length"
             for k, t in enumerate(ids):
                 if t in stops:

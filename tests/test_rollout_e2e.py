@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_agents_doubles import ScriptedEngine
 
 from librarian_jax.agents import (
     AgentContext,
@@ -19,6 +20,7 @@ from librarian_jax.agents import (
 )
 from librarian_jax.agents.builder import excerpt_sources
 from librarian_jax.agents.judge import judge_answer
+from librarian_jax.agents.protocol import format_call
 from librarian_jax.data.synthetic import generate_world, world_texts
 from librarian_jax.engine import Engine
 from librarian_jax.models import Transformer, get_preset
@@ -116,3 +118,34 @@ def test_model_executor_judge_and_summary_share_the_frozen_engine(world):
     assert 0 < a.generated_tokens <= 12 and a.prompt_tokens > len(tok.encode(ex.text))
     assert a.text.strip()  # the model's text, or (if it decoded to nothing) the flagged extractive fallback
     assert verdict in (0.0, 1.0) and summary.strip() and used > 0
+
+
+def test_scripted_builder_writes_with_the_real_frozen_engine(world):
+    """A scripted builder (test double) that does write, so the model executor and a probe after a write run
+    on the real frozen engine, batched across episodes."""
+    tasks, tok, _, _, frozen = world
+    tpl = chat_template(tok)
+    task = tasks[0]
+    raw = [d.path for d in Workspace.from_documents(list(task.documents)).raw_docs]
+    script = [format_call("create_file", {"title": "People", "input_paths": raw[:2]}), format_call("stop")]
+    builder = ScriptedEngine(tok, lambda s: script[min(s.turns, 1)], end_id=tpl.stop_ids[0])
+    cfg = RolloutConfig(
+        builder=BuilderConfig(max_turns=3, executor="model", executor_max_new_tokens=12),
+        answerer=AnswererConfig(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8),
+        probe_repeats=1,
+        probe_min_gap=1,
+        terminal_repeats=1,
+        terminal_questions="hidden",
+        use_model_judge=False,
+    )
+    before = len(frozen.stats)
+    records = run_batch([task], 2, {"policy": builder, "frozen": frozen}, tok, cfg, 0, template=tpl)
+    for r in records:
+        r.check()
+        assert r.num_turns == 2 and r.stopped and r.probe_turns == [0] and len(r.probe_scores) == 1
+        assert 0 < r.token_counts["executor_generated"] <= 12
+        (node,) = Workspace.from_dict(r.workspace_snapshots["final"], docs=task.documents).active_nodes()
+        assert node.title == "People" and node.body.strip()
+        assert r.turn_rewards[1] == 0.0 and r.replies == script
+    # the two episodes' executor writes decoded together, then their 2 x 2 probe answerer runs together
+    assert [s.active_slots for s in frozen.stats[before:] if s.decode_steps][:2] == [2, 4]
