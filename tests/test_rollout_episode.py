@@ -117,7 +117,9 @@ def test_probes_fire_on_schedule_and_rewards_match_hand_computation():
     phases = [a["phase"] for a in r.answers]
     assert phases.count("probe_1") == 4 and phases.count("probe_3") == 4 and phases.count("final") == 6
     assert set(r.workspace_snapshots) == {"probe_1", "probe_3", "final"}
-    assert "text" not in r.workspace_snapshots["final"]["raw"][0]  # raw texts are in the task, not each record
+    assert (
+        "text" not in r.workspace_snapshots["final"]["raw"][0]
+    )  # raw texts are in the task, not each record
     snap = Workspace.from_dict(r.workspace_snapshots["probe_1"], docs=DOCS)
     assert [n.title for n in snap.active_nodes()] == ["Capital notes"]  # snapshot, not the live workspace
     assert len(Workspace.from_dict(r.workspace_snapshots["final"], docs=DOCS).active_nodes()) == 3
@@ -396,3 +398,29 @@ def test_one_engine_can_serve_every_role():
     recs = run_batch([TASK], 2, eng, TOK, config(), 0, template=TPL)
     assert [r.total_reward for r in recs] == pytest.approx([1.9, 1.9])
     assert max(eng.batch_sizes) == 12  # the final evaluation: 2 episodes x 2 questions x 3 repeats
+
+
+def test_answerer_forced_by_its_context_budget_cuts_the_observation_to_fit():
+    long_doc = Document("d9", "Paris. " + "Filler sentence about nothing at all. " * 200, title="Long")
+
+    def reader(s):
+        if "You have no more turns" in s.text():
+            return format_call("answer", {"text": "Paris"})
+        return format_call("read_file", {"path": "raw_docs/raw_0001__long.txt"})
+
+    eng = ScriptedEngine(TOK, reader)
+    ctx = AgentContext(TOK, TPL, {FROZEN: eng})
+    ws = Workspace.from_documents([long_doc])
+    probe = ScriptedEngine(TOK, lambda s: "x")
+    Scheduler({FROZEN: probe}).run(
+        [answer_question(AgentContext(TOK, TPL, {FROZEN: probe}), ws, "Q?", AnswererConfig(max_turns=0))]
+    )
+    prompt_len = len(probe.sessions[0].tokens) - 2  # the forced reply "x" and its end id
+    cfg = AnswererConfig(
+        max_turns=5, max_new_tokens=200, forced_max_new_tokens=100, context_budget=prompt_len + 2000
+    )
+    (out,) = Scheduler({FROZEN: eng}).run([answer_question(ctx, ws, "Q?", cfg)])
+    assert out.forced and out.answer == "Paris" and out.turns == 2
+    text = eng.sessions[0].text()
+    assert "[... cut to fit the context]" in text and "You have no more turns" in text
+    assert len(eng.sessions[0].tokens) <= cfg.context_budget

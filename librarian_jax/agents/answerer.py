@@ -9,10 +9,11 @@ The first prompt holds the workspace README, the root listing and the question. 
 (`raw_docs/` is part of every workspace), so the answerer can always fall back on them.
 
 Budgets: at most `max_turns` replies (default 32) of at most `max_new_tokens` each; when the turns are
-spent or the context would pass `context_budget` tokens, the last observation ends with the forced-answer
-request (`prompts/answerer_forced.txt`) and one more reply (<= `forced_max_new_tokens`) must answer. If that
-reply holds no valid `answer` call, its text (tool-call markup removed) is taken as the answer. Answers are
-cut to `answer_max_words` (128) words.
+spent or another regular turn would not fit in `context_budget` tokens (set it at most the frozen engine's
+`max_seq_len`), the last observation (cut to fit when needed) ends with the forced-answer request
+(`prompts/answerer_forced.txt`) and one more reply (<= `forced_max_new_tokens`) must answer. If that reply
+holds no valid `answer` call, its text (tool-call markup removed) is taken as the answer. Answers are cut to
+`answer_max_words` (128) words.
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ def cut_words(text: str, max_words: int) -> str:
     return " ".join(words[:max_words])
 
 
+def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererConfig) -> list[int]:
+    """The last observation plus the forced-answer request, its observation text cut so that the forced reply
+    still fits in `context_budget` (a few tries: token counts of cut text are not linear)."""
+    forced = "\n\n" + prompt_text.render("answerer_forced")
+    room = cfg.context_budget - used - cfg.forced_max_new_tokens - 8  # 8: the reply's header and close
+    ids = ctx.template.turn("user", obs + forced)
+    for _ in range(4):
+        if len(ids) <= room or not obs:
+            break
+        keep = max(0, int(len(obs) * max(room, 0) / len(ids)) - 64)
+        obs = obs[:keep] + ("\n[... cut to fit the context]" if keep else "")
+        ids = ctx.template.turn("user", obs + forced)
+    return ids
+
+
 def answer_question(ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig) -> AgentGen:
     """Generator: one answerer run on `workspace`; returns an `AnswerOutcome`."""
     cfg = config
@@ -106,7 +122,7 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
     log = SessionLog(ctx, FROZEN, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
     actions: list[str] = []
     turns = 0
-    forced = cfg.max_turns <= 0 or len(log) >= cfg.context_budget
+    forced = cfg.max_turns <= 0 or len(log) + cfg.max_new_tokens >= cfg.context_budget
     try:
         while True:
             turns += 1
@@ -145,9 +161,11 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
             if len(obs) > cfg.observation_max_chars:
                 obs = obs[: cfg.observation_max_chars] + "\n[... observation truncated]"
             obs_ids = tpl.turn("user", obs)
-            forced = turns >= cfg.max_turns or len(log) + len(obs_ids) >= cfg.context_budget
+            # the next regular turn needs room for the observation and its reply
+            need = len(log) + len(obs_ids) + cfg.max_new_tokens
+            forced = turns >= cfg.max_turns or need >= cfg.context_budget
             if forced:
-                obs_ids = tpl.turn("user", obs + "\n\n" + prompt_text.render("answerer_forced"))
+                obs_ids = _forced_observation(ctx, obs, len(log), cfg)
             log.append(log.close_turn_ids(gen) + obs_ids + tpl.open_turn("assistant"))
     finally:
         log.close()
