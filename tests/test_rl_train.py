@@ -54,8 +54,9 @@ def one_layer() -> models.Transformer:
 
 
 def test_micro_batched_gradients_equal_full_batch(one_layer):
-    """sequence_mean with unequal row weights (the other modes' additivity: test_rl_losses). With 8 devices
-    the micro-batched trainer is also sharded (data 2 x fsdp 2 x tensor 2) and keeps the engine's layout."""
+    """sequence_mean with unequal row weights (the other modes' additivity: test_rl_losses). The
+    micro-batched trainer also rematerialises, and with 8 devices it is sharded (data 2 x fsdp 2 x tensor 2)
+    and keeps the engine's layout."""
     from librarian_jax.engine import make_mesh
 
     model = one_layer
@@ -63,14 +64,14 @@ def test_micro_batched_gradients_equal_full_batch(one_layer):
     batch = random_batch(rows=8)
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if jax.device_count() >= 8 else None
     full = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=1))
-    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=2), mesh=mesh)
+    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=2, remat=True), mesh=mesh)
     l1, g1 = full.loss_and_grads(batch)
     l4, g4 = micro.loss_and_grads(batch)
-    np.testing.assert_allclose(l4, l1, rtol=1e-5)
+    np.testing.assert_allclose(l4, l1, rtol=2e-5)
     norm = float(jax.tree.reduce(lambda a, x: a + float(np.sum(np.square(x))), g1, 0.0))
     assert norm > 0
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
     if mesh is None:
         return
     assert micro.row_multiple() == 2 * 4
