@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -65,6 +66,24 @@ class StepStats:
     host_s: float = 0.0
     evictions: int = 0
     finished: int = 0
+
+
+def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any) -> Any:
+    if dtype is None:
+        return _models().init_cache(config, num_slots, capacity)
+    return _models().init_cache(config, num_slots, capacity, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_allocator(
+    config: Any, num_slots: int, capacity: int, dtype: Any, shardings: tuple, treedef: Any
+) -> Callable[[], Any]:
+    """A jitted function allocating the slot cache straight into its shardings (cached: one compile per
+    layout, so short-lived engines such as ``generate``'s do not recompile)."""
+    return jax.jit(
+        functools.partial(_make_cache, config, num_slots, capacity, dtype),
+        out_shardings=jax.tree.unflatten(treedef, shardings),
+    )
 
 
 def _slot_buckets(num_slots: int) -> list[int]:
@@ -132,15 +151,18 @@ class Engine:
         self._param_shardings = param_shardings(state, self.mesh, self.rules)
         self.params = jax.device_put(state, self._param_shardings)
 
-        def make_cache() -> Any:
-            if cache_dtype is None:
-                return models.init_cache(config, self.num_slots, self.capacity)
-            return models.init_cache(config, self.num_slots, self.capacity, cache_dtype)
-
-        abstract = jax.eval_shape(make_cache)
+        make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype)
+        abstract = jax.eval_shape(make)
         shardings = tree_shardings(abstract, models.cache_logical_axes(config), self.mesh, self.rules)
-        self.cache = jax.jit(make_cache, out_shardings=shardings)()
         self._cache_sharding = tuple(jax.tree.leaves(shardings))
+        self._cache_treedef = jax.tree.structure(abstract)
+        self.cache = _cache_allocator(
+            config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef
+        )()
+
+        self._programs = slot_programs.programs(
+            self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps
+        )
 
         self._owner: list[Session | None] = [None] * self.num_slots
         self._waiting: collections.deque[Session] = collections.deque()
@@ -252,22 +274,19 @@ class Engine:
         t = time.perf_counter()
         for chunk in self.prefill_buckets:
             for k in self._slot_buckets:
-                self.cache = slot_programs.prefill(
-                    self.graphdef,
+                self.cache = self._programs.prefill(
                     self.params,
                     self.cache,
                     np.full((k,), self.num_slots, np.int32),
                     np.zeros((k, chunk), np.int32),
                     np.zeros((k, chunk), bool),
                     np.zeros((k,), bool),
-                    cache_sharding=self._cache_sharding,
                 )
         n = self.num_slots
         zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
-        self.cache, out = slot_programs.decode(
-            self.graphdef, self.params, self.cache, zi, np.zeros((n,), bool), zi,
+        self.cache, out = self._programs.decode(
+            self.params, self.cache, zi, np.zeros((n,), bool), zi,
             np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi,
-            max_len=self.max_seq_len, num_steps=self.round_steps, cache_sharding=self._cache_sharding,
         )
         jax.block_until_ready(out)
         return time.perf_counter() - t
@@ -369,16 +388,7 @@ class Engine:
                         s._needs_reset = False
                         s.cached += len(new)
                         st.prefill_tokens += len(new)
-                    self.cache = slot_programs.prefill(
-                        self.graphdef,
-                        self.params,
-                        self.cache,
-                        slots,
-                        tokens,
-                        mask,
-                        reset,
-                        cache_sharding=self._cache_sharding,
-                    )
+                    self.cache = self._programs.prefill(self.params, self.cache, slots, tokens, mask, reset)
                     calls.append(chunk)
             work = [s for s in work if s.cached < len(s) - 1]
         st.prefill_calls = len(calls)
@@ -408,22 +418,8 @@ class Engine:
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
             seeds[i] = np.uint32(sp.seed & 0xFFFFFFFF).view(np.int32)
             streams[i] = np.uint32(sp.stream & 0xFFFFFFFF).view(np.int32)
-        self.cache, out = slot_programs.decode(
-            self.graphdef,
-            self.params,
-            self.cache,
-            tokens,
-            active,
-            budget,
-            stops,
-            temperature,
-            top_p,
-            top_k,
-            seeds,
-            streams,
-            max_len=self.max_seq_len,
-            num_steps=self.round_steps,
-            cache_sharding=self._cache_sharding,
+        self.cache, out = self._programs.decode(
+            self.params, self.cache, tokens, active, budget, stops, temperature, top_p, top_k, seeds, streams
         )
         out = jax.device_get(out)
         st.active_slots = int(active.sum())

@@ -8,14 +8,16 @@ Invariant kept by the host (see ``engine.py``): a slot's cache holds all of its 
 last one, the *pending* token. A decode step feeds the pending token and samples the next; a prefill writes
 new tokens at the slot's current length. This way one decode step is one model call of one token per slot.
 
-Both functions are pure; ``graphdef`` and the layout arguments are static, so the compiled programs are
-shared by every engine over the same model structure, mesh and shapes.
+Both functions are pure. ``programs(...)`` jits them with ``graphdef`` and the layout arguments bound (cached
+per key, so the key is hashed once per engine, not per call, and every engine over the same model structure,
+mesh and shapes shares the compiled programs).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,6 @@ def _constrain(cache: Any, cache_sharding: tuple | None) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_sharding"), donate_argnames=("cache",))
 def prefill(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -74,11 +75,6 @@ def prefill(
     return _constrain(cache, cache_sharding)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "max_len", "num_steps", "cache_sharding"),
-    donate_argnames=("cache",),
-)
 def decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -185,3 +181,31 @@ def decode(
         reason=c["reason"],
     )
     return _constrain(c["cache"], cache_sharding), out
+
+
+class Programs(NamedTuple):
+    """``prefill(params, cache, slots, tokens, mask, reset) -> cache`` and
+    ``decode(params, cache, tokens, active, budget, stop_ids, temperature, top_p, top_k, seeds, streams)
+    -> (cache, out)``, jitted with the cache donated."""
+
+    prefill: Callable[..., Any]
+    decode: Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=64)
+def programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None, max_len: int, num_steps: int) -> Programs:
+    """The jitted prefill and decode programs for one model structure and slot layout."""
+
+    def prefill_fn(params, cache, slots, tokens, mask, reset):
+        return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding)
+
+    def decode_fn(params, cache, *args):
+        return decode(
+            graphdef, params, cache, *args,
+            max_len=max_len, num_steps=num_steps, cache_sharding=cache_sharding,
+        )
+
+    return Programs(
+        prefill=jax.jit(prefill_fn, donate_argnums=(1,)),
+        decode=jax.jit(decode_fn, donate_argnums=(1,)),
+    )
