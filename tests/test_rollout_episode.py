@@ -18,6 +18,7 @@ from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext
 from librarian_jax.data.schema import CorpusTask, Document, Question
 from librarian_jax.rollout import EpisodeRecord, RolloutConfig, Scheduler, read_jsonl, run_batch, write_jsonl
 from librarian_jax.rollout.rewards import probe_reward, should_probe
+from librarian_jax.rollout.scheduler import fit_to_engines
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()
@@ -158,6 +159,14 @@ def test_schedule_and_reward_arithmetic():
     assert c.builder.max_turns == 3 and c.probe_repeats == 1 and RolloutConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="terminal_questions"):
         RolloutConfig(terminal_questions="all")
+
+    class Small:
+        max_seq_len = 1000
+
+    c = fit_to_engines(
+        RolloutConfig(answerer=AnswererConfig(context_budget=800)), {POLICY: Small(), FROZEN: Small()}
+    )
+    assert c.builder.context_budget == 1000 and c.answerer.context_budget == 800
 
 
 def test_batch_probes_are_batched_and_records_are_exact(tmp_path):
@@ -424,3 +433,25 @@ def test_answerer_forced_by_its_context_budget_cuts_the_observation_to_fit():
     text = eng.sessions[0].text()
     assert "[... cut to fit the context]" in text and "You have no more turns" in text
     assert len(eng.sessions[0].tokens) <= cfg.context_budget
+
+
+def test_builder_observations_are_cut_to_fit_the_policy_engine():
+    long_doc = Document("d9", "Paris. " + "Filler sentence about nothing at all. " * 300, title="Long")
+    task = CorpusTask("t9", (long_doc,), TASK.questions)
+    reads = "".join(format_call("read_file", {"path": "raw_docs/raw_0001__long.txt"}) for _ in range(8))
+    script = [reads, format_call("stop")]
+    from librarian_jax.agents.builder import BuilderAgent
+
+    ctx = AgentContext(TOK, TPL, {POLICY: ScriptedEngine(TOK, None), FROZEN: None})
+    prompt_len = len(BuilderAgent(ctx, Workspace.from_documents([long_doc]), BuilderConfig(), num_docs=1).log)
+    pol = ScriptedEngine(TOK, builder_policy(script), max_seq_len=prompt_len + 8000)
+    cfg = config(builder={"max_new_tokens": 1000}, probe_min_gap=100)
+    (r,) = run_batch(
+        [task], 1, {POLICY: pol, FROZEN: ScriptedEngine(TOK, answerer_policy)}, TOK, cfg, 0, template=TPL
+    )
+    assert r.stopped and r.num_turns == 2 and r.turn_rewards == [0.0, 0.0]
+    seg = r.segments[0]
+    first = np.nonzero(seg.turn_index == 0)[0][-1]
+    second = np.nonzero(seg.turn_index == 1)[0][0]
+    assert second - first - 1 <= (prompt_len + 8000 - 1000) // 2 + 20  # the observation turn (+ headers)
+    assert "observation cut to fit the context" in TOK.decode(seg.tokens[first:second])

@@ -113,6 +113,7 @@ class BuilderConfig:
     max_reads_per_turn: int = 8
     max_calls_per_turn: int = 16
     observation_max_chars: int = 48_000
+    context_budget: int = 0  # tokens one session may hold (0: no limit; run_batch sets the engine's)
     executor: str = "model"  # "model" | "extractive"
     executor_max_new_tokens: int = 512
     executor_max_words: int = 360  # extractive executor output budget
@@ -267,10 +268,25 @@ class BuilderAgent:
             close = self.log.close_turn_ids(gen)
             self.log.append(close)
             self._prev_open_pos = self._open_pos
-            user_ids = self.ctx.template.turn("user", obs)
+            user_ids = self._fit_observation(obs)
             self._open_pos = len(self.log) + len(user_ids)
             self.log.append(user_ids + self.ctx.template.open_turn("assistant"))
         return outcome
+
+    def _fit_observation(self, obs: str) -> list[int]:
+        """The observation turn's ids, its text cut (a few tries) to at most half of what `context_budget`
+        leaves after one reply, so that after a compaction the carried-over turn still fits."""
+        ids = self.ctx.template.turn("user", obs)
+        if self.cfg.context_budget <= 0:
+            return ids
+        cap = max(64, (self.cfg.context_budget - self.cfg.max_new_tokens) // 2)
+        for _ in range(4):
+            if len(ids) <= cap or not obs:
+                break
+            keep = max(0, int(len(obs) * cap / len(ids)) - 64)
+            obs = obs[:keep] + "\n[... observation cut to fit the context; read less at once]"
+            ids = self.ctx.template.turn("user", obs)
+        return ids
 
     def _execute(self, parsed: ParsedTurn, outcome: TurnOutcome) -> AgentGen:
         """Runs the reply's calls in order; returns {call index: rendered response}."""

@@ -185,6 +185,19 @@ def _engines_by_role(engines: Any) -> dict[str, Any]:
     return out
 
 
+def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> RolloutConfig:
+    """`config` with the builder's and answerer's context budgets at most their engines' `max_seq_len`
+    (a budget of 0, or one above the engine's, becomes the engine's)."""
+    pol = getattr(engines.get(POLICY), "max_seq_len", None)
+    fro = getattr(engines.get(FROZEN), "max_seq_len", None)
+    b, a = config.builder, config.answerer
+    if pol is not None and (b.context_budget <= 0 or b.context_budget > pol):
+        b = dataclasses.replace(b, context_budget=int(pol))
+    if fro is not None and (a.context_budget <= 0 or a.context_budget > fro):
+        a = dataclasses.replace(a, context_budget=int(fro))
+    return dataclasses.replace(config, builder=b, answerer=a)
+
+
 def run_batch(
     tasks: Sequence[Any],
     group_size: int,
@@ -215,6 +228,7 @@ def run_batch(
         from librarian_jax.tokenizers import chat_template
 
         template = chat_template(tokenizer)
+    config = fit_to_engines(config, by_role)
     max_len = getattr(by_role[POLICY], "max_seq_len", None)
     b = config.builder
     if max_len is not None and b.compaction != "none" and b.compaction_budget + b.max_new_tokens > max_len:
