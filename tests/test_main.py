@@ -102,8 +102,8 @@ def test_cli_reports_bad_key_and_dry_run():
 def tiny_run_config(workdir: str, num_steps: int):
     c = grpo().get_config()
     c.workdir = workdir
-    c.data.update(num_tasks=3, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1,
-                  heldout_fraction=0.0, tasks_per_batch=1)
+    c.data.update(num_tasks=4, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1,
+                  heldout_fraction=0.2, tasks_per_batch=1)  # 2 train, 2 held-out tasks (by id hash)
     c.rollout.update(group_size=2, policy_slots=2, frozen_slots=4, max_seq_len=2048, round_steps=16,
                      record_snapshots=False)
     c.rollout.builder.update(max_turns=1, max_new_tokens=16)
@@ -125,9 +125,12 @@ def test_main_end_to_end_writes_events_episodes_checkpoint_and_resumes(tmp_path)
     assert len(records) == 2 and all(r.segments for r in records)
     assert os.path.exists(os.path.join(workdir, "checkpoints", "1", "commit_success.txt"))
     assert "reward/mean" in first["metrics"] and first["rollout_s"] > 0
-    # a second invocation with more steps resumes after step 1
-    second = main.run(tiny_run_config(workdir, num_steps=2))
+    # a second invocation with more steps resumes after step 1 (and evaluates on a held-out task)
+    config = tiny_run_config(workdir, num_steps=2)
+    config.eval.update(every=1, num_tasks=1, repeats=1)
+    second = main.run(config)
     assert (second["start_step"], second["last_step"]) == (1, 2)
+    assert 0.0 <= second["metrics"]["eval/accuracy"] <= 1.0 and second["eval_s"] > 0
     assert os.path.exists(os.path.join(workdir, "checkpoints", "2", "commit_success.txt"))
     with open(os.path.join(workdir, "summary.json")) as f:
         assert json.load(f)["last_step"] == 2
