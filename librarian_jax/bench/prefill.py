@@ -9,6 +9,8 @@ heads of 64 with partial rotary 0.25; intermediate 768, vocab 8000, tied embeddi
 
 Prefill: one cached call over `seq` tokens at batch 1 (the DeltaNet layers run the 64-token chunked form and
 fill their conv/recurrent state; all logits are computed on both sides, as HF's forward does).
+Layer: the first Gated DeltaNet layer alone on the same lengths (ours jitted vs HF's module with a fresh
+DynamicCache, best of 5 x `repeats`), which isolates the delta rule from the dense parts both sides share.
 Decode: `decode_steps` greedy tokens after a `decode_prompt`-token prefill, one token per call (the DeltaNet
 layers run the recurrent form); ours is one jitted on-device `lax.scan` over the steps, transformers a Python
 loop over `model(input_ids=tok, cache=cache)` with argmax. Times are the best of `repeats` after a warm-up.
@@ -107,6 +109,27 @@ def ours_prefill(model: models.Transformer, tokens: np.ndarray, repeats: int) ->
     return seconds, last
 
 
+@jax.jit
+def _layer_prefill(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, cache: dict[str, jax.Array]):
+    """One Gated DeltaNet layer, chunked, filling its cache: x `[batch, seq, hidden]` -> (y, cache)."""
+    return nnx.merge(graphdef, state)(x, cache=cache)
+
+
+def ours_layer_prefill(model: models.Transformer, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+    """The first DeltaNet layer alone (the part this benchmark is about, without MLPs, attention, logits)."""
+    from librarian_jax.models.gated_deltanet import GatedDeltaNet
+
+    graphdef, state = nnx.split(model.layers[0].linear_attn)
+    xs = jnp.asarray(x)
+    cache = GatedDeltaNet.init_cache(model.config, xs.shape[0])
+
+    def run():
+        y, _ = _layer_prefill(graphdef, state, xs, cache)
+        return np.asarray(jax.block_until_ready(y))
+
+    return _best_time(run, repeats)
+
+
 def ours_decode(
     model: models.Transformer, prompts: np.ndarray, steps: int, repeats: int
 ) -> tuple[float, np.ndarray]:
@@ -155,6 +178,21 @@ class TorchSide:
             with torch.inference_mode():
                 out = self.model(input_ids=ids, use_cache=True)
             return out.logits[:, -1].float().numpy()
+
+        return _best_time(run, repeats)
+
+    def layer_prefill(self, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+        """HF's first Qwen3_5GatedDeltaNet alone, filling a fresh DynamicCache."""
+        import transformers
+
+        torch = self.torch
+        xs = torch.as_tensor(x)
+        layer = self.model.model.layers[0].linear_attn
+
+        def run():
+            cache = transformers.DynamicCache(config=self.model.config)
+            with torch.inference_mode():
+                return layer(hidden_states=xs, cache=cache).numpy()
 
         return _best_time(run, repeats)
 
@@ -210,6 +248,24 @@ def main(argv: list[str]) -> None:
             row += f"{t_hf * 1e3:9.1f} | {seq / t_hf:10.0f} | {t_hf / t_ours:7.2f} | {diff:11.1e}"
         else:
             row += f"{'-':>9} | {'-':>10} | {'-':>7} | {'-':>11}"
+        lines.append(row)
+        logging.info(row)
+
+    lines += [
+        "",
+        "one Gated DeltaNet layer alone (chunked prefill filling its cache, batch 1, x ~ N(0, 1))",
+        f"{'layer seq':>11} | {'ours ms':>9} | {'HF ms':>9} | {'HF/ours':>7} | {'max|dy|':>9}",
+    ]
+    for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
+        x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
+        t_ours, y_ours = ours_layer_prefill(model, x, 5 * FLAGS.repeats)  # cheap calls: more repeats
+        row = f"{seq:>11} | {t_ours * 1e3:9.2f} | "
+        if hf.available:
+            t_hf, y_hf = hf.layer_prefill(x, 5 * FLAGS.repeats)
+            diff = float(np.abs(y_ours - y_hf).max())
+            row += f"{t_hf * 1e3:9.2f} | {t_hf / t_ours:7.2f} | {diff:9.1e}"
+        else:
+            row += f"{'-':>9} | {'-':>7} | {'-':>9}"
         lines.append(row)
         logging.info(row)
 
