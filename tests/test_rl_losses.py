@@ -192,3 +192,23 @@ def test_aggregation_sums_and_counts_add_over_micro_batches(mode):
     parts = [losses.aggregate(per_tok[i:i + 2], mask[i:i + 2], w[i:i + 2], mode, 5) for i in (0, 2, 4)]
     np.testing.assert_allclose(sum(float(p[0]) for p in parts) / sum(float(p[1]) for p in parts),
                                float(full_s / full_c), rtol=1e-6)
+
+
+def test_optimizer_direction_times_host_lr_equals_optax_adamw_schedule():
+    import optax
+
+    from librarian_jax.rl import train_step as ts
+
+    cfg = ts.OptimConfig(learning_rate=1e-2, warmup_steps=2, total_steps=10, weight_decay=0.1, grad_clip=0.5)
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(ts.make_schedule(cfg), weight_decay=0.1))
+    mine, sched = ts.make_optimizer(cfg), ts.make_schedule(cfg)
+    p1 = p2 = {"a": jnp.ones(3)}
+    s1, s2 = ref.init(p1), mine.init(p2)
+    for step in range(5):
+        g = {"a": jnp.array([0.3, -2.0, 0.01]) * (step + 1)}
+        u, s1 = ref.update(g, s1, p1)
+        p1 = optax.apply_updates(p1, u)
+        d, s2 = mine.update(g, s2, p2)
+        p2 = jax.tree.map(lambda x, y, lr=sched(step): x - lr * y, p2, d)
+    np.testing.assert_allclose(np.asarray(p2["a"]), np.asarray(p1["a"]), rtol=1e-6)
+    assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1e-2)

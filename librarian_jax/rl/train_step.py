@@ -86,13 +86,26 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW on the schedule."""
+    """Global-norm clipping then AdamW's direction (Adam moments + decoupled weight decay), without the
+    learning rate: the step applies `-lr(step) * direction` with `lr` from `make_schedule`, computed on the
+    host and passed in. This is `optax.adamw(schedule)` exactly, but a schedule change (e.g. a resumed run
+    with more steps) does not recompile the step."""
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay))
+    parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
+    if cfg.weight_decay:
+        parts.append(optax.add_decayed_weights(cfg.weight_decay))
     return optax.chain(*parts)
+
+
+def _static_config(config: TrainConfig) -> TrainConfig:
+    """The part of the config the compiled step depends on (the schedule is a runtime input)."""
+    o = config.optim
+    return dataclasses.replace(config, optim=OptimConfig(learning_rate=0.0, warmup_steps=0, decay="constant",
+                                                         total_steps=0, end_lr_ratio=0.0, b1=o.b1, b2=o.b2,
+                                                         eps=o.eps, weight_decay=o.weight_decay,
+                                                         grad_clip=o.grad_clip))
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
@@ -191,6 +204,7 @@ class Trainer:
         self.params = jax.tree.map(jnp.copy, shard_state(params, mesh, rules))
         self.rest = shard_state(rest, mesh, rules)
         self.tx = make_optimizer(config.optim)
+        self._schedule = make_schedule(config.optim)
         self.opt_state = jax.jit(self.tx.init)(self.params)
         # The step's outputs are pinned to these shardings (XLA would otherwise pick its own), so params keep
         # the policy engine's layout step after step and `update_params` moves nothing.
@@ -238,9 +252,10 @@ class Trainer:
         t0 = time.perf_counter()
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         device_batch = self._device_batch(arrays)
+        lr = jnp.asarray(self._schedule(self.step), jnp.float32)
         self.params, self.opt_state, metrics = _update_step(
-            self.graphdef, self.config, self._out_shardings, self.params, self.opt_state, self.rest,
-            self.ref_params, device_batch, jnp.asarray(self.step, jnp.int32))
+            self.graphdef, _static_config(self.config), self._out_shardings, self.params, self.opt_state,
+            self.rest, self.ref_params, device_batch, lr)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step += 1
         out["time_s"] = time.perf_counter() - t0
@@ -294,8 +309,8 @@ class Trainer:
         """The batch loss and its gradient w.r.t. the trainable params, without updating (for tests and
         diagnostics; micro-batched exactly like `update`)."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
-        loss, grads, _ = _accumulate_jit(self.graphdef, self.config, self.params, self.rest, self.ref_params,
-                                         self._device_batch(arrays))
+        loss, grads, _ = _accumulate_jit(self.graphdef, _static_config(self.config), self.params, self.rest,
+                                         self.ref_params, self._device_batch(arrays))
         return float(loss), grads
 
 
@@ -362,7 +377,7 @@ _accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
 def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tuple | None, params: Any,
-                 opt_state: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array], step: jax.Array
+                 opt_state: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array], lr: jax.Array
                  ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One optimizer step; a non-finite loss or gradient norm leaves params and optimizer state unchanged.
     `out_shardings`: (param leaf shardings, optimizer-state leaf shardings) the outputs keep, or None."""
@@ -370,7 +385,8 @@ def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tup
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-    updates, new_opt = make_optimizer(config.optim).update(safe_grads, opt_state, params)
+    direction, new_opt = make_optimizer(config.optim).update(safe_grads, opt_state, params)
+    updates = jax.tree.map(lambda d, p: (-lr * d).astype(p.dtype), direction, params)
     new_params = optax.apply_updates(params, updates)
     params = _tree_where(finite, new_params, params)
     opt_state = _tree_where(finite, new_opt, opt_state)
@@ -378,7 +394,7 @@ def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tup
         params, opt_state = _constrain(params, out_shardings[0]), _constrain(opt_state, out_shardings[1])
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {
-        "loss": loss, "grad_norm": grad_norm, "lr": make_schedule(config.optim)(step),
+        "loss": loss, "grad_norm": grad_norm, "lr": lr,
         "skipped": 1.0 - finite.astype(jnp.float32), "loss_tokens": sums["tokens"],
         "clip_frac": sums["clip"] / tokens, "dual_clip_frac": sums["dual_clip"] / tokens,
         "kl": sums["kl"] / tokens, "tis": sums["tis"] / tokens, "ratio": sums["ratio"] / tokens,
