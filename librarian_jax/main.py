@@ -187,16 +187,108 @@ def describe(config: Any) -> str:
             f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}")
 
 
-def run(config: Any) -> dict[str, Any]:
-    """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
-    from flax import nnx
-    from tensorboardX import SummaryWriter
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds between steps."""
 
-    from librarian_jax import checkpoint, rollout
+    config: Any
+    train_tasks: list[Any]
+    heldout: list[Any]
+    tokenizer: Any
+    engines: dict[str, Any]  # "policy" (the builder, trained) and "frozen" (answerer, executor, judge)
+    trainer: Any
+    rows_config: Any
+    rollout_config: Any
+    data_iter: Any
+    rng: jax.Array
+    step: int = 0
+
+
+def build(config: Any) -> Run:
+    """Data, tokenizer, mesh, models, engines and trainer for `config` (validated)."""
     from librarian_jax.data import TaskPipeline
     from librarian_jax.engine import Engine
     from librarian_jax.rl import rows as rows_lib
     from librarian_jax.rl import train_step
+
+    train_tasks, heldout = build_tasks(config)
+    tokenizer = build_tokenizer(config, train_tasks + heldout)
+    mesh = make_mesh(config)
+    base = build_model(config, mesh, tokenizer)
+    m, r, t = config.model, config.rollout, config.train
+    policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
+        if m.lora_rank else base
+    frozen = base
+    if m.frozen_path:
+        from librarian_jax import models
+
+        frozen = models.load_hf(m.frozen_path, dtype=m.dtype or "bfloat16", mesh=mesh)
+    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps),
+               "frozen": Engine(frozen, r.frozen_slots, r.max_seq_len, mesh, round_steps=r.round_steps)}
+    trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
+    logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
+                 "LoRA" if trainer.lora else "full")
+    rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
+                                      step_gamma=t.step_gamma, max_seq_len=t.max_seq_len,
+                                      row_multiple=trainer.row_multiple())
+    pipeline = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
+                            seed=config.data.shuffle_seed, num_epochs=None)
+    return Run(config, train_tasks, heldout, tokenizer, engines, trainer, rows_config,
+               config_validation.rollout_config(config), pipeline.iterator(), jax.random.key(config.seed))
+
+
+def resume(run: Run, ck: Any) -> None:
+    """Restores params, optimizer state, step, RNG and data position from the newest good checkpoint."""
+    restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state)
+    if restored is None:
+        return
+    run.trainer.set_state(restored.params, restored.opt_state, restored.step)
+    run.rng = restored.rng if restored.rng is not None else run.rng
+    if restored.data_state is not None:
+        run.data_iter.set_state(restored.data_state)
+    run.engines["policy"].update_params(run.trainer.policy_state())
+    run.step = restored.step
+    logging.info("resumed from step %d", run.step)
+
+
+def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
+    """One GRPO step: rollouts -> rows -> update -> new weights to the policy engine. Returns (records,
+    metrics)."""
+    from librarian_jax import rollout
+    from librarian_jax.rl import rows as rows_lib
+
+    run.step += 1
+    tasks = next(run.data_iter)
+    run.rng, sub = jax.random.split(run.rng)
+    seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
+    sched = rollout.Scheduler(run.engines)
+    t0 = time.perf_counter()
+    records = rollout.run_batch(tasks, run.config.rollout.group_size, run.engines, run.tokenizer,
+                                run.rollout_config, rng=seed, scheduler=sched)
+    rollout_s = time.perf_counter() - t0
+    try:
+        batch, row_metrics = rows_lib.build_rows(records, run.rows_config)
+        update = run.trainer.update(batch)
+        run.engines["policy"].update_params(run.trainer.policy_state())
+    except rows_lib.NoTrainableTokens as e:
+        logging.warning("step %d: %s; no update this step", run.step, e)
+        row_metrics, update = {}, {"time_s": 0.0, "skipped": 1.0}
+    run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
+    metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
+    cfg = run.config.eval
+    if cfg.every and run.step % cfg.every == 0 and run.heldout:
+        t1 = time.perf_counter()
+        metrics.update(evaluate(run.config, run.heldout, run.engines, run.tokenizer, run.rollout_config,
+                                seed))
+        metrics["eval/time_s"] = time.perf_counter() - t1
+    return records, metrics
+
+
+def run(config: Any) -> dict[str, Any]:
+    """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
+    from tensorboardX import SummaryWriter
+
+    from librarian_jax import checkpoint, rollout
 
     t_start = time.perf_counter()
     config_validation.validate(config)
@@ -208,108 +300,44 @@ def run(config: Any) -> dict[str, Any]:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
 
-    train_tasks, heldout = build_tasks(config)
-    tokenizer = build_tokenizer(config, train_tasks + heldout)
-    mesh = make_mesh(config)
-    base = build_model(config, mesh, tokenizer)
-    policy = base
-    if config.model.lora_rank:
-        policy = train_step.apply_lora(base, config.model.lora_rank, config.model.lora_alpha,
-                                       config.model.lora_module_path, seed=config.seed)
-    frozen = base
-    if config.model.frozen_path:
-        from librarian_jax import models
-
-        frozen = models.load_hf(config.model.frozen_path, dtype=config.model.dtype or "bfloat16", mesh=mesh)
-    r = config.rollout
-    policy_engine = Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps)
-    frozen_engine = Engine(frozen, r.frozen_slots, r.max_seq_len, mesh, round_steps=r.round_steps)
-    engines = {"policy": policy_engine, "frozen": frozen_engine}
-    rollout_cfg = config_validation.rollout_config(config)
-
-    trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
-    logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
-                 "LoRA" if trainer.lora else "full")
-    t = config.train
-    rows_cfg = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight, step_gamma=t.step_gamma,
-                                   max_seq_len=t.max_seq_len, row_multiple=trainer.row_multiple())
-    pipeline = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
-                            seed=config.data.shuffle_seed, num_epochs=None)
-    it = pipeline.iterator()
-    rng = jax.random.key(config.seed)
-
+    state = build(config)
     ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-    start = 0
     if config.checkpoint.resume:
-        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
-        if restored is not None:
-            trainer.set_state(restored.params, restored.opt_state, restored.step)
-            if restored.rng is not None:
-                rng = restored.rng
-            if restored.data_state is not None:
-                it.set_state(restored.data_state)
-            policy_engine.update_params(trainer.policy_state())
-            start = restored.step
-            logging.info("resumed from step %d", start)
-
+        resume(state, ck)
+    start, num_steps = state.step, config.train.num_steps
     writer = SummaryWriter(os.path.join(workdir, "tb")) if primary else None
-    episodes_dir = os.path.join(workdir, "episodes")
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
     metrics: dict[str, float] = {}
-    step = start
     try:
-        for step in range(start + 1, t.num_steps + 1):
-            tasks = next(it)
-            rng, sub = jax.random.split(rng)
-            seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
-            sched = rollout.Scheduler(engines)
-            t0 = time.perf_counter()
-            records = rollout.run_batch(tasks, r.group_size, engines, tokenizer, rollout_cfg, rng=seed,
-                                        scheduler=sched)
-            rollout_s = time.perf_counter() - t0
-            totals["rollout_s"] += rollout_s
-            try:
-                batch, row_metrics = rows_lib.build_rows(records, rows_cfg)
-            except rows_lib.NoTrainableTokens as e:
-                logging.warning("step %d: %s; no update this step", step, e)
-                batch, row_metrics = None, {}
-            if batch is not None:
-                update = trainer.update(batch)
-                policy_engine.update_params(trainer.policy_state())
-            else:
-                update = {"time_s": 0.0, "skipped": 1.0}
-            trainer.step = step  # the optimizer schedule counts loop steps, skipped ones included
-            totals["update_s"] += update["time_s"]
-            metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
-            if config.eval.every and step % config.eval.every == 0 and heldout:
-                t1 = time.perf_counter()
-                metrics.update(evaluate(config, heldout, engines, tokenizer, rollout_cfg, seed))
-                totals["eval_s"] += time.perf_counter() - t1
-            logging.info("%s", progress_line(step, t.num_steps, metrics))
+        while state.step < num_steps:
+            records, metrics = train_one_step(state)
+            step = state.step
+            totals["rollout_s"] += metrics["rollout/time_s"]
+            totals["update_s"] += metrics["train/time_s"]
+            totals["eval_s"] += metrics.get("eval/time_s", 0.0)
+            logging.info("%s", progress_line(step, num_steps, metrics))
             if writer is not None:
                 for k, v in metrics.items():
                     if np.isfinite(v):
                         writer.add_scalar(k, v, step)
                 writer.flush()
-            # each process writes the episodes of its own tasks
-            suffix = "" if primary else f".p{jax.process_index()}"
-            rollout.write_jsonl(os.path.join(episodes_dir, f"step_{step}{suffix}.jsonl"), records)
-            ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng,
-                    data_state=it.get_state(), force=step == t.num_steps)
+            suffix = "" if primary else f".p{jax.process_index()}"  # each process: its own tasks' episodes
+            rollout.write_jsonl(os.path.join(workdir, "episodes", f"step_{step}{suffix}.jsonl"), records)
+            ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
+                    data_state=state.data_iter.get_state(), force=step == num_steps)
     finally:
         ck.close()
         if writer is not None:
             writer.close()
     wall = time.perf_counter() - t_start
-    summary = {"start_step": start, "last_step": step, "wall_s": wall, **totals,
+    summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
                "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
-    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1, step,
-                 wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
+    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
+                 state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
     if primary:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-    del nnx
     return summary
 
 
