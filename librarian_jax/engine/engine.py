@@ -272,8 +272,13 @@ class Engine:
         """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
         inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
         t = time.perf_counter()
+        n = self.num_slots
         for chunk in self.prefill_buckets:
-            for k in self._slot_buckets:
+            self.cache = self._programs.prefill_all(
+                self.params, self.cache, np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
+                np.zeros((n,), bool),
+            )
+            for k in self._slot_buckets[:-1]:
                 self.cache = self._programs.prefill(
                     self.params,
                     self.cache,
@@ -282,7 +287,6 @@ class Engine:
                     np.zeros((k, chunk), bool),
                     np.zeros((k,), bool),
                 )
-        n = self.num_slots
         zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
         self.cache, out = self._programs.decode(
             self.params, self.cache, zi, np.zeros((n,), bool), zi,
@@ -375,20 +379,28 @@ class Engine:
                 for start in range(0, len(group), self.num_slots):
                     part = group[start : start + self.num_slots]
                     k = next(b for b in self._slot_buckets if b >= len(part))
-                    slots = np.full((k,), self.num_slots, np.int32)
-                    tokens = np.zeros((k, chunk), np.int32)
-                    mask = np.zeros((k, chunk), bool)
-                    reset = np.zeros((k,), bool)
+                    # Most slots at once: run every slot in place (rows = slots); otherwise gather the k rows.
+                    full = k == self.num_slots
+                    rows = self.num_slots if full else k
+                    slots = np.full((rows,), self.num_slots, np.int32)
+                    tokens = np.zeros((rows, chunk), np.int32)
+                    mask = np.zeros((rows, chunk), bool)
+                    reset = np.zeros((rows,), bool)
                     for row, s in enumerate(part):
                         new = s._tokens[s.cached : min(len(s) - 1, s.cached + chunk)]
-                        slots[row] = s.slot
-                        tokens[row, : len(new)] = new
-                        mask[row, : len(new)] = True
-                        reset[row] = s._needs_reset
+                        r = s.slot if full else row
+                        slots[r] = s.slot
+                        tokens[r, : len(new)] = new
+                        mask[r, : len(new)] = True
+                        reset[r] = s._needs_reset
                         s._needs_reset = False
                         s.cached += len(new)
                         st.prefill_tokens += len(new)
-                    self.cache = self._programs.prefill(self.params, self.cache, slots, tokens, mask, reset)
+                    if full:
+                        self.cache = self._programs.prefill_all(self.params, self.cache, tokens, mask, reset)
+                    else:
+                        args = (slots, tokens, mask, reset)
+                        self.cache = self._programs.prefill(self.params, self.cache, *args)
                     calls.append(chunk)
             work = [s for s in work if s.cached < len(s) - 1]
         st.prefill_calls = len(calls)

@@ -75,6 +75,32 @@ def prefill(
     return _constrain(cache, cache_sharding)
 
 
+def prefill_all(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: Any,
+    tokens: jax.Array,
+    mask: jax.Array,
+    reset: jax.Array,
+    *,
+    cache_sharding: tuple | None = None,
+) -> Any:
+    """``prefill`` for (nearly) every slot at once: row ``i`` is slot ``i``, no gather/scatter of cache rows.
+
+    Args:
+      tokens: int32 ``[num_slots, chunk]``; mask: bool ``[num_slots, chunk]`` (all False for a slot with
+        nothing to prefill); reset: bool ``[num_slots]``.
+    Returns:
+      The updated slot cache.
+    """
+    model = nnx.merge(graphdef, params)
+    n = tokens.shape[0]
+    rows = jnp.where(reset, jnp.arange(n), n)  # out of range for slots not reset: dropped
+    cache = jax.tree.map(lambda x: x.at[rows].set(jnp.zeros((), x.dtype), mode="drop"), cache)
+    _, cache = model(tokens, cache=cache, mask=mask)
+    return _constrain(cache, cache_sharding)
+
+
 def decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -184,11 +210,13 @@ def decode(
 
 
 class Programs(NamedTuple):
-    """``prefill(params, cache, slots, tokens, mask, reset) -> cache`` and
+    """``prefill(params, cache, slots, tokens, mask, reset) -> cache``,
+    ``prefill_all(params, cache, tokens, mask, reset) -> cache`` and
     ``decode(params, cache, tokens, active, budget, stop_ids, temperature, top_p, top_k, seeds, streams)
     -> (cache, out)``, jitted with the cache donated."""
 
     prefill: Callable[..., Any]
+    prefill_all: Callable[..., Any]
     decode: Callable[..., Any]
 
 
@@ -199,6 +227,9 @@ def programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None, max_len: int,
     def prefill_fn(params, cache, slots, tokens, mask, reset):
         return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding)
 
+    def prefill_all_fn(params, cache, tokens, mask, reset):
+        return prefill_all(graphdef, params, cache, tokens, mask, reset, cache_sharding=cache_sharding)
+
     def decode_fn(params, cache, *args):
         return decode(
             graphdef, params, cache, *args,
@@ -207,5 +238,6 @@ def programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None, max_len: int,
 
     return Programs(
         prefill=jax.jit(prefill_fn, donate_argnums=(1,)),
+        prefill_all=jax.jit(prefill_all_fn, donate_argnums=(1,)),
         decode=jax.jit(decode_fn, donate_argnums=(1,)),
     )
