@@ -322,16 +322,16 @@ class Trainer:
 def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, tokens: jax.Array,
                       valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits."""
-    model = nnx.merge(graphdef, params, rest)
-
-    def run(model: nnx.Module, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-        return model(tokens, mask=valid)[0]
+    def run(params: Any, rest: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+        # merged inside the (possibly rematerialised) trace: modules that write to themselves when called
+        # (qwix's LoRA interception does) stay at one trace level
+        return nnx.merge(graphdef, params, rest)(tokens, mask=valid)[0]
 
     if config.remat:
         # Keeps matmul outputs without batch dims (projections, MLP) and recomputes attention scores and
         # elementwise ops in the backward pass.
-        run = nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    logits = run(model, tokens, valid)
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    logits = run(params, rest, tokens, valid)
     return losses_lib.token_logprobs(logits, tokens, config.loss.temperature)
 
 
