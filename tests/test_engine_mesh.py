@@ -12,7 +12,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from librarian_jax import models
-from librarian_jax.engine import Engine, SamplingParams, logical_to_spec, make_mesh, resolve_mesh_shape
+from librarian_jax.engine import (
+    Engine,
+    SamplingParams,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    resolve_mesh_shape,
+)
 from librarian_jax.engine.sharding import default_rules
 
 CONFIG = models.get_preset(
@@ -115,4 +122,14 @@ def test_two_engines_share_a_mesh():
     a2 = policy.new_session([1, 2, 3])
     r = policy.submit(a2, 6)
     policy.run_until_done()
+    assert r.result.tokens == rb.result.tokens
+    # A model whose params already live on a mesh: the engine adopts that mesh by default.
+    model = _model(1)
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, param_shardings(state, mesh, default_rules())))
+    inferred = Engine(model, **KW)
+    assert inferred.mesh == mesh
+    c = inferred.new_session([1, 2, 3])
+    r = inferred.submit(c, 6)
+    inferred.run_until_done()
     assert r.result.tokens == rb.result.tokens

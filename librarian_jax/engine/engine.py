@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
@@ -86,6 +86,15 @@ def _cache_allocator(
     )
 
 
+def _mesh_of(state: Any) -> Mesh:
+    """The mesh the params already live on (if they are sharded over several devices), else one device."""
+    for leaf in jax.tree.leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+
 def _slot_buckets(num_slots: int) -> list[int]:
     out, k = [], 1
     while k < num_slots:
@@ -102,7 +111,8 @@ class Engine:
       model: a ``models.Transformer`` (needs ``model.config``).
       num_slots: sessions whose caches are resident at once (the decode batch).
       max_seq_len: the most tokens one session may hold.
-      mesh: device mesh (``engine.mesh.make_mesh``); default a one-device mesh on ``jax.devices()[0]``.
+      mesh: device mesh (``engine.mesh.make_mesh``); default: the mesh the model's params are already sharded
+        over, else a one-device mesh on ``jax.devices()[0]``.
       rules: logical-axis rules; default ``models.partitioning.DEFAULT_RULES``.
       prefill_buckets: chunk lengths prefill uses (each is one compiled program per slot-count bucket).
       round_steps: the most decode steps per ``step()``; the host admits new work between rounds.
@@ -144,10 +154,9 @@ class Engine:
         # The model drops padded and out-of-range cache writes (models contract), so a chunk may run past the
         # end of a slot: the cache needs no room beyond max_seq_len.
         self.capacity = self.max_seq_len
-        self.mesh = mesh if mesh is not None else make_mesh({"data": 1}, devices=jax.devices()[:1])
         self.rules = normalize_rules(rules) if rules is not None else default_rules()
-
         self.graphdef, state = nnx.split(model)
+        self.mesh = mesh if mesh is not None else _mesh_of(state)
         self._param_shardings = param_shardings(state, self.mesh, self.rules)
         self.params = jax.device_put(state, self._param_shardings)
 
