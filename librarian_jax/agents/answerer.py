@@ -25,6 +25,8 @@ from typing import Any
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.builder import render_result
 from librarian_jax.agents.protocol import (
+    LIST_FILES_TOOL,
+    READ_FILE_TOOL,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     Param,
@@ -38,16 +40,8 @@ from librarian_jax.agents.protocol import (
 from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
 
 ANSWERER_TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec("list_files", (Param("path", "str", False, "."),), "list a directory"),
-    ToolSpec(
-        "read_file",
-        (
-            Param("path", "str"),
-            Param("start_line", "int", False, 1, min_value=1),
-            Param("num_lines", "int", False, 100, min_value=1, max_value=100),
-        ),
-        "read up to 100 numbered lines of a file",
-    ),
+    LIST_FILES_TOOL,
+    READ_FILE_TOOL,
     ToolSpec("answer", (Param("text", "str", max_chars=4000),), "give your final answer (short)"),
 )
 

@@ -36,6 +36,8 @@ from librarian_jax.agents import compaction as compaction_lib
 from librarian_jax.agents import executor as executor_lib
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.protocol import (
+    LIST_FILES_TOOL,
+    READ_FILE_TOOL,
     CallError,
     Param,
     ParsedTurn,
@@ -62,16 +64,8 @@ WRITE_TOOLS = ("create_file", "merge_files")
 RAW_DIR = "raw_docs"
 
 BUILDER_TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec("list_files", (Param("path", "str", False, "."),), "list a directory of the workspace"),
-    ToolSpec(
-        "read_file",
-        (
-            Param("path", "str"),
-            Param("start_line", "int", False, 1, min_value=1),
-            Param("num_lines", "int", False, 100, min_value=1, max_value=100),
-        ),
-        "read up to 100 numbered lines of a file",
-    ),
+    LIST_FILES_TOOL,
+    READ_FILE_TOOL,
     ToolSpec(
         "create_file",
         (

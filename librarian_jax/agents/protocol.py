@@ -89,6 +89,21 @@ class ToolSpec:
         return f"{self.name}({', '.join(parts)})"
 
 
+# The two read tools every agent shares (builder and answerer), defined once.
+LIST_FILES_TOOL = ToolSpec(
+    "list_files", (Param("path", "str", False, "."),), "list a directory of the workspace"
+)
+READ_FILE_TOOL = ToolSpec(
+    "read_file",
+    (
+        Param("path", "str"),
+        Param("start_line", "int", False, 1, min_value=1),
+        Param("num_lines", "int", False, 100, min_value=1, max_value=100),
+    ),
+    "read up to 100 numbered lines of a file",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     """A well-formed call: validated, coerced arguments (every param present, defaults filled in)."""
