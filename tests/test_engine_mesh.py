@@ -47,7 +47,7 @@ def test_resolve_mesh_shape():
 def test_logical_to_spec_fallback_to_replication():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     rules = default_rules()
-    assert rules["heads"] == "tensor"  # models' "model" axis is the engine's "tensor" axis
+    assert rules["heads"] == "tensor"  # models.DEFAULT_RULES uses the engine's mesh axis names
     assert logical_to_spec(("embed", "heads"), (32, 64), mesh, rules) == PartitionSpec("fsdp", "tensor")
     # 3 heads do not divide over 2 devices: replicated
     assert logical_to_spec(("embed", "heads"), (32, 3), mesh, rules) == PartitionSpec("fsdp", None)

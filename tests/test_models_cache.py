@@ -94,8 +94,8 @@ def test_tiny_preset_bf16_and_cache_tree():
     axes = cache_logical_axes(config)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
     assert jax.tree.structure(cache) == jax.tree.structure(axes, is_leaf=is_axes)
-    assert cache.layers[0]["k"].shape == (2, 16, 2, 32) and cache.layers[0]["k"].dtype == jnp.bfloat16
-    assert axes.layers[0]["k"] == ("cache_batch", "cache_seq", "kv_heads", "head_dim")
+    assert cache.layers[0]["k"].shape == (2, 2, 16, 32) and cache.layers[0]["k"].dtype == jnp.bfloat16
+    assert axes.layers[0]["k"] == ("cache_batch", "kv_heads", "cache_seq", "head_dim")
     call = _jit_call(model)
     tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
     logits, cache = call(tokens, cache, jnp.ones((2, 5), bool))
@@ -111,8 +111,8 @@ def test_query_blocked_attention_equals_dense():
     rng = np.random.default_rng(1)
     b, s, t = 2, 11, 16
     q = jnp.asarray(rng.normal(size=(b, s, 4, 8)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, 2, t, 8)), jnp.float32)  # [batch, kv_heads, keys, head_dim]
+    v = jnp.asarray(rng.normal(size=(b, 2, t, 8)), jnp.float32)
     q_key_idx = jnp.asarray([[3], [5]]) + jnp.arange(s)[None, :]
     key_valid = jnp.asarray(np.arange(t)[None, :] < np.array([[14], [16]]))
 
@@ -131,11 +131,11 @@ def test_query_blocked_attention_equals_dense():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host_platform_device_count=8)")
 def test_init_model_creates_params_in_their_shardings():
     config = get_preset("tiny", num_layers=1)
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model = init_model(config, seed=0, mesh=mesh)
     emb = model.embed_tokens.embedding[...]
-    assert emb.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     assert {x.data.shape for x in emb.addressable_shards} == {(2048 // 4, 128)}
     down = model.layers[0].mlp.down_proj.kernel[...]
-    assert down.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert down.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     assert float(jnp.std(emb)) == pytest.approx(0.02, rel=0.1)

@@ -126,27 +126,27 @@ def test_bf16_load_runs_with_float32_logits():
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host_platform_device_count=8)")
 def test_mesh_load_shards_params_and_matches():
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     name = "qwen3_untied"
     ref = np.load(os.path.join(GOLDEN, name, "reference.npz"))
     model = load_hf(os.path.join(GOLDEN, name), mesh=mesh)
     q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     # each device holds a quarter of the kernel, not a full copy
     assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 4)}
     head = model.lm_head.kernel[...]
-    assert head.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert head.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     logits = _forward(model, ref["input_ids"])
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
 
 
 def test_logical_to_spec_drops_missing_and_non_dividing_axes():
     P = jax.sharding.PartitionSpec
-    mesh = jax.make_mesh((1, 1), ("data", "model"))
-    assert logical_to_spec(("embed", "heads"), mesh, DEFAULT_RULES) == P(None, "model")  # no "fsdp" axis
-    fake = type("M", (), {"shape": {"data": 2, "model": 4}})()
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+    assert logical_to_spec(("embed", "heads"), mesh, DEFAULT_RULES) == P(None, "tensor")  # no "fsdp" axis
+    fake = type("M", (), {"shape": {"data": 2, "tensor": 4}})()
     assert logical_to_spec(("kv_heads", "head_dim"), fake, shape=(2, 8)) == P(None, None)  # 4 !| 2
-    assert logical_to_spec(("cache_batch", "kv_heads"), fake, shape=(4, 8)) == P("data", "model")
+    assert logical_to_spec(("cache_batch", "kv_heads"), fake, shape=(4, 8)) == P("data", "tensor")
 
 
 # ------------------------------------------------------------------------------------------ bad input

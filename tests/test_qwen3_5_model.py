@@ -106,20 +106,20 @@ def test_padded_prefill_then_decode_equals_full_forward():
 
 
 def test_sharded_hybrid_prefill_matches_hf():
-    """On a (data 2, model 4) mesh the DeltaNet params, conv and recurrent state are split over `model` by
+    """On a (data 2, tensor 4) mesh the DeltaNet params, conv and recurrent state are split over `tensor` by
     their logical axes; a cached prefill still gives HF's logits."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/run.sh simulates them with XLA_FLAGS)")
     folder = os.path.join(GOLDEN, "qwen3_5_a")
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4), ("data", "fsdp", "model"))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4), ("data", "fsdp", "tensor"))
     model = load_hf(folder, mesh=mesh)
     lin = model.layers[0].linear_attn
-    assert lin.in_proj_qkv.kernel.get_value().sharding.spec[1] == "model"
-    assert lin.conv1d.weight.get_value().sharding.spec[0] == "model"
+    assert lin.in_proj_qkv.kernel.get_value().sharding.spec[1] == "tensor"
+    assert lin.conv1d.weight.get_value().sharding.spec[0] == "tensor"
     cache = init_cache(model.config, 2, 90)
     cache = jax.device_put(cache, tree_shardings(cache, cache_logical_axes(model.config), mesh))
     ref = np.load(os.path.join(folder, "reference.npz"))
     graphdef, state = nnx.split(model)
     logits, cache = cached(graphdef, state, jnp.asarray(ref["input_ids"]), cache, None)
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-4, rtol=0)
-    assert cache.layers[0]["state"].sharding.spec[:2] == ("data", "model")
+    assert cache.layers[0]["state"].sharding.spec[:2] == ("data", "tensor")

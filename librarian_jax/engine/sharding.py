@@ -19,27 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = Mapping[str, str | tuple[str, ...] | None] | Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
-# Mesh-axis names other layers may use for the engine's ``tensor`` axis.
-_AXIS_ALIASES = {"model": "tensor"}
-
-
-def _alias(target: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
-    if target is None:
-        return None
-    if isinstance(target, str):
-        return _AXIS_ALIASES.get(target, target)
-    return tuple(_AXIS_ALIASES.get(a, a) for a in target)
-
-
 def default_rules() -> dict[str, str | tuple[str, ...] | None]:
-    """The models package's ``DEFAULT_RULES`` as a dict, on this engine's mesh axes.
-
-    ``models.partitioning`` names the tensor-parallel mesh axis ``model``; the engine's meshes call it
-    ``tensor`` (``engine.mesh.MESH_AXES``), so ``model`` is renamed here.
-    """
+    """A copy of the models package's ``DEFAULT_RULES`` (already on this engine's ``data``/``fsdp``/``tensor``
+    mesh axes, ``engine.mesh.MESH_AXES``)."""
     from librarian_jax.models.partitioning import DEFAULT_RULES
 
-    return {name: _alias(target) for name, target in normalize_rules(DEFAULT_RULES).items()}
+    return normalize_rules(DEFAULT_RULES)
 
 
 def normalize_rules(rules: Rules) -> dict[str, str | tuple[str, ...] | None]:

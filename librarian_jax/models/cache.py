@@ -10,14 +10,15 @@ from flax import struct
 
 from librarian_jax.models.config import ModelConfig
 
-KV_AXES = ("cache_batch", "cache_seq", "kv_heads", "head_dim")
+KV_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
 
 
 @struct.dataclass
 class Cache:
     """lengths int32 `[batch]` (tokens already in each row); layers: one dict per layer.
 
-    Attention layers: {"k", "v": `[batch, max_len, kv_heads, head_dim]`}; linear-attention layers:
+    Attention layers: {"k", "v": `[batch, kv_heads, max_len, head_dim]`} (heads before positions, so
+    attention reads each head's keys in place); linear-attention layers:
     {"conv": `[batch, conv_dim, kernel - 1]`, "state": `[batch, v_heads, k_head_dim, v_head_dim]` float32}.
     """
 
@@ -28,7 +29,7 @@ class Cache:
     def max_len(self) -> int:
         for layer in self.layers:
             if "k" in layer:
-                return int(layer["k"].shape[1])
+                return int(layer["k"].shape[2])
         raise ValueError("Cache has no attention layer, so no max_len")
 
 
@@ -50,7 +51,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
             shapes = _gated_deltanet().cache_shapes(config, batch_size)
             layers.append({name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()})
         else:
-            shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+            shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
             layers.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
     return Cache(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
 

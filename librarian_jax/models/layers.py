@@ -124,19 +124,23 @@ Q_BLOCK = 512  # queries per block when a call has more than this many new token
 
 
 def _attend_dense(q, k, v, q_key_idx, key_valid, window, scale):
+    """One query block; q `[batch, seq, heads, head_dim]`, k/v `[batch, kv_heads, keys, head_dim]`."""
     b, s, h, d = q.shape
-    kvh = k.shape[2]
-    k_idx = jnp.arange(k.shape[1], dtype=jnp.int32)
+    kvh, t = k.shape[1], k.shape[2]
+    k_idx = jnp.arange(t, dtype=jnp.int32)
     allowed = k_idx[None, None, :] <= q_key_idx[:, :, None]  # [batch, seq, keys]
     if window is not None:
         allowed &= (q_key_idx[:, :, None] - k_idx[None, None, :]) < window
     if key_valid is not None:
         allowed &= key_valid[:, None, :]
+    # GQA without repeating K/V: queries grouped per KV head `[batch, seq, kv_heads, group, head_dim]`; both
+    # products are batched over (batch, kv_heads) and read K/V in their stored `[batch, kv_heads, keys,
+    # head_dim]` layout, so the compiled decode step neither copies nor transposes the cache.
     qg = q.reshape(b, s, kvh, h // kvh, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG)
+    scores = jnp.einsum("bskgd,bktd->bksgt", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed[:, None, :, None, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)
+    return jnp.einsum("bksgt,bktd->bskgd", probs, v).reshape(b, s, h, d)
 
 
 def attend(
@@ -152,7 +156,7 @@ def attend(
 ) -> jax.Array:
     """Causal grouped-query softmax attention.
 
-    q `[batch, seq, heads, head_dim]`; k/v `[batch, keys, kv_heads, head_dim]`; q_key_idx int32 `[batch, seq]`
+    q `[batch, seq, heads, head_dim]`; k/v `[batch, kv_heads, keys, head_dim]`; q_key_idx int32 `[batch, seq]`
     is each query's own index on the key axis: query s of row b sees key t iff t <= q_key_idx[b, s], and
     q_key_idx[b, s] - t < window (sliding layers), and key_valid[b, t] (bool `[batch, keys]`, optional).
     Returns `[batch, seq, heads, head_dim]`. Scores and softmax in float32, probabilities cast to v's dtype.
@@ -215,7 +219,7 @@ class Attention(nnx.Module):
 
         x `[batch, seq, hidden]`; rope = (cos, sin) `[batch, seq, rotary_dim // 2]`; mask bool `[batch, seq]`
         (True = real token, padding a suffix). Without a cache, token s sees tokens t <= s that are real.
-        With `cache` = {"k", "v": `[batch, max_len, kv_heads, head_dim]`} and `lengths` int32 `[batch]`: new
+        With `cache` = {"k", "v": `[batch, kv_heads, max_len, head_dim]`} and `lengths` int32 `[batch]`: new
         token t of row b is written at cache index lengths[b] + t (padded tokens are not written) and attends
         to cache indices <= lengths[b] + t. Sliding layers also drop keys whose index is `window` or more
         below the query's (HF: kv_idx > q_idx - sliding_window). Returns (y `[batch, seq, hidden]`, new cache
@@ -239,16 +243,21 @@ class Attention(nnx.Module):
         if cache is None:
             q_key_idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             key_valid, new_cache = mask, None
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, seq, head_dim]
         else:
-            max_len = cache["k"].shape[1]
+            max_len = cache["k"].shape[2]
             q_key_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
             write_idx = jnp.where(mask, q_key_idx, max_len)  # padded tokens -> out of range -> dropped
             rows = jnp.arange(b)[:, None]
+            # cache[b, :, write_idx[b, t]] = k[b, t]: the advanced indices (rows, write_idx) lead, so the
+            # update is k as computed, `[batch, seq, kv_heads, head_dim]`.
             new_cache = {
-                "k": cache["k"].at[rows, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
-                "v": cache["v"].at[rows, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
+                "k": cache["k"].at[rows, :, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
+                "v": cache["v"].at[rows, :, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
             }
-            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+            k, v = new_cache["k"], new_cache["v"]
+            if k.dtype != q.dtype:
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             key_valid = None  # every index <= q_key_idx was written by a real token of this row
 
         out = attend(q, k, v, q_key_idx, key_valid=key_valid, window=self.window, scale=self.scale)

@@ -1,11 +1,12 @@
 """Logical axis names -> mesh axes.
 
 Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, mlp, norm, conv, lin_heads`)
-in its `out_sharding` metadata (set with `nnx.with_partitioning`); the KV cache uses `cache_batch, cache_seq,
-kv_heads, head_dim, lin_heads` (see `cache_logical_axes`). `DEFAULT_RULES` maps them onto a mesh with axes
-named `data` (batch), `fsdp` (parameter sharding over the embedding dim) and `model` (tensor parallel). Mesh
-axes a rule names but the mesh lacks, and mesh axes that do not divide a dimension, are dropped (that
-dimension is replicated), so the same rules work on 1 device, a CPU test mesh and a pod slice.
+in its `out_sharding` metadata (set with `nnx.with_partitioning`); the KV cache uses `cache_batch, kv_heads,
+cache_seq, head_dim, lin_heads` (see `cache_logical_axes`). `DEFAULT_RULES` maps them onto a mesh with axes
+named `data` (batch), `fsdp` (parameter sharding over the embedding dim) and `tensor` (tensor parallel), the
+axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks, and mesh axes that do not divide a
+dimension, are dropped (that dimension is replicated), so the same rules work on 1 device, a CPU test mesh
+and a pod slice.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ Rules = Mapping[str, str | tuple[str, ...] | None]
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
-    "vocab": "model",
+    "vocab": "tensor",
     "embed": "fsdp",
-    "heads": "model",
-    "kv_heads": "model",
-    "mlp": "model",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
     "norm": None,
-    "conv": "model",
-    "lin_heads": "model",
+    "conv": "tensor",
+    "lin_heads": "tensor",
     # cache
     "cache_batch": "data",
     "cache_seq": None,
