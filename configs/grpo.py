@@ -80,7 +80,8 @@ def _base() -> ml_collections.ConfigDict:
         weight_decay=0.0,
         grad_clip=1.0,
         micro_batches=1,
-        remat=False,
+        remat="none",           # "none" | "full" (whole forward) | "layer" (each decoder layer)
+        logits_chunk=1024,      # logits of this many positions at a time (rematerialised); 0 = all at once
         loss="ppo",             # rl.losses registry
         eps_low=0.2,
         eps_high=0.28,
@@ -121,8 +122,8 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
     # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch).
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
-                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat=True,
-                   max_seq_len=16384)
+                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat="full",
+                   logits_chunk=1024, max_seq_len=16384)
     c.eval.update(every=20, num_tasks=16, repeats=4)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
     c.checkpoint.update(every=10, keep=3)

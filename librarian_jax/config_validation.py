@@ -162,6 +162,10 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _float(config, "train.weight_decay", 0.0)
     _float(config, "train.grad_clip", 0.0)
     _int(config, "train.micro_batches", 1)
+    remat = _get(config, "train.remat")
+    if not isinstance(remat, bool) and remat not in ("none", "full", "layer"):
+        raise _err("train.remat", f"must be one of ['full', 'layer', 'none'] (or a bool), got {remat!r}")
+    _int(config, "train.logits_chunk", 0)
     _choice(config, "train.loss", LOSSES)
     _float(config, "train.eps_low", 0.0, 1.0, lo_open=True)
     _float(config, "train.eps_high", 0.0, lo_open=True)

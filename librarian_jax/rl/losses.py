@@ -6,7 +6,8 @@ Per token, with `r = exp(clip(logp - logp_old, -20, 20))`:
   TIS           `l *= stop_gradient(min(exp(logp_old - logp_sampler), tis_cap))` — truncated importance
                 sampling against the sampler's log-probs (`tis_cap = 0` turns it off)
   KL (optional) `l += beta * k3`, `k3 = exp(ref - logp) - (ref - logp) - 1` (low-variance estimator)
-Log-probs come from the trainer's logits divided by the sampling temperature (`token_logprobs`).
+Log-probs come from the trainer's logits divided by the sampling temperature (`token_logprobs`, or
+`chunked_token_logprobs` from the final hidden states, a sequence chunk of logits at a time).
 
 Aggregations (every one is `sum / count`; sums and counts add over micro-batches):
   `token_mean`     sum = sum_{b,t} w_b m_bt l_bt,             count = sum_{b,t} w_b m_bt        (DAPO)
@@ -53,6 +54,48 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
     ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([pad, lp], axis=1), jnp.concatenate([pad, ent], axis=1)
+
+
+def chunked_token_logprobs(project: Callable[[jax.Array], jax.Array], hidden: jax.Array, tokens: jax.Array,
+                           temperature: float = 1.0, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """`token_logprobs(project(hidden), tokens, temperature)` without ever holding all `[B, T, V]` logits.
+
+    project: hidden `[B, c, H]` -> logits float32 `[B, c, V]` (e.g. `Transformer.project`); hidden `[B, T, H]`
+    (final-norm states, activation dtype); tokens int `[B, T]`. The T positions are cut into
+    `n = ceil(T / chunk)` equal chunks of `c = ceil(T / n) <= chunk` positions (the last padded by fewer than
+    `n` positions); `lax.map` runs one rematerialised (`jax.checkpoint`) chunk at a time, so the forward pass
+    keeps only each chunk's `[B, c]` outputs and the backward pass recomputes one chunk's `[B, c, V]` logits
+    at a time. Values and gradients equal `token_logprobs`'s (up to fp32 summation order).
+    Returns (logprobs `[B, T]`, entropy `[B, T]`) float32; position 0 gets 0.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunked_token_logprobs: chunk must be > 0, got {chunk}")
+    b, t, h = hidden.shape
+    if tokens.shape != (b, t):
+        raise ValueError(f"chunked_token_logprobs: tokens {tokens.shape} do not match hidden {hidden.shape}")
+    n = -(-t // chunk)
+    c = -(-t // n)
+    pad = n * c - t
+    # position p predicts token p + 1; the last position (and the padding) predicts nothing (target 0, cut)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1 + pad), tokens.dtype)], axis=1)
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    hidden = hidden.reshape(b, n, c, h).swapaxes(0, 1)  # [n, B, c, H]
+    targets = targets.reshape(b, n, c).swapaxes(0, 1)  # [n, B, c]
+
+    @jax.checkpoint
+    def one_chunk(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h_c, tgt = xs
+        logits = project(h_c).astype(jnp.float32) / temperature
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(logp_all, tgt[..., None], axis=-1)[..., 0]
+        ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return lp, ent
+
+    lp, ent = jax.lax.map(one_chunk, (hidden, targets))  # [n, B, c] each
+    lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
+    ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
+    zero = jnp.zeros((b, 1), jnp.float32)
+    return jnp.concatenate([zero, lp], axis=1), jnp.concatenate([zero, ent], axis=1)
 
 
 def aggregate(per_token: jax.Array, loss_mask: jax.Array, row_weights: jax.Array, mode: str,

@@ -61,7 +61,26 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     micro_batches: int = 1
     old_logprobs: str = "trainer"  # "trainer" | "sampler"
-    remat: bool = False
+    # "none" | "full" (the whole forward pass, matmul outputs kept) | "layer" (each decoder layer: only its
+    # input is kept, everything inside is recomputed). The bools False / True mean "none" / "full".
+    remat: bool | str = "none"
+    # Log-probs and entropies are computed from the final hidden states `logits_chunk` positions at a time
+    # (each chunk rematerialised: at most one chunk's `[rows, chunk, vocab]` logits exist, forward or
+    # backward). 0 = one `[rows, seq, vocab]` logits array.
+    logits_chunk: int = 1024
+
+
+REMAT_MODES = ("none", "full", "layer")
+
+
+def remat_mode(value: bool | str) -> str:
+    """`train.remat` as one of REMAT_MODES (False -> "none", True -> "full"); anything else is an error."""
+    if value is True or value is False:
+        return "full" if value else "none"
+    if isinstance(value, str) and value in REMAT_MODES:
+        return value
+    raise ValueError(f"train.remat: {value!r} is not one of {list(REMAT_MODES)} (or a bool: False = 'none', "
+                     f"True = 'full')")
 
 
 # ----------------------------------------------------------------------------------------------- optimizer
@@ -116,13 +135,18 @@ def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = ".
     """Wraps `model` with qwix LoRA adapters (`nnx.LoRAParam`, A he-uniform, B zero) on every matmul whose
     module path matches the regex `module_path`. Returns a new module; the input model is not changed.
 
-    qwix 0.1.8 creates the adapters by running the model once on `example_len` dummy tokens.
+    qwix 0.1.8 creates the adapters by running the model once on `example_len` dummy tokens, and applies them
+    only inside ONE intercepted method of the top module. For a model with `hidden` (our Transformer, whose
+    `__call__` is `project(hidden(...))`) that method is `hidden`, so `model(...)`, `model.hidden(...)` and
+    hence the chunked log-probs all see the adapters (intercepting `__call__` would leave `hidden` without
+    them). `project` (the lm_head / tied embedding) has no adapter either way.
     """
     import qwix  # local import: only LoRA runs need it
 
     provider = qwix.LoraProvider(module_path=module_path, rank=rank, alpha=alpha)
     tokens = jnp.zeros((1, example_len), jnp.int32)
-    lora_model = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(seed))
+    method = "hidden" if callable(getattr(model, "hidden", None)) else "__call__"
+    lora_model = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(seed), methods=(method,))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
     if n == 0:
         raise ValueError(f"apply_lora: module_path {module_path!r} matched no matmul of the model")
@@ -131,6 +155,13 @@ def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = ".
 
 def has_lora(model: nnx.Module) -> bool:
     return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+
+
+def _lora_applies_in_hidden(model: nnx.Module) -> bool:
+    """False for a qwix model whose adapters live only in an intercepted `__call__` (so `hidden` and the
+    chunked log-probs would silently run the base model)."""
+    cls = type(model)
+    return not hasattr(cls, "_unquantized_type") or "hidden" in cls.__dict__
 
 
 # ----------------------------------------------------------------------------------------------- sharding
@@ -188,7 +219,6 @@ class Trainer:
 
     def __init__(self, model: nnx.Module, config: TrainConfig, *, mesh: Mesh | None = None,
                  rules: Any = None):
-        self.config = config
         self.mesh = mesh
         self.lora = has_lora(model)
         self.wrt = nnx.LoRAParam if self.lora else nnx.Param
@@ -198,6 +228,18 @@ class Trainer:
         if config.old_logprobs not in ("trainer", "sampler"):
             raise ValueError(f"train.old_logprobs: {config.old_logprobs!r} is not 'trainer' or 'sampler'")
         losses_lib.get_loss_fn(config.loss.name)  # fail early on an unknown name
+        config = dataclasses.replace(config, remat=remat_mode(config.remat))
+        chunk = config.logits_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"train.logits_chunk: must be an integer >= 0 (0 = off), got {chunk!r}")
+        if chunk and not callable(getattr(model, "hidden", None)):
+            raise ValueError(f"train.logits_chunk={chunk} needs a model with hidden()/project() "
+                             f"({type(model).__name__} has none); set it to 0")
+        if self.lora and (chunk or config.remat == "layer") and not _lora_applies_in_hidden(model):
+            raise ValueError("this LoRA model applies its adapters only in __call__, not in hidden(): "
+                             "wrap the base model with rl.apply_lora (or set train.logits_chunk=0, "
+                             "train.remat != 'layer')")
+        self.config = config
         self.graphdef, params, rest = nnx.split(model, self.wrt, ...)
         # The trainer owns a copy of the trainable arrays (its update donates them); the caller's model and
         # any engine built from it stay valid until they receive `policy_state()`.
@@ -305,6 +347,26 @@ class Trainer:
                 out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
         return out
 
+    def memory_analysis(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, int] | None:
+        """What the compiled `update` program for this batch shape needs on one device, in bytes (XLA's
+        `compile().memory_analysis()`): `temp_bytes` (activations, logits, gradients in flight),
+        `argument_bytes`, `output_bytes`, `alias_bytes` (donated), `peak_bytes` (temp + arguments + outputs -
+        aliased) — or None where the backend does not report it. Compiles; runs nothing."""
+        arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
+        lr = jnp.zeros((), jnp.float32)
+        compiled = _update_step.lower(self.graphdef, _static_config(self.config), self._out_shardings,
+                                      self.params, self.opt_state, self.rest, self.ref_params,
+                                      self._device_batch(arrays), lr).compile()
+        stats = compiled.memory_analysis()
+        if stats is None:
+            return None
+        out = {"temp_bytes": int(stats.temp_size_in_bytes),
+               "argument_bytes": int(stats.argument_size_in_bytes),
+               "output_bytes": int(stats.output_size_in_bytes), "alias_bytes": int(stats.alias_size_in_bytes)}
+        out["peak_bytes"] = (out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"]
+                             - out["alias_bytes"])
+        return out
+
     def loss_and_grads(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> tuple[float, Any]:
         """The batch loss and its gradient w.r.t. the trainable params, without updating (for tests and
         diagnostics; micro-batched exactly like `update`)."""
@@ -319,20 +381,75 @@ class Trainer:
 # one compiled program (a resumed run, tests, an eval trainer).
 
 
+class _RematLayer(nnx.Module):
+    """Stands in for one decoder layer inside a traced forward pass: calls it under `jax.checkpoint` with
+    nothing saved but its inputs, so the backward pass recomputes the layer. The layer is split and merged
+    inside the checkpoint (modules that write to themselves when called, as qwix's LoRA does, stay in one
+    trace); other attributes (e.g. `layer_type`) read through to the layer."""
+
+    def __init__(self, layer: nnx.Module):
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "layer":  # not set yet (e.g. during copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.layer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphdef, state = nnx.split(self.layer)
+
+        @jax.checkpoint
+        def call(state: Any, args: tuple, kwargs: dict) -> Any:
+            return nnx.merge(graphdef, state)(*args, **kwargs)
+
+        return call(state, args, kwargs)
+
+
+def _remat_layers(model: nnx.Module) -> None:
+    """Swaps every decoder layer of a model merged inside the trace for a `_RematLayer` (the caller's model
+    is never touched: this runs on the trace's own copy). Relies on `Transformer.hidden` calling
+    `self.layers[i](x, ...)` one by one; a models-side `remat` option would replace this."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nnx.List) or not all(isinstance(x, nnx.Module) for x in layers):
+        raise ValueError(f"train.remat='layer': {type(model).__name__} has no `layers` list of modules to "
+                         f"rematerialise one by one; use 'full' or 'none'")
+    for i in range(len(layers)):
+        layers[i] = _RematLayer(layers[i])
+
+
 def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, tokens: jax.Array,
                       valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits."""
+    """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits.
+
+    `logits_chunk > 0`: hidden states `[B, T, H]` then `chunked_token_logprobs` (never a `[B, T, V]` array);
+    else the model's own logits `[B, T, V]`. `remat` "full" checkpoints the whole model call, "layer" each
+    decoder layer (see TrainConfig)."""
+    mode = remat_mode(config.remat)
+    chunk = config.logits_chunk
+
     def run(params: Any, rest: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
         # merged inside the (possibly rematerialised) trace: modules that write to themselves when called
         # (qwix's LoRA interception does) stay at one trace level
-        return nnx.merge(graphdef, params, rest)(tokens, mask=valid)[0]
+        model = nnx.merge(graphdef, params, rest)
+        if mode == "layer":
+            _remat_layers(model)
+        if chunk:
+            return model.hidden(tokens, mask=valid)[0]
+        return model(tokens, mask=valid)[0]
 
-    if config.remat:
+    if mode == "full":
         # Keeps matmul outputs without batch dims (projections, MLP) and recomputes attention scores and
         # elementwise ops in the backward pass.
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    logits = run(params, rest, tokens, valid)
-    return losses_lib.token_logprobs(logits, tokens, config.loss.temperature)
+    out = run(params, rest, tokens, valid)
+    if not chunk:
+        return losses_lib.token_logprobs(out, tokens, config.loss.temperature)
+
+    def project(hidden: jax.Array) -> jax.Array:
+        # only the projection's params are read here; merged inside the chunk's trace like `run`
+        return nnx.merge(graphdef, params, rest).project(hidden)
+
+    return losses_lib.chunked_token_logprobs(project, out, tokens, config.loss.temperature, chunk)
 
 
 def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
