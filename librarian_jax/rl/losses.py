@@ -19,6 +19,7 @@ with `w_b` the row weights (1 / rows of the episode; 0 for padding) and `m` the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -82,7 +83,8 @@ def chunked_token_logprobs(project: Callable[[jax.Array], jax.Array], hidden: ja
     hidden = hidden.reshape(b, n, c, h).swapaxes(0, 1)  # [n, B, c, H]
     targets = targets.reshape(b, n, c).swapaxes(0, 1)  # [n, B, c]
 
-    @jax.checkpoint
+    # nothing saved but the chunk's inputs; lax.map (a scan) already keeps the recomputation from being CSE'd
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def one_chunk(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h_c, tgt = xs
         logits = project(h_c).astype(jnp.float32) / temperature

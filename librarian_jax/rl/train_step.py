@@ -10,6 +10,12 @@
   gradient equals the full-batch gradient exactly) -> clip -> AdamW -> a non-finite loss or gradient keeps
   the old params and optimizer state (the step is logged as skipped; the run goes on).
 
+Memory: log-probs come from the final hidden states `logits_chunk` positions at a time
+(`losses.chunked_token_logprobs`, each chunk rematerialised), so no `[rows, seq, vocab]` logits array
+exists in the forward or backward pass; `remat` = "full" checkpoints the whole model call, "layer" each
+decoder layer.
+`memory_analysis(batch)` reports what the compiled step needs.
+
 One optimizer update per rollout batch. The PPO ratio's old log-probs are either the trainer's own
 (`old_logprobs="trainer"`: `stop_gradient(logp)`, exact for one update per batch; TIS then corrects the
 sampler/trainer mismatch) or the sampler's (`"sampler"`: the ratio itself measures the mismatch).
