@@ -94,8 +94,10 @@ def test_tiny_preset_bf16_and_cache_tree():
     axes = cache_logical_axes(config)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
     assert jax.tree.structure(cache) == jax.tree.structure(axes, is_leaf=is_axes)
-    assert cache.layers[0]["k"].shape == (2, 2, 16, 32) and cache.layers[0]["k"].dtype == jnp.bfloat16
-    assert axes.layers[0]["k"] == ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+    assert cache.layers[0]["k"].shape == (2, 2, 32, 16) and cache.layers[0]["k"].dtype == jnp.bfloat16
+    assert axes.layers[0]["k"] == ("cache_batch", "kv_heads", "head_dim", "cache_seq")
+    assert cache.layers[0]["v"].shape == (2, 2, 16, 32)
+    assert axes.layers[0]["v"] == ("cache_batch", "kv_heads", "cache_seq", "head_dim")
     call = _jit_call(model)
     tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
     logits, cache = call(tokens, cache, jnp.ones((2, 5), bool))
@@ -111,14 +113,14 @@ def test_query_blocked_attention_equals_dense():
     rng = np.random.default_rng(1)
     b, s, t = 2, 11, 16
     q = jnp.asarray(rng.normal(size=(b, s, 4, 8)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(b, 2, t, 8)), jnp.float32)  # [batch, kv_heads, keys, head_dim]
+    kt = jnp.asarray(rng.normal(size=(b, 2, 8, t)), jnp.float32)  # [batch, kv_heads, head_dim, keys]
     v = jnp.asarray(rng.normal(size=(b, 2, t, 8)), jnp.float32)
     q_key_idx = jnp.asarray([[3], [5]]) + jnp.arange(s)[None, :]
     key_valid = jnp.asarray(np.arange(t)[None, :] < np.array([[14], [16]]))
 
     @functools.partial(jax.jit, static_argnums=1)
     def value_and_grad(q, block):
-        f = lambda q: attend(q, k, v, q_key_idx, key_valid=key_valid, window=5, scale=0.3, block=block)
+        f = lambda q: attend(q, kt, v, q_key_idx, key_valid=key_valid, window=5, scale=0.3, block=block)
         out, vjp = jax.vjp(f, q)
         return out, vjp(jnp.cos(out))[0]
 

@@ -10,16 +10,18 @@ from flax import struct
 
 from librarian_jax.models.config import ModelConfig
 
-KV_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+K_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
+V_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
 
 
 @struct.dataclass
 class Cache:
     """lengths int32 `[batch]` (tokens already in each row); layers: one dict per layer.
 
-    Attention layers: {"k", "v": `[batch, kv_heads, max_len, head_dim]`} (heads before positions, so
-    attention reads each head's keys in place); linear-attention layers:
-    {"conv": `[batch, conv_dim, kernel - 1]`, "state": `[batch, v_heads, k_head_dim, v_head_dim]` float32}.
+    Attention layers: {"k": `[batch, kv_heads, head_dim, max_len]` (keys transposed), "v": `[batch, kv_heads,
+    max_len, head_dim]`}: the layouts in which decode attention's two matmuls read them in place.
+    Linear-attention layers: {"conv": `[batch, conv_dim, kernel - 1]`, "state": `[batch, v_heads, k_head_dim,
+    v_head_dim]` float32}.
     """
 
     lengths: Any
@@ -28,8 +30,8 @@ class Cache:
     @property
     def max_len(self) -> int:
         for layer in self.layers:
-            if "k" in layer:
-                return int(layer["k"].shape[2])
+            if "v" in layer:
+                return int(layer["v"].shape[2])
         raise ValueError("Cache has no attention layer, so no max_len")
 
 
@@ -51,8 +53,9 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
             shapes = _gated_deltanet().cache_shapes(config, batch_size)
             layers.append({name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()})
         else:
-            shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
-            layers.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+            kvh, d = config.num_kv_heads, config.head_dim
+            layers.append({"k": jnp.zeros((batch_size, kvh, d, max_len), dtype),
+                           "v": jnp.zeros((batch_size, kvh, max_len, d), dtype)})
     return Cache(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
 
 
@@ -63,5 +66,5 @@ def cache_logical_axes(config: ModelConfig) -> Cache:
         if t == "linear_attention":
             layers.append(dict(_gated_deltanet().cache_axes()))
         else:
-            layers.append({"k": KV_AXES, "v": KV_AXES})
+            layers.append({"k": K_AXES, "v": V_AXES})
     return Cache(lengths=("cache_batch",), layers=tuple(layers))
