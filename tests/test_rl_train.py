@@ -55,16 +55,18 @@ def one_layer() -> models.Transformer:
 
 def test_micro_batched_gradients_equal_full_batch(one_layer):
     """sequence_mean with unequal row weights (the other modes' additivity: test_rl_losses). The
-    micro-batched trainer also rematerialises, and with 8 devices it is sharded (data 2 x fsdp 2 x tensor 2)
-    and keeps the engine's layout."""
+    micro-batched trainer also rematerialises each layer and computes log-probs in chunks of 5 positions
+    (the full one: all logits at once), and with 8 devices it is sharded (data 2 x fsdp 2 x tensor 2) and
+    keeps the engine's layout."""
     from librarian_jax.engine import make_mesh
 
     model = one_layer
     loss_cfg = losses.LossConfig(aggregation="sequence_mean", tis_cap=2.0)
     batch = random_batch(rows=8)
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if jax.device_count() >= 8 else None
-    full = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=1))
-    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=2, remat=True), mesh=mesh)
+    full = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=1, logits_chunk=0))
+    micro = ts.Trainer(model, ts.TrainConfig(loss=loss_cfg, micro_batches=2, remat="layer", logits_chunk=5),
+                       mesh=mesh)
     l1, g1 = full.loss_and_grads(batch)
     l4, g4 = micro.loss_and_grads(batch)
     np.testing.assert_allclose(l4, l1, rtol=2e-5)

@@ -403,12 +403,19 @@ class _RematLayer(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphdef, state = nnx.split(self.layer)
+        # array leaves of the call's arguments go through the checkpoint; anything else (python scalars,
+        # strings) is closed over as static
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        is_array = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
 
         @jax.checkpoint
-        def call(state: Any, args: tuple, kwargs: dict) -> Any:
-            return nnx.merge(graphdef, state)(*args, **kwargs)
+        def call(state: Any, arrays: list) -> Any:
+            it = iter(arrays)
+            a, kw = jax.tree.unflatten(treedef, [next(it) if arr else x for x, arr in zip(leaves, is_array,
+                                                                                         strict=True)])
+            return nnx.merge(graphdef, state)(*a, **kw)
 
-        return call(state, args, kwargs)
+        return call(state, [x for x, arr in zip(leaves, is_array, strict=True) if arr])
 
 
 def _remat_layers(model: nnx.Module) -> None:
