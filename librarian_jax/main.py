@@ -127,7 +127,8 @@ def train_config(config: Any) -> Any:
                                      decay=t.decay, total_steps=max(t.num_steps, 1),
                                      end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
                                      grad_clip=t.grad_clip),
-        micro_batches=t.micro_batches, old_logprobs=t.old_logprobs, remat=t.remat)
+        micro_batches=t.micro_batches, old_logprobs=t.old_logprobs, remat=t.remat,
+        logits_chunk=t.logits_chunk)
 
 
 # ------------------------------------------------------------------------------------------- metrics

@@ -42,6 +42,15 @@ def test_default_and_paper_presets():
         mod.get_config("nope")
 
 
+def test_train_keys_reach_the_trainer_config():
+    from librarian_jax import main
+
+    c = grpo().get_config()
+    c.train.logits_chunk, c.train.remat, c.train.micro_batches = 256, "layer", 2
+    t = main.train_config(c)
+    assert (t.logits_chunk, t.remat, t.micro_batches) == (256, "layer", 2)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("train.num_steps", -1, r"config\.train\.num_steps: must be >= 0, got -1"),
     ("rollout.group_size", 0, r"config\.rollout\.group_size: must be >= 1, got 0"),
