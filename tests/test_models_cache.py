@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import glob
+import math
 import os
+import re
 
 import flax.nnx as nnx
 import jax
@@ -141,3 +143,40 @@ def test_init_model_creates_params_in_their_shardings():
     down = model.layers[0].mlp.down_proj.kernel[...]
     assert down.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     assert float(jnp.std(emb)) == pytest.approx(0.02, rel=0.1)
+
+
+def test_decode_drops_padded_and_out_of_range_writes_and_reads_cache_in_place():
+    """One decode step (batch 3, seq 1) with a row that is padding and a row whose cache is full: neither
+    write lands (and nothing raises), the real row's write does; the compiled step never copies or
+    transposes a cache-sized buffer (K/V are read where they are stored)."""
+    config = get_preset("tiny", num_layers=1, vocab_size=64, dtype="float32", param_dtype="float32")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    max_len = 7  # K/V element count (3 * 2 * 32 * 7) differs from every activation's
+
+    def step(state, tokens, cache, mask):
+        return nnx.merge(graphdef, state)(tokens, cache=cache, mask=mask)
+
+    rng = np.random.default_rng(0)
+    cache = init_cache(config, 3, max_len)
+    k0, v0 = (jnp.asarray(rng.normal(size=cache.layers[0][n].shape), jnp.float32) for n in ("k", "v"))
+    cache = cache.replace(lengths=jnp.asarray([2, 3, max_len], jnp.int32), layers=({"k": k0, "v": v0},))
+    k0, v0 = np.asarray(k0), np.asarray(v0)
+    tokens, mask = jnp.asarray([[5], [6], [7]], jnp.int32), jnp.asarray([[True], [False], [True]])
+    compiled = jax.jit(step, donate_argnums=2).lower(state, tokens, cache, mask).compile()  # as the engine
+    _, new = compiled(state, tokens, cache, mask)
+
+    np.testing.assert_array_equal(np.asarray(new.lengths), [3, 3, max_len + 1])
+    k1, v1 = np.asarray(new.layers[0]["k"]), np.asarray(new.layers[0]["v"])  # [b, kvh, d, T], [b, kvh, T, d]
+    np.testing.assert_array_equal(k1[1:], k0[1:])  # padded row and full row: untouched
+    np.testing.assert_array_equal(v1[1:], v0[1:])
+    changed_k = np.nonzero((k1[0] != k0[0]).any(axis=(0, 1)))[0]
+    changed_v = np.nonzero((v1[0] != v0[0]).any(axis=(0, 2)))[0]
+    assert changed_k.tolist() == [2] and changed_v.tolist() == [2]  # row 0 wrote at its length only
+
+    # any copy/transpose of as many elements as a K/V leaf, in whatever shape (the old layout transposed the
+    # cache to [batch, kv_heads, len, head_dim] on every step)
+    moved = [line.strip() for line in compiled.as_text().splitlines()
+             if (m := re.search(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", line))
+             and math.prod(int(x) for x in m.group(1).split(",")) == k0[0].size * 3]
+    assert not moved, "\n".join(moved)
