@@ -631,6 +631,21 @@ class Workspace:
         return t
 
     # ------------------------------------------------------------------------------------------------ create
+    def _check_title_turn_sources(
+        self, title: object, turn: object, paths: object, *, as_child: bool
+    ) -> tuple[str, int, list[tuple[str, str]]] | ActionResult:
+        """The checks create_file and merge_files share: title, turn, then the source / child paths."""
+        t = self._check_title(title)
+        if isinstance(t, ActionResult):
+            return t
+        turn_v = self._check_turn(turn)
+        if isinstance(turn_v, ActionResult):
+            return turn_v
+        srcs = self._sources(paths, as_child=as_child)
+        if isinstance(srcs, ActionResult):
+            return srcs
+        return t, turn_v, srcs
+
     def check_create(
         self, title: object, input_paths: object, parent_path: object = None, turn: object = 0
     ) -> ActionResult:
@@ -638,15 +653,10 @@ class Workspace:
 
         On success `data` holds `title`, `raw_sources` (handles), `synthetic_sources` (node ids), `parent`
         (node id or None), `turn` and `source_paths`."""
-        t = self._check_title(title)
-        if isinstance(t, ActionResult):
-            return t
-        turn_v = self._check_turn(turn)
-        if isinstance(turn_v, ActionResult):
-            return turn_v
-        srcs = self._sources(input_paths, as_child=False)
-        if isinstance(srcs, ActionResult):
-            return srcs
+        common = self._check_title_turn_sources(title, turn, input_paths, as_child=False)
+        if isinstance(common, ActionResult):
+            return common
+        t, turn_v, srcs = common
         par = self._parent(parent_path)
         if isinstance(par, ActionResult):
             return par
@@ -743,15 +753,10 @@ class Workspace:
         """Validate a merge_files call without changing anything. On success `data` holds `title`,
         `children` (node ids), `parent` (node id or None, the default already applied), `turn`,
         `child_paths`."""
-        t = self._check_title(title)
-        if isinstance(t, ActionResult):
-            return t
-        turn_v = self._check_turn(turn)
-        if isinstance(turn_v, ActionResult):
-            return turn_v
-        srcs = self._sources(child_paths, as_child=True)
-        if isinstance(srcs, ActionResult):
-            return srcs
+        common = self._check_title_turn_sources(title, turn, child_paths, as_child=True)
+        if isinstance(common, ActionResult):
+            return common
+        t, turn_v, srcs = common
         children = [ref for _, ref in srcs]
         child_set = set(children)
         for c in children:
