@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -199,18 +200,10 @@ def test_excerpt_sources_splits_workspace_headers():
 
 
 def test_prompts_load_and_fill():
-    for name in (
-        "builder_system",
-        "builder_user",
-        "builder_compacted",
-        "answerer_system",
-        "answerer_user",
-        "answerer_forced",
-        "executor_system",
-        "executor",
-        "judge",
-        "compaction",
-    ):
+    # Every prompt file shipped is a known prompt and every known prompt has a file.
+    shipped = {p.stem for p in (Path(prompt_text.__file__).parent / "prompts").glob("*.txt")}
+    assert shipped == set(prompt_text.PROMPT_NAMES)
+    for name in prompt_text.PROMPT_NAMES:
         assert prompt_text.load(name).strip()
     s = prompt_text.render("judge", question="Q?", gold="a | b", prediction='{"x": 1}')
     assert "Q?" in s and '{"correct": 1}' in s
