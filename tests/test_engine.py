@@ -279,3 +279,86 @@ def test_sample_logprobs_topk_topp():
     nucleus = order[3, : int(np.searchsorted(np.cumsum(p), 0.5) + 1)]
     assert set(draws[:, 3]) <= set(nucleus)
     assert len(set(draws[:, 1])) > 5  # plain T=1 sampling spreads out
+
+
+def test_sample_fast_paths_equal_general_path():
+    # ``sample`` switches per batch to an argmax-only path (all greedy) or a no-sort path (temperature only);
+    # both must return exactly what the general path returns for the same seeds.
+    from librarian_jax.engine.sampling import _sample_general
+
+    rng = np.random.default_rng(1)
+    n, vocab = 8, 64
+    fast, general = jax.jit(sample), jax.jit(_sample_general)
+    greedy_row = rng.random(n) < 0.4
+    cases = {
+        "greedy": (np.zeros(n), np.zeros(n), np.ones(n)),
+        "greedy_via_top_k_1": (rng.uniform(0.5, 2, n), np.ones(n), rng.uniform(0.2, 1, n)),
+        "temperature": (rng.uniform(0.3, 2, n), np.zeros(n), np.ones(n)),
+        "temperature_and_greedy": (
+            np.where(greedy_row, 0.0, rng.uniform(0.3, 2, n)),
+            np.zeros(n),
+            np.ones(n),
+        ),
+        "top_k": (rng.uniform(0.3, 2, n), rng.integers(2, 10, n), np.ones(n)),
+        "top_p": (rng.uniform(0.3, 2, n), np.zeros(n), rng.uniform(0.2, 0.95, n)),
+        "mixed": (
+            np.where(greedy_row, 0.0, rng.uniform(0.3, 2, n)),
+            np.asarray([0, 1, 5, 0, 3, 0, 0, 2]),
+            np.asarray([1.0, 1.0, 1.0, 0.5, 0.8, 1.0, 0.3, 1.0]),
+        ),
+    }
+    for name, (t, k, p) in cases.items():
+        logits = jnp.asarray(rng.normal(size=(n, vocab)) * rng.uniform(0.5, 6), jnp.float32)
+        kw = dict(
+            temperature=jnp.asarray(t, jnp.float32),
+            top_k=jnp.asarray(k, jnp.int32),
+            top_p=jnp.asarray(p, jnp.float32),
+            seeds=jnp.asarray(rng.integers(0, 1000, n), jnp.int32),
+            streams=jnp.arange(n, dtype=jnp.int32),
+            positions=jnp.asarray(rng.integers(0, 300, n), jnp.int32),
+        )
+        got = [np.asarray(x) for x in fast(logits, **kw)]
+        want = [np.asarray(x) for x in general(logits, **kw)]
+        for g, w, what in zip(got, want, ("tokens", "logprobs", "processed_logprobs"), strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name}: {what}")
+        tok, lp, plp = got
+        is_greedy = (t <= 0) | (k == 1)
+        scale = np.where(t > 0, t, 1.0)[:, None]
+        full = np.asarray(jax.nn.log_softmax(logits / scale, axis=-1))
+        np.testing.assert_allclose(lp, full[np.arange(n), tok], rtol=1e-6, atol=1e-6, err_msg=name)
+        argmax = np.argmax(np.asarray(logits), -1)
+        np.testing.assert_array_equal(tok[is_greedy], argmax[is_greedy], err_msg=name)
+        assert np.all(plp[is_greedy] == 0.0), name
+        if name.startswith("temperature"):
+            np.testing.assert_array_equal(plp[~is_greedy], lp[~is_greedy], err_msg=name)
+            assert len(set(tok[~is_greedy]) - set(argmax)) > 0, f"{name}: draws look greedy"
+
+
+def test_sample_argmax_and_draw_match_jax():
+    # The sampler's own argmax (max + min over an iota) and categorical draw must equal jnp.argmax /
+    # jax.random.categorical exactly: ties -> first index, NaN -> first NaN, all -inf -> 0.
+    from librarian_jax.engine.sampling import _argmax, _draw
+
+    rng = np.random.default_rng(2)
+    x = rng.integers(-3, 3, size=(12, 40)).astype(np.float32)  # many ties
+    x[3, [5, 9]] = np.nan
+    x[4] = -np.inf
+    x[5, [0, 7]] = [np.inf, np.inf]
+    x[6] = 0.0
+    x[6, [2, 4]] = -0.0
+    x = jnp.asarray(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    assert int(_argmax(x)[3]) == 5 and int(_argmax(x)[4]) == 0
+
+    n = 6
+    logits = jnp.asarray(rng.normal(size=(n, 50)) * 2, jnp.float32)
+    seeds = jnp.asarray(rng.integers(0, 1000, n), jnp.int32)
+    streams = jnp.arange(n, dtype=jnp.int32)
+    for pos in range(5):
+        positions = jnp.full((n,), pos, jnp.int32)
+        keys = [
+            jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), st), pos)
+            for s, st in zip(seeds.tolist(), streams.tolist(), strict=True)
+        ]
+        want = [int(jax.random.categorical(k, r)) for k, r in zip(keys, logits, strict=True)]
+        np.testing.assert_array_equal(np.asarray(_draw(logits, seeds, streams, positions)), want)
