@@ -74,15 +74,18 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
 
 
 def build_tokenizer(config: Any, tasks: list[Any]) -> Any:
-    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained on the tasks (cached)."""
+    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached) on the tasks
+    plus the agents' own prompts and tool descriptions, so those encode compactly too."""
     from librarian_jax import data, tokenizers
+    from librarian_jax.agents import prompt_text
 
     if config.model.tokenizer:
         return tokenizers.load_tokenizer(config.model.tokenizer)
     if config.model.init == "hf":
         return tokenizers.load_tokenizer(config.model.path)
     cache = os.path.join(config.workdir, "tokenizer")
-    return tokenizers.cached_tokenizer(data.world_texts(tasks), cache, config.model.tokenizer_vocab_size)
+    texts = data.world_texts(tasks) + prompt_text.all_texts()
+    return tokenizers.cached_tokenizer(texts, cache, config.model.tokenizer_vocab_size)
 
 
 def build_model(config: Any, mesh: Any, tokenizer: Any) -> Any:
