@@ -153,6 +153,7 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     # train
     from librarian_jax.rl.advantages import ADVANTAGES
     from librarian_jax.rl.losses import AGGREGATIONS, LOSSES
+    from librarian_jax.rl.train_step import REMAT_MODES
 
     _int(config, "train.num_steps", 0)
     _float(config, "train.learning_rate", 0.0, lo_open=True)
@@ -163,8 +164,8 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _float(config, "train.grad_clip", 0.0)
     _int(config, "train.micro_batches", 1)
     remat = _get(config, "train.remat")
-    if not isinstance(remat, bool) and remat not in ("none", "full", "layer"):
-        raise _err("train.remat", f"must be one of ['full', 'layer', 'none'] (or a bool), got {remat!r}")
+    if not isinstance(remat, bool) and remat not in REMAT_MODES:
+        raise _err("train.remat", f"must be one of {sorted(REMAT_MODES)} (or a bool), got {remat!r}")
     _int(config, "train.logits_chunk", 0)
     _choice(config, "train.loss", LOSSES)
     _float(config, "train.eps_low", 0.0, 1.0, lo_open=True)
