@@ -13,10 +13,6 @@ sampling or cache updates.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +20,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import models
+from librarian_jax.bench.common import best_time, load_average
 from librarian_jax.engine import generate
 
 FLAGS = flags.FLAGS
@@ -32,16 +29,6 @@ flags.DEFINE_integer("new_tokens", 128, "new tokens per row")
 flags.DEFINE_integer("prompt_len", 16, "prompt tokens per row")
 flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
 flags.DEFINE_string("preset", "decode_bench", "model preset")
-
-
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up / compile
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, repeats: int) -> float:
@@ -79,7 +66,7 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
         return jax.lax.fori_loop(0, steps, step, x)
 
     x0 = jnp.ones((batch, h), jnp.float32)
-    return _best_time(lambda: run(x0).block_until_ready(), repeats)
+    return best_time(lambda: run(x0).block_until_ready(), repeats)[0]
 
 
 def hf_seconds(
@@ -123,7 +110,7 @@ def hf_seconds(
             )
         assert out.shape[1] == ids.shape[1] + new_tokens
 
-    return _best_time(run, repeats)
+    return best_time(run, repeats)[0]
 
 
 def main(argv: list[str]) -> None:
@@ -131,11 +118,10 @@ def main(argv: list[str]) -> None:
     config = models.get_preset(FLAGS.preset)
     model = models.Transformer(config, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    load = os.getloadavg()
     lines = [
         f"decode bench: preset {FLAGS.preset} ({params / 1e6:.1f}M params), prompt {FLAGS.prompt_len}, "
         f"{FLAGS.new_tokens} new tokens, greedy, {jax.devices()[0].platform} x{jax.device_count()}, "
-        f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        f"load average before {load_average()}"
     ]
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in FLAGS.batches.split(",")]:
@@ -146,7 +132,7 @@ def main(argv: list[str]) -> None:
             out = generate(model, prompts.tolist(), FLAGS.new_tokens)
             assert all(len(o) == FLAGS.new_tokens for o in out)
 
-        t_ours = _best_time(ours, FLAGS.repeats)
+        t_ours, _ = best_time(ours, FLAGS.repeats)
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
         t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats)
         line = (
@@ -160,8 +146,7 @@ def main(argv: list[str]) -> None:
             line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
         lines.append(line)
         logging.info(line)
-    load = os.getloadavg()
-    lines.append(f"load average after {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    lines.append(f"load average after {load_average()}")
     print("\n".join(lines))  # noqa: T201 - a CLI report
 
 

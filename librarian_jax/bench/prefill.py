@@ -27,9 +27,6 @@ import copy
 import functools
 import os
 import tempfile
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +35,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import models
+from librarian_jax.bench.common import best_time, load_average
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("seq_lens", "256,512,1024,2048,4096", "comma-separated prefill lengths (batch 1)")
@@ -58,17 +56,6 @@ def bench_config() -> models.ModelConfig:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, max_position_embeddings=8192,
     )
-
-
-def _best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """(best wall time of `repeats` calls after one warm-up call, the last result)."""
-    out = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 # ----------------------------------------------------------------------------------------------- ours
@@ -105,7 +92,7 @@ def ours_prefill(model: models.Transformer, tokens: np.ndarray, repeats: int) ->
         last, top, _ = _prefill(graphdef, state, ids, cache)
         return np.asarray(jax.block_until_ready(last)), float(top)
 
-    seconds, (last, _) = _best_time(run, repeats)
+    seconds, (last, _) = best_time(run, repeats)
     return seconds, last
 
 
@@ -127,7 +114,7 @@ def ours_layer_prefill(model: models.Transformer, x: np.ndarray, repeats: int) -
         y, _ = _layer_prefill(graphdef, state, xs, cache)
         return np.asarray(jax.block_until_ready(y))
 
-    return _best_time(run, repeats)
+    return best_time(run, repeats)
 
 
 def ours_decode(
@@ -143,7 +130,7 @@ def ours_decode(
         toks, _ = _decode(graphdef, state, first, cache, steps=steps)
         return np.asarray(jax.block_until_ready(toks))
 
-    return _best_time(run, repeats)
+    return best_time(run, repeats)
 
 
 # ----------------------------------------------------------------------------------------------- transformers
@@ -179,7 +166,7 @@ class TorchSide:
                 out = self.model(input_ids=ids, use_cache=True)
             return out.logits[:, -1].float().numpy()
 
-        return _best_time(run, repeats)
+        return best_time(run, repeats)
 
     def layer_prefill(self, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
         """HF's first Qwen3_5GatedDeltaNet alone, filling a fresh DynamicCache."""
@@ -194,7 +181,7 @@ class TorchSide:
             with torch.inference_mode():
                 return layer(hidden_states=xs, cache=cache).numpy()
 
-        return _best_time(run, repeats)
+        return best_time(run, repeats)
 
     def decode(self, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, np.ndarray]:
         torch = self.torch
@@ -214,7 +201,7 @@ class TorchSide:
                     toks.append(tok)
             return torch.cat(toks, dim=1).numpy()
 
-        return _best_time(run, repeats)
+        return best_time(run, repeats)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -226,11 +213,10 @@ def main(argv: list[str]) -> None:
     model = models.Transformer(config, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     hf = TorchSide(model, FLAGS.torch_threads)
-    load = os.getloadavg()
     lines = [
         f"Qwen3.5-style hybrid ({params / 1e6:.2f}M params, layers {list(config.layer_types)}), fp32, "
         f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} CPUs, "
-        f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        f"load average before {load_average()}",
         "transformers side: " + (hf.version if hf.available else
                                   "not measured (torch/transformers not importable in this python)"),
         "",
@@ -287,8 +273,7 @@ def main(argv: list[str]) -> None:
             row += f"{'-':>10} | {'-':>7} | -"
         lines.append(row)
         logging.info(row)
-    load = os.getloadavg()
-    lines.append(f"load average after {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    lines.append(f"load average after {load_average()}")
     print("\n".join(lines))  # noqa: T201 - the CLI's report
 
 
