@@ -229,6 +229,24 @@ def test_writes_in_one_turn_run_their_executors_together_then_in_call_order():
     assert r.token_counts["executor_generated"] == 3 * (len("EXECUTOR WROTE THIS.") + 1)
 
 
+def test_invalid_writes_are_refused_before_the_executor_runs():
+    script = [
+        format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]], "parent_path": "no_such_dir"})
+        + format_call("merge_files", {"title": "Raw merge", "child_paths": [RAW[0], RAW[1]]})
+        + format_call("create_file", {"title": "Beta", "input_paths": [RAW[1]]}),
+        format_call("stop"),
+    ]
+    recs, policy, frozen = run(config(builder={"executor": "model"}, probe_min_gap=100), script=script)
+    (r,) = recs
+    calls = r.tool_calls[0]
+    assert [(c["name"], c["ok"]) for c in calls] == [
+        ("create_file", False), ("merge_files", False), ("create_file", True)]
+    assert calls[0]["code"] == "parent_not_found"
+    # only the valid write paid for an executor
+    assert frozen.batch_sizes[0] == 1
+    assert r.token_counts["executor_generated"] == len("EXECUTOR WROTE THIS.") + 1
+
+
 def test_model_judge_only_when_exact_match_fails():
     def frozen(s):
         text = s.text()

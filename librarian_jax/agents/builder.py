@@ -59,6 +59,7 @@ from librarian_jax.agents.runtime import (
     Segment,
     SessionLog,
 )
+from librarian_jax.workspace import ActionResult
 
 WRITE_TOOLS = ("create_file", "merge_files")
 RAW_DIR = "raw_docs"
@@ -333,18 +334,29 @@ class BuilderAgent:
                 log_call(c, r.ok, r.code, r.message, render_result(r))
             pending.clear()
 
+        def validate(call: ToolCall) -> ActionResult:
+            """The workspace's own checks of a write (title, sources, parent, cycles), then the source
+            excerpts: an invalid write is refused before any executor is paid for it."""
+            a = call.arguments
+            if call.name == "create_file":
+                chk = self.ws.check_create(a["title"], a["input_paths"], a["parent_path"], t)
+                paths = a["input_paths"]
+            else:
+                chk = self.ws.check_merge(a["title"], a["child_paths"], a["parent_path"], t)
+                paths = a["child_paths"]
+            if not chk.ok:
+                return chk
+            return self.ws.source_excerpts(
+                paths, max_lines=self.cfg.excerpt_max_lines, max_chars=self.cfg.excerpt_max_chars
+            )
+
         for call in parsed.calls:
             a = call.arguments
             if call.name in WRITE_TOOLS:
-                paths = a["input_paths"] if call.name == "create_file" else a["child_paths"]
-                ex = self.ws.source_excerpts(
-                    paths, max_lines=self.cfg.excerpt_max_lines, max_chars=self.cfg.excerpt_max_chars
-                )
-                if not ex.ok and pending:
+                ex = validate(call)
+                if not ex.ok and pending:  # it may name a write still pending in this reply
                     yield from flush()
-                    ex = self.ws.source_excerpts(
-                        paths, max_lines=self.cfg.excerpt_max_lines, max_chars=self.cfg.excerpt_max_chars
-                    )
+                    ex = validate(call)
                 if not ex.ok:
                     log_call(call, False, ex.code, ex.message, render_result(ex))
                     continue
