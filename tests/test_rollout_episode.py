@@ -247,6 +247,16 @@ def test_invalid_writes_are_refused_before_the_executor_runs():
     assert r.token_counts["executor_generated"] == len("EXECUTOR WROTE THIS.") + 1
 
 
+def test_list_files_continues_a_long_listing_from_start():
+    # A cut listing tells the model to go on with list_files(path, start=N): the tool takes that argument.
+    script = [format_call("list_files", {"path": "raw_docs", "start": 2}), format_call("stop")]
+    recs, _, _ = run(config(probe_min_gap=100), script=script)
+    (r,) = recs
+    assert [(c["name"], c["ok"]) for c in r.tool_calls[0]] == [("list_files", True)]
+    obs = TOK.decode(r.segments[0].tokens).split("<tool_response>")[-1]
+    assert RAW[1].split("/")[-1] in obs and RAW[0].split("/")[-1] not in obs
+
+
 def test_model_judge_only_when_exact_match_fails():
     def frozen(s):
         text = s.text()

@@ -146,7 +146,7 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
             for call in parsed.calls:
                 a = call.arguments
                 if call.name == "list_files":
-                    r = workspace.list_dir(a["path"])
+                    r = workspace.list_dir(a["path"], start=a["start"])
                 else:
                     r = workspace.read_file(a["path"], start_line=a["start_line"], num_lines=a["num_lines"])
                 actions.append(f"{call.name} {a.get('path', '')}")

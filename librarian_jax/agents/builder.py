@@ -364,7 +364,7 @@ class BuilderAgent:
                 continue
             yield from flush()
             if call.name == "list_files":
-                r = self.ws.list_dir(a["path"])
+                r = self.ws.list_dir(a["path"], start=a["start"])
             elif call.name == "read_file":
                 reads += 1
                 if reads > self.cfg.max_reads_per_turn:

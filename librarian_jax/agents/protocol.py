@@ -91,7 +91,9 @@ class ToolSpec:
 
 # The two read tools every agent shares (builder and answerer), defined once.
 LIST_FILES_TOOL = ToolSpec(
-    "list_files", (Param("path", "str", False, "."),), "list a directory of the workspace"
+    "list_files",
+    (Param("path", "str", False, "."), Param("start", "int", False, 1, min_value=1)),
+    "list a directory of the workspace (a long listing says which `start` entry to continue from)",
 )
 READ_FILE_TOOL = ToolSpec(
     "read_file",
