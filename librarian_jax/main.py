@@ -73,6 +73,18 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
     return list(train), list(heldout)
 
 
+SPLIT_FILE = "split.json"
+
+
+def write_split(workdir: str, train: list[Any], heldout: list[Any]) -> str:
+    """Records the run's train / held-out task ids in `workdir/split.json`, so evaluation uses exactly the
+    held-out tasks this run never trained on (never a re-derived split)."""
+    path = os.path.join(workdir, SPLIT_FILE)
+    with open(path, "w") as f:
+        json.dump({"train": [t.task_id for t in train], "heldout": [t.task_id for t in heldout]}, f, indent=1)
+    return path
+
+
 def build_tokenizer(config: Any, tasks: list[Any]) -> Any:
     """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached) on the tasks
     plus the agents' own prompts and tool descriptions, so those encode compactly too."""
@@ -305,6 +317,8 @@ def run(config: Any) -> dict[str, Any]:
             f.write(config.to_json_best_effort(indent=2))
 
     state = build(config)
+    if primary:
+        write_split(workdir, state.train_tasks, state.heldout)
     ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     if config.checkpoint.resume:
@@ -357,6 +371,36 @@ def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer
             "eval/reward": float(np.mean([r.total_reward for r in records]))}
 
 
+def _train_command(config: Any, dry_run: bool = False) -> None:
+    config_validation.validate(config)
+    if dry_run:
+        print(describe(config))  # noqa: T201 - the CLI's answer
+        return
+    run(config)
+
+
+def _sft_command(config: Any, dry_run: bool = False) -> None:
+    from librarian_jax.rl import sft
+
+    sft.main(config, dry_run=dry_run)
+
+
+def _eval_command(config: Any, dry_run: bool = False) -> None:
+    from librarian_jax.eval import cli
+
+    cli.run_eval(config, dry_run=dry_run)
+
+
+def _build_command(config: Any, dry_run: bool = False) -> None:
+    from librarian_jax.eval import cli
+
+    cli.run_build(config, dry_run=dry_run)
+
+
+# config.command -> what main runs (configs/grpo.py: train, sft.py: sft, eval.py: eval, build.py: build)
+COMMANDS = {"train": _train_command, "sft": _sft_command, "eval": _eval_command, "build": _build_command}
+
+
 def _quiet_library_info_logs() -> None:
     """Orbax logs several INFO lines per save; keep the console to our progress lines and warnings."""
     import logging as py_logging
@@ -375,12 +419,12 @@ def main(argv: list[str]) -> None:
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
     maybe_initialize_distributed()
+    command = config.get("command", "train")
     try:
-        config_validation.validate(config)
-        if _DRY_RUN.value:
-            print(describe(config))  # noqa: T201 - the CLI's answer
-            return
-        run(config)
+        if command not in COMMANDS:
+            raise config_validation.ConfigError(
+                f"config.command: must be one of {sorted(COMMANDS)}, got {command!r}")
+        COMMANDS[command](config, dry_run=_DRY_RUN.value)
     except config_validation.ConfigError as e:
         logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)  # noqa: T201

@@ -60,6 +60,8 @@ class AnswererConfig:
     context_budget: int = 32_768
     observation_max_chars: int = 16_000
     answer_max_words: int = 128
+    kind: str = "model"  # "model": the frozen LLM; "scripted": `agents.navigator` (embedded world, CPU)
+    max_reads: int = 0  # scripted navigator: read_file calls allowed (0 = max_turns)
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class AnswerOutcome:
     generated_tokens: int
     actions: list[str]
     status: str = "ok"  # "ok" | "cache_full"
+    files_read: list[str] = dataclasses.field(default_factory=list)  # paths it read (in order, with repeats)
 
     @property
     def total_tokens(self) -> int:
@@ -100,8 +103,23 @@ def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererCon
     return ids
 
 
-def answer_question(ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig) -> AgentGen:
-    """Generator: one answerer run on `workspace`; returns an `AnswerOutcome`."""
+ANSWERER_KINDS = ("model", "scripted")
+
+
+def answer_question(
+    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
+) -> AgentGen:
+    """Generator: one answerer run on `workspace`; returns an `AnswerOutcome`.
+
+    `preamble`: text placed in the first prompt before the question (e.g. BM25 passages for the retrieval
+    baseline); it counts as read. `config.kind == "scripted"` runs `agents.navigator` instead of the model.
+    """
+    if config.kind == "scripted":
+        from librarian_jax.agents import navigator
+
+        return (yield from navigator.navigate(ctx, workspace, question, config, preamble=preamble))
+    if config.kind != "model":
+        raise ValueError(f"AnswererConfig.kind must be one of {ANSWERER_KINDS}, got {config.kind!r}")
     cfg = config
     tpl = ctx.template
     proto = ProtocolConfig(max_calls=cfg.max_calls_per_turn)
@@ -113,8 +131,11 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
         listing=render_result(workspace.list_dir(".")),
         question=question,
     )
+    if preamble:
+        user = preamble.rstrip() + "\n\n" + user
     log = SessionLog(ctx, FROZEN, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
     actions: list[str] = []
+    files_read: list[str] = []
     turns = 0
     forced = cfg.max_turns <= 0 or len(log) + cfg.max_new_tokens >= cfg.context_budget
     try:
@@ -139,9 +160,12 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
                     log.num_generated,
                     actions,
                     status,
+                    files_read,
                 )
             if status == "cache_full":
-                return AnswerOutcome("", turns, False, log.num_observed, log.num_generated, actions, status)
+                return AnswerOutcome(
+                    "", turns, False, log.num_observed, log.num_generated, actions, status, files_read
+                )
             responses = {e.index: render_error(e) for e in parsed.errors}
             for call in parsed.calls:
                 a = call.arguments
@@ -149,6 +173,8 @@ def answer_question(ctx: AgentContext, workspace: Any, question: str, config: An
                     r = workspace.list_dir(a["path"], start=a["start"])
                 else:
                     r = workspace.read_file(a["path"], start_line=a["start_line"], num_lines=a["num_lines"])
+                    if r.ok:
+                        files_read.append(str(a["path"]))
                 actions.append(f"{call.name} {a.get('path', '')}")
                 responses[call.index] = render_response(call.name, r.ok, render_result(r), r.code)
             obs = "\n".join(responses[i] for i in sorted(responses))

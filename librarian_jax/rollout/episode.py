@@ -51,6 +51,7 @@ def _answer_and_judge(
         "prompt_tokens": outcome.prompt_tokens,
         "generated_tokens": outcome.generated_tokens,
         "status": outcome.status,
+        "files_read": list(outcome.files_read),
     }
 
 
