@@ -12,8 +12,9 @@ from typing import Any
 
 
 def content_hash(text: str) -> str:
-    """Short, stable content hash of a document's text (sha256, first 16 hex digits)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    """Short, stable content hash of a document's text (sha256 of its UTF-8, first 16 hex digits). Total: a
+    lone surrogate (which UTF-8 cannot encode) is hashed as its surrogate escape bytes instead of raising."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,10 @@ from librarian_jax.workspace.workspace import (
     RAW_DIR,
     README,
     RawDoc,
+    SnapshotError,
     SyntheticNode,
     Workspace,
+    clean_content,
 )
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "RAW_DIR",
     "README",
     "RawDoc",
+    "SnapshotError",
     "SyntheticNode",
     "Workspace",
+    "clean_content",
 ]

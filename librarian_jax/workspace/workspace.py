@@ -47,8 +47,16 @@ continue. Lines longer than 2,000 characters are shown as several display lines 
 
 Forgiving argument handling (documented, nothing else is guessed): a single string where a list of paths is
 expected counts as a one-element list; duplicate paths in a list count once; integers given as decimal
-strings (`"10"`) are accepted for line numbers; a merge directory and its `summary.txt` name the same node
-(as a source, a merge child or a delete target); a delete reason is cut to 500 characters.
+strings of ASCII digits (`"10"`, `" +3 "`) are accepted for line numbers, list starts and turns (any integer
+beyond +-MAX_INT is refused); a merge directory and its `summary.txt` name the same node (as a source, a merge
+child or a delete target); titles and delete reasons are put on one line (`render.one_line`: control
+characters and line breaks become spaces) and a delete reason is cut to 500 characters.
+
+Headers cannot be forged: every header line is built from a structured field that holds no line break or
+control character (titles, reasons, raw titles and URLs are put on one line when they enter the workspace;
+doc_ids with control characters are refused), and a header ends at its first `---` line, so a body can never
+add a header line (`render.parse_header` reads one back). Content refused by create/merge (NUL, lone
+surrogates, too long) is exactly what `clean_content` removes. A bad snapshot raises `SnapshotError`.
 
 `merge_files` without `parent_path` puts the new directory in the deepest directory containing all children.
 Deleting a directory moves its children up to its parent. Deleting never touches anything that cites the
@@ -61,6 +69,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,6 +110,7 @@ MAX_CONTENT_CHARS = 200_000
 MAX_SOURCES = 64
 MAX_REASON_CHARS = 500
 README_TREE_LINES = 120
+MAX_INT = 10**15  # integer arguments (lines, turns, list starts) beyond this are refused
 
 FILE = "file"  # a CreateFile result
 DIRECTORY = "directory"  # a MergeFiles result
@@ -117,6 +127,7 @@ E_ROOT, E_README, E_RAW_DIR, E_RAW, E_HISTORY_DIR, E_FILE, E_DIR, E_SUMMARY = (
     "node_summary",
 )
 _DIR_ENTRIES = (E_ROOT, E_RAW_DIR, E_HISTORY_DIR, E_DIR)
+_NODE_ID = re.compile(r"(cluster|merge)_([0-9]{4,12})", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,14 +372,50 @@ def _norm_title(title: str) -> str:
     return " ".join(title.split()).casefold()
 
 
+def _short_repr(value: object, n: int = 60) -> str:
+    """`repr(value)` cut to `n` characters; never raises (a huge int's repr does, so it is described)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 (a model-written value must never crash the workspace)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]{1,18}", re.ASCII)
+
+
 def _as_int(value: object, name: str) -> int | ActionResult:
+    """An integer argument: an `int`, or a decimal string of ASCII digits (`"10"`, `" +3 "`), within
+    +-MAX_INT; anything else is an `invalid_argument` result."""
     if isinstance(value, bool):
         return ActionResult.error(INVALID_ARGUMENT, f"{name} must be an integer, got {value!r}")
+    out: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        return int(value.strip())
-    return ActionResult.error(INVALID_ARGUMENT, f"{name} must be an integer, got {value!r:.60}")
+        out = value
+    elif isinstance(value, str) and len(value) <= 64 and _INT_TEXT.fullmatch(value.strip()):
+        out = int(value.strip())
+    if out is None:
+        return ActionResult.error(INVALID_ARGUMENT, f"{name} must be an integer, got {_short_repr(value)}")
+    if abs(out) > MAX_INT:
+        return ActionResult.error(
+            INVALID_ARGUMENT,
+            f"{name} must be an integer between -{MAX_INT} and {MAX_INT}, got {_short_repr(out)}",
+        )
+    return out
+
+
+def clean_content(text: str) -> str:
+    """`text` made acceptable as a synthetic file's content: NUL characters removed, lone surrogates replaced
+    by U+FFFD, cut to MAX_CONTENT_CHARS. Exactly what `create_file` / `merge_files` refuse in `content` is
+    what this changes, so a writer (the executor) that passes its output through it is never refused for
+    the text itself."""
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    if not R.encodable(text):
+        text = R.replace_surrogates(text)
+    return text[:MAX_CONTENT_CHARS]
 
 
 def _as_path_list(value: object, name: str) -> list[object] | ActionResult:
@@ -381,6 +428,81 @@ def _as_path_list(value: object, name: str) -> list[object] | ActionResult:
                 out.append(v)
         return out
     return ActionResult.error(INVALID_ARGUMENT, f"{name} must be a list of paths, got {type(value).__name__}")
+
+
+def _check_document(d: object, i: int) -> None:
+    """Raise ValueError naming document #i and the field unless `d` is a well-formed `Document`."""
+    if not isinstance(d, Document):
+        raise ValueError(f"document #{i}: expected a Document, got {type(d).__name__}")
+    for field in ("doc_id", "text", "title", "url"):
+        value = getattr(d, field)
+        if not isinstance(value, str):
+            raise ValueError(f"document #{i}: field {field!r} must be a string, got {type(value).__name__}")
+        if not R.encodable(value):
+            raise ValueError(f"document #{i}: field {field!r} holds a lone surrogate (not valid Unicode)")
+    if not d.doc_id or R.has_control(d.doc_id):
+        raise ValueError(
+            f"document #{i}: doc_id {d.doc_id[:80]!r} must be non-empty, without control characters or line "
+            f"breaks"
+        )
+    if not isinstance(d.meta, dict):
+        raise ValueError(
+            f"document #{i} ({d.doc_id!r}): field 'meta' must be a dict, got {type(d.meta).__name__}"
+        )
+
+
+class SnapshotError(ValueError):
+    """A workspace snapshot (`from_json` / `from_dict`) that `to_json` could not have written; `field` names
+    the offending field (`nodes[3].created_turn`), or is empty when the problem is not one field's."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+_TYPE_NAMES = {str: "a string", bool: "a boolean", list: "a list", dict: "an object", int: "an integer"}
+
+
+def _field(x: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """`x[key]`, checked to be of `kind` (a bool is never an int here); SnapshotError naming the field."""
+    path = f"{where}.{key}" if where else key
+    if key not in x:
+        raise SnapshotError(
+            f"malformed workspace snapshot: missing or bad field {key!r} (at {path!r}: missing)", path
+        )
+    value = x[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(_TYPE_NAMES.get(k, "null") for k in kinds)
+        raise SnapshotError(
+            f"malformed workspace snapshot: missing or bad field {key!r} (at {path!r}: expected {want}, "
+            f"got {type(value).__name__})",
+            path,
+        )
+    return value
+
+
+def _int_field(x: dict[str, Any], key: str, where: str, low: int = 0) -> int:
+    value = _field(x, key, int, where)
+    if not low <= value <= MAX_INT:
+        path = f"{where}.{key}" if where else key
+        raise SnapshotError(
+            f"malformed workspace snapshot: field {path!r} must be between {low} and {MAX_INT}, got "
+            f"{_short_repr(value)}",
+            path,
+        )
+    return value
+
+
+def _strings(x: dict[str, Any], key: str, where: str) -> list[str]:
+    values = _field(x, key, list, where)
+    for j, v in enumerate(values):
+        if not isinstance(v, str):
+            path = f"{where}.{key}[{j}]"
+            raise SnapshotError(
+                f"malformed workspace snapshot: field {path!r} must be a string, got {type(v).__name__}", path
+            )
+    return values
 
 
 class Workspace:
@@ -405,21 +527,27 @@ class Workspace:
     def from_documents(cls, docs: Iterable[Document]) -> Workspace:
         """A fresh workspace holding `docs` under `raw_docs/` (in order) and no synthetic nodes.
 
-        Raises ValueError on a repeated doc_id (this is corpus input, not model input)."""
+        Titles and URLs are put on one line (`render.one_line`: control characters and line breaks become
+        spaces), so no header can be forged through them; texts are kept exactly. Raises ValueError (this is
+        corpus input, not model input) on a repeated doc_id, and on a document that is not a `Document` of
+        strings: a doc_id that is empty or holds a control character or line break, a text that UTF-8
+        cannot encode (a lone surrogate), a non-string title or URL, a meta that is not a dict."""
         raw: list[RawDoc] = []
         seen: set[str] = set()
         for i, d in enumerate(docs, start=1):
+            _check_document(d, i)
             if d.doc_id in seen:
                 raise ValueError(f"duplicate doc_id {d.doc_id!r} (document #{i})")
             seen.add(d.doc_id)
             handle = f"raw_{i:04d}"
-            slug = P.slugify(d.title or d.doc_id, fallback="doc")
+            title = R.one_line(d.title)
+            slug = P.slugify(title or d.doc_id, fallback="doc")
             raw.append(
                 RawDoc(
                     handle,
                     d.doc_id,
-                    d.title,
-                    d.url,
+                    title,
+                    R.one_line(d.url),
                     d.text,
                     content_hash(d.text),
                     f"{handle}__{slug}.txt",
@@ -606,7 +734,7 @@ class Workspace:
     def _check_title(self, title: object) -> str | ActionResult:
         if not isinstance(title, str):
             return ActionResult.error(INVALID_ARGUMENT, f"title must be a string, got {type(title).__name__}")
-        t = " ".join(title.split())
+        t = R.one_line(title)
         if not t:
             return ActionResult.error(INVALID_ARGUMENT, "title is empty")
         if len(t) > MAX_TITLE_CHARS:
@@ -729,6 +857,10 @@ class Workspace:
             )
         if "\x00" in content:
             return ActionResult.error(INVALID_ARGUMENT, "content contains a NUL character")
+        if not R.encodable(content):
+            return ActionResult.error(
+                INVALID_ARGUMENT, "content contains a lone surrogate (not valid Unicode)"
+            )
         return content
 
     def _new_id(self, kind: str) -> str:
@@ -907,7 +1039,7 @@ class Workspace:
                 f"unusable: " + "; ".join(e.message for e in errors),
                 tuple(s for e in errors for s in e.suggestions)[: P.MAX_SUGGESTIONS],
             )
-        why = reason.strip()[:MAX_REASON_CHARS]
+        why = R.one_line(reason)[:MAX_REASON_CHARS].rstrip()
         old_paths = [self._index.dir_path[t] for t in targets]
         idx = self._index if not self._index_shared else None
         for t in targets:
@@ -1134,7 +1266,7 @@ class Workspace:
                 f"num_lines={n} is above the limit of {MAX_READ_LINES} "
                 f"lines per read; read in windows of at most "
                 f"{MAX_READ_LINES} lines",
-                (f"read_file({path!r}, start_line={s}, num_lines={MAX_READ_LINES})",),
+                (f"read_file({_short_repr(path, 200)}, start_line={s}, num_lines={MAX_READ_LINES})",),
             )
         if n < 1:
             return ActionResult.error(INVALID_ARGUMENT, f"num_lines must be >= 1, got {n}")
@@ -1188,11 +1320,23 @@ class Workspace:
     ) -> ActionResult:
         """What an executor is given: the title and first `max_lines` body lines of each source, all together
         at most `max_chars` characters (the budget is shared fairly: short sources leave room for long ones).
-        Accepts the same paths as create_file sources and merge_files children (raw, files, directories)."""
+        Accepts the same paths as create_file sources and merge_files children (raw, files, directories).
+
+        `data["sources"]` lists, per source in order, `path`, `title` (one line), `excerpt` (the body text
+        given, with the cut marker when cut), `chars` and `truncated`: the structured form of `text`, for
+        callers that need each source apart (never re-parse `text`: a document may hold lines that look like
+        its `=== SOURCE n: ... ===` headers)."""
+        lim = _as_int(max_lines, "max_lines")
+        if isinstance(lim, ActionResult):
+            return lim
+        cap = _as_int(max_chars, "max_chars")
+        if isinstance(cap, ActionResult):
+            return cap
+        max_lines, max_chars = max(0, lim), max(0, cap)
         srcs = self._sources(paths, as_child=False)
         if isinstance(srcs, ActionResult):
             return srcs
-        items: list[tuple[str, str, str, bool]] = []  # header, body excerpt, path, lines cut
+        items: list[tuple[str, str, str, bool, str]] = []  # header, body excerpt, path, lines cut, title
         for kind, ref in srcs:
             if kind == "raw":
                 d = self._raw_by_handle[ref]
@@ -1201,11 +1345,12 @@ class Workspace:
                 node = self._nodes[ref]
                 title, body, path = node.title, node.body, self._index.file_path(node)
             all_lines = R.display_lines(body)
-            excerpt = "\n".join(all_lines[: max(0, int(max_lines))])
+            excerpt = "\n".join(all_lines[:max_lines])
+            title = R.one_line(title)
             header = f"=== SOURCE {len(items) + 1}: {path} ===\nTITLE: {title}\n"
-            items.append((header, excerpt, path, len(all_lines) > max_lines))
+            items.append((header, excerpt, path, len(all_lines) > max_lines, title))
         marker = "\n[... excerpt cut]"
-        fixed = sum(len(h) + len(marker) + 2 for h, _, _, _ in items)
+        fixed = sum(len(h) + len(marker) + 2 for h, _, _, _, _ in items)
         budget = max(0, max_chars - fixed)
         alloc = [0] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i][1]))
@@ -1216,10 +1361,11 @@ class Workspace:
             remaining -= alloc[i]
         parts: list[str] = []
         info = []
-        for (h, body, path, lines_cut), a in zip(items, alloc, strict=True):
+        for (h, body, path, lines_cut, title), a in zip(items, alloc, strict=True):
             cut = lines_cut or len(body) > a
-            parts.append(h + body[:a] + (marker if cut else ""))
-            info.append({"path": path, "chars": a, "truncated": cut})
+            excerpt = body[:a] + (marker if cut else "")
+            parts.append(h + excerpt)
+            info.append({"path": path, "title": title, "excerpt": excerpt, "chars": a, "truncated": cut})
         text = "\n\n".join(parts)
         if len(text) > max_chars:  # only when the headers alone exceed the budget
             text = text[:max_chars]
@@ -1396,8 +1542,14 @@ class Workspace:
         errs: list[str] = []
         handles = set()
         for i, d in enumerate(self._raw, start=1):
-            if content_hash(d.text) != d.sha:
+            if not R.encodable(d.text):
+                errs.append(f"raw {d.handle}: text holds a lone surrogate (not valid Unicode)")
+            elif content_hash(d.text) != d.sha:
                 errs.append(f"raw {d.handle}: text does not match sha {d.sha}")
+            if not d.doc_id or R.has_control(d.doc_id):
+                errs.append(f"raw {d.handle}: doc_id must be one non-empty line without control characters")
+            if not (R.is_one_line(d.title) and R.is_one_line(d.url)):
+                errs.append(f"raw {d.handle}: title and url must be single lines without control characters")
             if d.handle != f"raw_{i:04d}" or d.handle in handles:
                 errs.append(f"raw #{i}: bad or repeated handle {d.handle!r}")
             handles.add(d.handle)
@@ -1405,25 +1557,48 @@ class Workspace:
                 errs.append(f"raw {d.handle}: unsafe file name {d.filename!r}")
         if len({d.doc_id for d in self._raw}) != len(self._raw):
             errs.append("repeated doc_id among raw documents")
+        titles: dict[str, str] = {}
         for nid, n in self._nodes.items():
-            prefix = "cluster_" if nid.startswith("cluster_") else "merge_"
-            num = nid[len(prefix) :]
+            m = _NODE_ID.fullmatch(nid) if isinstance(nid, str) else None
             if (
                 n.node_id != nid
-                or not num.isdigit()
-                or int(num) >= self._next[FILE if prefix == "cluster_" else DIRECTORY]
+                or m is None
+                or int(m.group(2)) >= self._next[FILE if m.group(1) == "cluster" else DIRECTORY]
             ):
-                errs.append(f"node {nid}: bad id")
+                errs.append(f"node {_short_repr(nid)}: bad id")
+                continue
             if n.kind not in (FILE, DIRECTORY):
                 errs.append(f"node {nid}: bad kind {n.kind!r}")
             if not (
                 isinstance(n.title, str) and isinstance(n.body, str) and isinstance(n.delete_reason, str)
             ):
                 errs.append(f"node {nid}: title, body and delete_reason must be strings")
-            if not isinstance(n.created_turn, int) or not (
-                n.deleted_turn is None or isinstance(n.deleted_turn, int)
-            ):
-                errs.append(f"node {nid}: turns must be integers")
+                continue
+            if not n.title or not R.is_one_line(n.title) or len(n.title) > MAX_TITLE_CHARS:
+                errs.append(
+                    f"node {nid}: title must be one non-empty line of at most {MAX_TITLE_CHARS} characters"
+                )
+            elif n.active:
+                other = titles.setdefault(_norm_title(n.title), nid)
+                if other != nid:
+                    errs.append(
+                        f"node {nid}: title {n.title[:80]!r} is also the title of active node {other}"
+                    )
+            if not R.is_one_line(n.delete_reason) or len(n.delete_reason) > MAX_REASON_CHARS:
+                errs.append(
+                    f"node {nid}: delete_reason must be one line of at most {MAX_REASON_CHARS} characters"
+                )
+            if isinstance(self._check_content(n.body), ActionResult):
+                errs.append(f"node {nid}: body is not valid content (NUL, lone surrogate or too long)")
+            turns = (n.created_turn,) if n.deleted_turn is None else (n.created_turn, n.deleted_turn)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in turns):
+                errs.append(f"node {nid}: turns must be integers between 0 and {MAX_INT}")
+            if not isinstance(n.active, bool) or not (n.parent is None or isinstance(n.parent, str)):
+                errs.append(f"node {nid}: active must be a boolean and parent a node id or None")
+                continue
+            if not all(isinstance(x, str) for x in (*n.raw_sources, *n.synthetic_sources, n.slug)):
+                errs.append(f"node {nid}: slug and sources must be strings")
+                continue
             if not P.is_safe_name(n.name) or P.slugify(n.slug) != n.slug:
                 errs.append(f"node {nid}: unsafe name {n.name!r}")
             for h in n.raw_sources:
@@ -1443,7 +1618,7 @@ class Workspace:
                 errs.append(f"node {nid}: deleted without a deleted turn")
             seen = {nid}
             p = n.parent if n.active else None
-            while p is not None and p in self._nodes:
+            while isinstance(p, str) and p in self._nodes:
                 if p in seen:
                     errs.append(f"node {nid}: parent cycle")
                     break
@@ -1529,67 +1704,108 @@ class Workspace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], docs: Iterable[Document] | None = None) -> Workspace:
-        """Restore `to_dict` data (`docs` supplies raw texts a snapshot left out; see `to_json`)."""
+        """Restore `to_dict` data (`docs` supplies raw texts a snapshot left out; see `to_json`).
+
+        Raises `SnapshotError` (a ValueError) naming the field on anything `to_dict` would not have
+        written: a wrong type (a float or bool turn, a non-string title, a list handle...), a missing key, an
+        out-of-range id counter, or a state that breaks `check_invariants` (texts that do not match their
+        hashes, titles or reasons spread over several lines, unsafe names, dangling sources, cycles)."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"not a workspace snapshot: format {got!r}, expected {FORMAT!r}")
-        texts = {x.doc_id: x.text for x in docs} if docs is not None else {}
-        try:
-            raw = []
-            for x in d["raw"]:
-                if "text" in x:
-                    text = x["text"]
-                elif x["doc_id"] in texts:
-                    text = texts[x["doc_id"]]
-                else:
-                    raise ValueError(f"snapshot has no text for raw document {x['doc_id']!r}; pass docs=")
-                raw.append(
-                    RawDoc(
-                        x["handle"],
-                        x["doc_id"],
-                        x["title"],
-                        x["url"],
-                        text,
-                        x["sha"],
-                        x["filename"],
-                        dict(x.get("meta", {})),
-                    )
+            raise SnapshotError(
+                f"not a workspace snapshot: format {_short_repr(got)}, expected {FORMAT!r}", "format"
+            )
+        texts: dict[str, str] = {}
+        for i, x in enumerate(docs if docs is not None else ()):
+            if not isinstance(x, Document) or not isinstance(x.doc_id, str) or not isinstance(x.text, str):
+                raise SnapshotError(
+                    f"docs[{i}] is not a Document with a string doc_id and text", f"docs[{i}]"
                 )
-            nodes = {}
-            for x in d["nodes"]:
-                if x["node_id"] in nodes:
-                    raise ValueError(f"malformed workspace snapshot: node id {x['node_id']!r} appears twice")
-                nodes[x["node_id"]] = SyntheticNode(
-                    x["node_id"],
-                    x["kind"],
-                    x["title"],
-                    x["slug"],
-                    x["body"],
-                    x["parent"],
-                    tuple(x["raw_sources"]),
-                    tuple(x["synthetic_sources"]),
-                    int(x["created_turn"]),
-                    bool(x["active"]),
-                    x["deleted_turn"],
-                    x["delete_reason"],
+            texts[x.doc_id] = x.text
+        raw = []
+        for i, x in enumerate(_field(d, "raw", list, "raw")):
+            where = f"raw[{i}]"
+            if not isinstance(x, dict):
+                raise SnapshotError(f"malformed workspace snapshot: field {where!r} must be an object", where)
+            doc_id = _field(x, "doc_id", str, where)
+            if "text" in x:
+                text = _field(x, "text", str, where)
+            elif doc_id in texts:
+                text = texts[doc_id]
+            else:
+                raise SnapshotError(
+                    f"snapshot has no text for raw document {doc_id!r}; pass docs=", f"{where}.text"
                 )
-            next_ids = {FILE: int(d["next_ids"]["cluster"]), DIRECTORY: int(d["next_ids"]["merge"])}
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed workspace snapshot: missing or bad field {e}") from e
+            meta = x.get("meta", {})
+            if not isinstance(meta, dict):
+                raise SnapshotError(
+                    f"malformed workspace snapshot: field '{where}.meta' must be an object", where
+                )
+            raw.append(
+                RawDoc(
+                    _field(x, "handle", str, where),
+                    doc_id,
+                    _field(x, "title", str, where),
+                    _field(x, "url", str, where),
+                    text,
+                    _field(x, "sha", str, where),
+                    _field(x, "filename", str, where),
+                    dict(meta),
+                )
+            )
+        nodes: dict[str, SyntheticNode] = {}
+        for i, x in enumerate(_field(d, "nodes", list, "nodes")):
+            where = f"nodes[{i}]"
+            if not isinstance(x, dict):
+                raise SnapshotError(f"malformed workspace snapshot: field {where!r} must be an object", where)
+            nid = _field(x, "node_id", str, where)
+            if nid in nodes:
+                raise SnapshotError(
+                    f"malformed workspace snapshot: node id {nid!r} appears twice", f"{where}.node_id"
+                )
+            texts_ok = all(isinstance(x.get(k), str) for k in ("title", "body", "delete_reason") if k in x)
+            if not texts_ok:
+                raise SnapshotError(
+                    f"node {nid}: title, body and delete_reason must be strings "
+                    f"(malformed workspace snapshot at {where})",
+                    where,
+                )
+            deleted = x.get("deleted_turn")
+            nodes[nid] = SyntheticNode(
+                nid,
+                _field(x, "kind", str, where),
+                _field(x, "title", str, where),
+                _field(x, "slug", str, where),
+                _field(x, "body", str, where),
+                _field(x, "parent", (str, type(None)), where),
+                tuple(_strings(x, "raw_sources", where)),
+                tuple(_strings(x, "synthetic_sources", where)),
+                _int_field(x, "created_turn", where),
+                _field(x, "active", bool, where),
+                None if deleted is None and "deleted_turn" in x else _int_field(x, "deleted_turn", where),
+                _field(x, "delete_reason", str, where),
+            )
+        counters = _field(d, "next_ids", dict, "")
+        next_ids = {
+            FILE: _int_field(counters, "cluster", "next_ids", low=1),
+            DIRECTORY: _int_field(counters, "merge", "next_ids", low=1),
+        }
         ws = cls(raw, nodes, next_ids)
         errs = ws.check_invariants()
         if errs:
-            raise ValueError("workspace snapshot breaks invariants: " + "; ".join(errs[:5]))
+            raise SnapshotError("workspace snapshot breaks invariants: " + "; ".join(errs[:5]), "")
         return ws
 
     @classmethod
     def from_json(cls, text: str, docs: Iterable[Document] | None = None) -> Workspace:
-        """Restore a `to_json` snapshot; raises ValueError naming the problem if malformed or unsound (a raw
-        text that does not match its recorded hash included)."""
+        """Restore a `to_json` snapshot; raises `SnapshotError` (a ValueError) naming the problem if it is
+        malformed or unsound (a raw text that does not match its recorded hash included)."""
+        if not isinstance(text, str | bytes | bytearray):
+            raise SnapshotError(f"workspace snapshot must be JSON text, got {type(text).__name__}", "")
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"workspace snapshot is not valid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, too many digits, too deep
+            raise SnapshotError(f"workspace snapshot is not valid JSON: {str(e)[:200]}", "") from e
         return cls.from_dict(d, docs)
 
     def copy(self) -> Workspace:
