@@ -190,13 +190,21 @@ def test_extractive_executor_is_deterministic_and_relevant():
     assert extractive_text("T", "", []) == "T"
 
 
-def test_excerpt_sources_splits_workspace_headers():
-    class R:
-        text = (
-            "=== SOURCE 1: raw_docs/a.txt ===\nTITLE: A\nbody a\n\n=== SOURCE 2: c.txt ===\nTITLE: C\nbody c"
-        )
+def test_excerpt_sources_come_from_the_structured_source_list():
+    from librarian_jax.data.schema import Document
+    from librarian_jax.workspace import Workspace
 
-    assert excerpt_sources(R()) == [("raw_docs/a.txt", "TITLE: A\nbody a"), ("c.txt", "TITLE: C\nbody c")]
+    ws = Workspace.from_documents([Document("a", "body a", title="A"), Document("c", "body c", title="C")])
+    ex = ws.source_excerpts(["raw_0001", "raw_0002"])
+    assert excerpt_sources(ex) == [
+        ("raw_docs/raw_0001__a.txt", "TITLE: A\nbody a"),
+        ("raw_docs/raw_0002__c.txt", "TITLE: C\nbody c"),
+    ]
+
+    class R:  # no structured list: the whole text is one source, never split on look-alike headers
+        text = "=== SOURCE 1: raw_docs/a.txt ===\nTITLE: A\nbody a"
+
+    assert excerpt_sources(R()) == [("sources", R.text)]
 
 
 def test_prompts_load_and_fill():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 from librarian_jax.agents import compaction as compaction_lib
@@ -167,21 +166,15 @@ def _short_args(args: dict[str, Any], n: int = 200) -> dict[str, Any]:
     return out
 
 
-_SOURCE_HEADER = re.compile(r"^=== SOURCE \d+: (.+?) ===$", re.M)
-
-
 def excerpt_sources(result: Any) -> list[tuple[str, str]]:
-    """(path, excerpt text) per source out of a `Workspace.source_excerpts` result (split on its
-    `=== SOURCE n: <path> ===` headers; the whole text as one source when there are none)."""
-    text = getattr(result, "text", "") or ""
-    heads = list(_SOURCE_HEADER.finditer(text))
-    if not heads:
-        return [("sources", text)]
-    out = []
-    for k, m in enumerate(heads):
-        end = heads[k + 1].start() if k + 1 < len(heads) else len(text)
-        out.append((m.group(1), text[m.end() : end].strip()))
-    return out
+    """(path, excerpt text) per source of a `Workspace.source_excerpts` result, from its structured
+    `data["sources"]` (never by re-parsing the rendered text, where a document line can look like a source
+    header); each text is the source's `TITLE:` line and its excerpt. A result without them is one source."""
+    data = getattr(result, "data", None) or {}
+    sources = data.get("sources") if isinstance(data, dict) else None
+    if not sources or not all(isinstance(s, dict) and "excerpt" in s for s in sources):
+        return [("sources", getattr(result, "text", "") or "")]
+    return [(s["path"], f"TITLE: {s['title']}\n{s['excerpt']}".strip()) for s in sources]
 
 
 def render_result(result: Any) -> str:

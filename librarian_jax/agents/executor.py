@@ -8,6 +8,10 @@ Two executors with one interface (`write(...)`, a generator returning an `Execut
 - `"extractive"`: model-free and deterministic. From each source it keeps the lead sentence plus the
   sentences sharing the most content words with the title and instructions (in source order), under a word
   budget split evenly over the sources, each block headed by its source path. For tests and cheap runs.
+
+Either way the text returned has been through `workspace.clean_content` (NUL removed, lone surrogates
+replaced, length capped): what `create_file` / `merge_files` would refuse is taken out on this side, so a
+source holding such characters can still be summarised.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.workspace import clean_content
 
 _WORD = re.compile(r"[a-z0-9]+")
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -107,7 +112,9 @@ def write(
       kind: `"model"` or `"extractive"`.
     """
     if kind == "extractive":
-        return ExecutorOutput(extractive_text(title, instructions, sources, max_words=max_words))
+        return ExecutorOutput(
+            clean_content(extractive_text(title, instructions, sources, max_words=max_words))
+        )
     if kind != "model":
         raise ValueError(f"executor kind must be 'model' or 'extractive', got {kind!r}")
     if ctx is None:
@@ -125,9 +132,10 @@ def write(
         text = ctx.decode_new(result.tokens).strip()
     finally:
         log.close()
+    text = clean_content(text).strip()
     if not text:
         return ExecutorOutput(
-            extractive_text(title, instructions, sources, max_words=max_words),
+            clean_content(extractive_text(title, instructions, sources, max_words=max_words)),
             len(prompt),
             len(result.tokens),
             fallback=True,

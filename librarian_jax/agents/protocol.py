@@ -29,8 +29,12 @@ reward. Errors raised by a *valid* call against the workspace (a missing path...
 and cost nothing.
 
 Lenient, documented coercions (the only ones): `"arguments"` may be a JSON string holding the object
-(OpenAI style); an `int` argument accepts an integral float or a decimal string; a `list[str]` argument
-accepts a single string as a one-element list; an optional argument given as null takes its default.
+(OpenAI style) and may be left out for a call without arguments (`{"name": "stop"}`); an `int` argument
+accepts an integral float or a string of at most 12 ASCII digits; a `list[str]` argument accepts a single
+string as a one-element list; an optional argument given as null takes its default. Nothing else is
+guessed: an `"arguments"` string that is not valid JSON is `invalid_json`, and `"arguments"` that is not an
+object (null, `""`, a list, a JSON string holding a list) is `invalid_call`, so a broken call is never run
+as a different one (a truncated `list_files` never lists the root, a garbled `stop` is never a free stop).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ THINK_CLOSE = "</think>"
 
 _TYPES = ("str", "int", "list[str]")
 _MAX_JSON_DEPTH = 32
+_MAX_INT = 2**53  # an int argument beyond this is out of range (as an integral float beyond it is)
+_INT_TEXT = re.compile(r"\s*-?[0-9]{1,12}\s*", re.ASCII)  # ASCII digits only: never "²" or "٣"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +209,12 @@ def _coerce(param: Param, value: Any) -> tuple[Any, str | None]:
             out = value
         elif isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             out = int(value)
-        elif isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,12}\s*", value):
+        elif isinstance(value, str) and _INT_TEXT.fullmatch(value):
             out = int(value)
         if out is None:
             return None, f"argument {param.name!r} must be an integer, got {type(value).__name__}"
+        if abs(out) > _MAX_INT:
+            return None, f"argument {param.name!r} is out of range (more than {_MAX_INT} in size)"
         if param.min_value is not None and out < param.min_value:
             return None, f"argument {param.name!r} = {out} is below {param.min_value}"
         if param.max_value is not None and out > param.max_value:
@@ -313,12 +321,25 @@ def _parse_block(
         )
     args = obj.get("arguments", {})
     if isinstance(args, str):
+        if not _json_depth_ok(args):
+            return CallError(
+                "invalid_json",
+                f'tool call {index}: "arguments" nests JSON deeper than {_MAX_JSON_DEPTH}',
+                index,
+                name,
+                raw,
+            )
         try:
-            args = json.loads(args) if args.strip() else {}
-        except (ValueError, RecursionError):
-            args = None
-    if args is None:
-        args = {}
+            args = json.loads(args)
+        except (ValueError, RecursionError) as e:
+            return CallError(
+                "invalid_json",
+                f'tool call {index}: the "arguments" string is not valid JSON ({str(e)[:120]}); '
+                f"signature: {spec.signature()}",
+                index,
+                name,
+                raw,
+            )
     if not isinstance(args, dict):
         return CallError(
             "invalid_call",
