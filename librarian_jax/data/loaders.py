@@ -25,7 +25,11 @@ Formats (names accepted by `load_tasks(path, format=...)`):
 - ``"corpus"``: this package's own JSONL (`CorpusTask.to_dict()` per row, as written by `save_tasks`).
 
 JSONL files (optionally ``.gz``) are read line by line; the ``iter_*`` functions stream tasks one at a time.
-Any malformed input raises `DataError` naming the file, the line and the field.
+Any malformed input raises `DataError` naming the file, the line and the field: invalid JSON (nesting too
+deep, a number too long to read included), a lone surrogate escape (``"\\ud800"`` without its pair) anywhere
+in a row, a field of the wrong type, an id holding a control character or line break, and in a folder a file
+name that is not UTF-8 or holds a control character, or a symbolic link loop. The documented conversions:
+an integer id becomes its decimal string, and a null optional field counts as absent.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import json
 import os
 import pathlib
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -54,6 +59,11 @@ FORMATS = ("tasks", "browsecomp_plus", "bright", "folder", "corpus")
 NOISY_VARIANT: dict[str, Any] = {"max_docs": 50, "shuffle_docs": True}
 
 FOLDER_EXTENSIONS = (".txt", ".md")
+
+# Characters an id may not hold: C0/C1 controls (line breaks included), DEL, line/paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # how a lone surrogate gets into JSON text
 
 _KIND_NAMES = {
     "str": "a string",
@@ -102,13 +112,47 @@ def iter_json_rows(path: PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
                     raise DataError(
                         str(path), f"invalid JSON: {e.msg} (column {e.colno})", line=line_no
                     ) from e
+                except ValueError as e:  # e.g. an integer of more than 4300 digits
+                    raise DataError(str(path), f"invalid JSON: {str(e)[:120]}", line=line_no) from e
+                except RecursionError as e:
+                    raise DataError(str(path), "invalid JSON: nested too deeply", line=line_no) from e
                 if not isinstance(row, dict):
                     raise DataError(
                         str(path), f"expected a JSON object, got {json_type_name(row)}", line=line_no
                     )
+                if _SURROGATE_ESCAPE.search(text):
+                    bad = _lone_surrogate_field(row)
+                    if bad is not None:
+                        raise DataError(
+                            str(path),
+                            "holds a lone surrogate escape (\\ud800-\\udfff without its pair): not valid "
+                            "Unicode text",
+                            line=line_no,
+                            field=bad,
+                        )
                 yield line_no, row
     except (OSError, EOFError) as e:  # e.g. a truncated or corrupt .gz
         raise DataError(str(path), f"cannot read: {e}", line=line_no + 1) from e
+
+
+def _lone_surrogate_field(row: dict[str, Any]) -> str | None:
+    """The path (`docs[2].text`) of the first string (key or value) of `row` holding a lone surrogate, or
+    None. Iterative: a row nested as deep as JSON allows never exhausts the stack here."""
+    stack: list[tuple[str, Any]] = [("", row)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where or "(row)"
+        elif isinstance(value, dict):
+            for k, v in reversed(list(value.items())):
+                sub = f"{where}.{k}" if where else str(k)
+                if _SURROGATE.search(k):
+                    return sub
+                stack.append((sub, v))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 class _Fields:
@@ -152,7 +196,17 @@ class _Fields:
             if kind == "id" and value == "":
                 raise self.fail(key, "expected a non-empty id, got an empty string")
             raise self.fail(key, f"expected {_KIND_NAMES[kind]}, got {json_type_name(value)}")
-        return str(value) if kind == "id" else value
+        if kind == "id":
+            return self._id(key, value)
+        return value
+
+    def _id(self, key: str, value: str | int) -> str:
+        """An id as a string (an integer id is converted: `7` -> `"7"`); one holding a control character or
+        line break is refused (ids appear in file headers and listings)."""
+        out = str(value)
+        if _CONTROL.search(out):
+            raise self.fail(key, f"id {out[:60]!r} holds a control character or line break")
+        return out
 
     def strings(self, key: str, *, required: bool = False) -> tuple[str, ...]:
         values = self.get(key, "list", required=required, default=[])
@@ -167,7 +221,7 @@ class _Fields:
         for i, v in enumerate(values):
             if not ((isinstance(v, str) and v) or (isinstance(v, int) and not isinstance(v, bool))):
                 raise self.fail(f"{key}[{i}]", f"expected a string or an integer id, got {json_type_name(v)}")
-            out.append(str(v))
+            out.append(self._id(f"{key}[{i}]", v))
         return tuple(out)
 
     def objects(self, key: str, *, required: bool = True) -> Iterator[_Fields]:
@@ -615,7 +669,7 @@ def load_folder(
     base = pathlib.Path(root)
     if not base.is_dir():
         raise DataError(str(root), "not a folder")
-    real_base = base.resolve()
+    real_base = _resolve(base)
     exts = tuple(e.lower() for e in extensions)
     docs: list[Document] = []
     for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
@@ -625,6 +679,7 @@ def load_folder(
             if d.startswith("."):
                 continue
             p = here / d
+            _check_name(p, base)
             if p.is_symlink():
                 _check_link(p, real_base, root)
                 logging.info("skipping linked folder %s (its target is inside %s)", p, root)
@@ -635,9 +690,9 @@ def load_folder(
             if name.startswith(".") or not name.lower().endswith(exts):
                 continue
             p = here / name
+            rel = _check_name(p, base)
             if p.is_symlink():
                 _check_link(p, real_base, root)
-            rel = p.relative_to(base).as_posix()
             try:
                 text = p.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
@@ -652,7 +707,7 @@ def load_folder(
                     doc_id=rel,
                     text=text,
                     title=_title_of(text, pathlib.Path(rel).stem),
-                    url=f"file://{p.resolve()}",
+                    url=f"file://{_resolve(p)}",
                     meta={"path": rel},
                 )
             )
@@ -666,8 +721,27 @@ def load_folder(
     )
 
 
+def _resolve(p: pathlib.Path) -> pathlib.Path:
+    """`p.resolve()`, with a symbolic link loop (RuntimeError or OSError) as a DataError naming `p`."""
+    try:
+        return p.resolve()
+    except (RuntimeError, OSError) as e:
+        raise DataError(str(p), f"cannot resolve (a symbolic link loop?): {e}") from e
+
+
+def _check_name(p: pathlib.Path, base: pathlib.Path) -> str:
+    """`p` relative to `base` as a POSIX path (the document's doc_id); a name that is not valid UTF-8 or
+    holds a control character or line break is refused."""
+    rel = p.relative_to(base).as_posix()
+    if _SURROGATE.search(rel):
+        raise DataError(repr(str(p)), "file name is not valid UTF-8")
+    if _CONTROL.search(rel):
+        raise DataError(repr(str(p)), "file name holds a control character or line break")
+    return rel
+
+
 def _check_link(p: pathlib.Path, real_base: pathlib.Path, root: PathLike) -> None:
-    target = p.resolve()
+    target = _resolve(p)
     if target != real_base and real_base not in target.parents:
         raise DataError(str(p), f"symbolic link escapes {root} (points to {target})")
 
@@ -676,31 +750,59 @@ def _check_link(p: pathlib.Path, real_base: pathlib.Path, root: PathLike) -> Non
 # This package's own JSONL.
 
 
+def _corpus_question(q: _Fields) -> Question:
+    return Question(
+        question_id=q.get("question_id", "id"),
+        question=q.get("question", "str"),
+        gold_answer=q.get("gold_answer", "str"),
+        aliases=q.strings("aliases"),
+        question_type=q.get("question_type", "str", required=False, default=""),
+        meta=dict(q.get("meta", "object", required=False, default={})),
+    )
+
+
 def iter_corpus_jsonl(path: PathLike) -> Iterator[CorpusTask]:
-    """Streams tasks written by `save_tasks` (`CorpusTask.to_dict()` rows), checking each row's fields."""
+    """Streams tasks written by `save_tasks` (`CorpusTask.to_dict()` rows), checking each row's fields.
+
+    Every field is checked and the task is built from the checked values: ids may be strings or integers
+    (an integer id becomes its decimal string, as in the other formats); titles, URLs, texts and question
+    fields must be strings; a `meta` must be an object, and a null `meta` (or a null optional string) counts
+    as absent. Anything else is a `DataError` naming the line and the field."""
     ids = _TaskIds(str(path))
     for line, row in iter_json_rows(path):
         f = _Fields(str(path), line, row)
         task_id = f.get("task_id", "id")
         seen: dict[str, str] = {}
+        docs = []
         for d in f.objects("documents"):
             doc_id = d.get("doc_id", "id")
-            d.get("text", "str")
             if doc_id in seen:
                 raise d.fail("doc_id", f"duplicate doc_id '{doc_id}' (first at '{seen[doc_id]}')")
             seen[doc_id] = d.prefix
-        if not seen:
+            docs.append(
+                Document(
+                    doc_id=doc_id,
+                    text=d.get("text", "str"),
+                    title=d.get("title", "str", required=False, default=""),
+                    url=d.get("url", "str", required=False, default=""),
+                    meta=dict(d.get("meta", "object", required=False, default={})),
+                )
+            )
+        if not docs:
             raise f.fail("documents", "empty corpus (no documents)")
-        questions = []
-        for key in ("questions", "reuse_questions"):
-            for q in f.objects(key, required=False):
-                q.get("question", "str")
-                q.get("gold_answer", "str")
-                q.strings("aliases")
-                questions.append((q.name("question_id"), Question(q.get("question_id", "id"), "", "")))
-        _check_unique_questions(f, questions)
+        questions = {
+            key: [(q.name("question_id"), _corpus_question(q)) for q in f.objects(key, required=False)]
+            for key in ("questions", "reuse_questions")
+        }
+        _check_unique_questions(f, [*questions["questions"], *questions["reuse_questions"]])
         ids.add(task_id, line, "task_id")
-        yield CorpusTask.from_dict(row)
+        yield CorpusTask(
+            task_id=task_id,
+            documents=tuple(docs),
+            questions=tuple(q for _, q in questions["questions"]),
+            reuse_questions=tuple(q for _, q in questions["reuse_questions"]),
+            meta=dict(f.get("meta", "object", required=False, default={})),
+        )
 
 
 def load_corpus_jsonl(path: PathLike) -> list[CorpusTask]:
