@@ -457,12 +457,20 @@ def test_gemma_fold_system_matches_gemmas_own_template(sp_gemma, sp_chatml):
         "<end_of_turn>\n<start_of_turn>model\n" + CONVERSATION[2]["content"] + "<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
-    # start() holds the system prompt for exactly the next turn.
-    assert chat.start("sys") == [sp_gemma.bos_id]
-    assert chat.turn("user", " q") == sp_gemma.encode("<start_of_turn>user\nsys\n\nq<end_of_turn>\n")
+    # start() returns the system prompt with its ids; adding the next turn folds it in. The template holds
+    # nothing: the head is reusable and other conversations' calls in between change nothing.
+    head = chat.start("sys")
+    assert head == [sp_gemma.bos_id]
+    folded = sp_gemma.encode("<start_of_turn>user\nsys\n\nq<end_of_turn>\n")
+    chat.start("another conversation's system prompt")
+    assert head + chat.turn("user", " q") == [sp_gemma.bos_id, *folded]
+    assert head + chat.turn("user", " q") == [sp_gemma.bos_id, *folded]
+    assert chat.turn("user", " q", system="sys") == folded
     assert chat.turn("user", "q") == sp_gemma.encode("<start_of_turn>user\nq<end_of_turn>\n")
-    chat.start("sys")
-    assert chat.open_turn("model") == sp_gemma.encode("<start_of_turn>model\nsys\n\n")
+    opened = sp_gemma.encode("<start_of_turn>model\nsys\n\n")
+    assert head + chat.open_turn("model") == [sp_gemma.bos_id, *opened]
+    with pytest.raises(ValueError, match="FoldedStart"):
+        head + [5]  # noqa: B018 (the system prompt would be lost)
     with pytest.raises(ValueError, match=r"fold_system=True is for styles without a system role \(gemma\)"):
         chat_template(sp_chatml, fold_system=True)
 

@@ -18,15 +18,20 @@ Every piece of a conversation is encoded once, where it enters the conversation;
 atomic turn marker, so the ids built turn by turn equal `tokenizer.encode(template.render(messages))`. Model
 output is appended as the sampled ids between `open_turn` and `close_turn`, never decoded and re-encoded.
 
-A ChatTemplate is stateless (one can serve every conversation at once, and `start()`'s ids can be reused),
-except with `fold_system=True`: then `start(system)` holds the system prompt until the next `turn` or
-`open_turn`, so such a template must serve one conversation at a time (`encode_messages` is always safe).
+A ChatTemplate is stateless: one serves every conversation at once, and `start()`'s ids can be reused (a
+compacted history starts again from them). With `fold_system=True` (Gemma) the system prompt has no turn of
+its own, so `start(system)` returns a `FoldedStart`: a list of the start ids (BOS) that also carries the
+system prompt, and `start(system) + turn(role, content)` (or `+ open_turn(role)`) folds it into that turn.
+The fold lives in the value, never in the template, so concurrent conversations cannot take each other's
+system prompt. Adding anything but a turn of the same template to a `FoldedStart` raises ValueError (the
+system prompt would be lost silently). `turn(..., system=...)` / `open_turn(..., system=...)` fold
+explicitly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from librarian_jax.tokenizers.tokenizer import Tokenizer
 
@@ -77,6 +82,38 @@ _STYLES: dict[str, _Style] = {
 STYLES = tuple(_STYLES)
 
 
+class TurnIds(list):
+    """The ids of one turn (`turn` / `open_turn` of a `fold_system` template) that can be rebuilt with a
+    system prompt folded in; otherwise a plain list of ids."""
+
+    def __init__(self, ids: Sequence[int], refold: Callable[[str], list[int]]):
+        super().__init__(ids)
+        self.refold = refold
+
+
+class FoldedStart(list):
+    """`ChatTemplate.start(system)` of a `fold_system` template: the start ids, plus the system prompt that
+    `+ template.turn(...)` / `+ template.open_turn(...)` folds into that turn (a plain list results)."""
+
+    def __init__(self, ids: Sequence[int], system: str):
+        super().__init__(ids)
+        self.system = system
+
+    def __add__(self, other: object) -> list[int]:  # type: ignore[override]
+        if isinstance(other, list) and not other:
+            return FoldedStart(self, self.system)  # nothing added: the system prompt still waits
+        if not isinstance(other, TurnIds):
+            raise ValueError(
+                "a FoldedStart (start(system) of a fold_system template) must be followed by a turn() or "
+                "open_turn() of the same template, which takes the system prompt; got "
+                f"{type(other).__name__}"
+            )
+        return list(self) + other.refold(self.system)
+
+    def __iadd__(self, other: object) -> list[int]:  # type: ignore[override,misc]
+        return self.__add__(other)
+
+
 class ChatTemplate:
     """Builds the ids of a conversation turn by turn for one tokenizer and style.
 
@@ -118,7 +155,6 @@ class ChatTemplate:
         extra = [atomic.get(t) for t in spec.extra_stops] + [tokenizer.eos_id]
         more = [i for i in dict.fromkeys(extra) if i is not None and i != end_id]
         self.stop_ids: tuple[int, ...] = (end_id, *more)
-        self._pending_system: str | None = None  # only with fold_system
 
     # ---- text pieces (each starts at an atomic token, so encoding them one by one is exact) --------------
     def _role(self, role: str) -> str:
@@ -163,32 +199,40 @@ class ChatTemplate:
             pieces.append(self._open_text(self._spec.assistant, pending))
         return pieces
 
-    def _take_pending(self) -> str | None:
-        system, self._pending_system = self._pending_system, None
-        return system
-
     # ---- ids -----------------------------------------------------------------------------------------------
     def start(self, system: str | None = None) -> list[int]:
         """Ids that begin a conversation: BOS (when the model uses one) and the system prompt's turn.
 
-        With `fold_system=True` (Gemma) the system prompt is instead held and folded into the next turn.
+        With `fold_system=True` (Gemma) and a system prompt, a `FoldedStart` (BOS only) that folds the system
+        prompt into the turn added to it. Nothing is held by the template.
         """
-        ids = [self.tokenizer.bos_id] if self.add_bos else []
-        self._pending_system = None
+        ids: list[int] = [self.tokenizer.bos_id] if self.add_bos else []  # type: ignore[list-item]
+        if system is None:
+            return ids
+        if self.fold_system:
+            return FoldedStart(ids, system)
+        return ids + self.tokenizer.encode(self._system_text(system))
+
+    def _ids(self, text_of: Callable[[str | None], str], system: str | None) -> list[int]:
         if system is not None:
             if self.fold_system:
-                self._pending_system = system
-            else:
-                ids += self.tokenizer.encode(self._system_text(system))
-        return ids  # type: ignore[return-value]
+                return self.tokenizer.encode(text_of(system))
+            return self.tokenizer.encode(self._system_text(system)) + self.tokenizer.encode(text_of(None))
+        ids = self.tokenizer.encode(text_of(None))
+        if self.fold_system:
+            return TurnIds(ids, lambda folded: self.tokenizer.encode(text_of(folded)))
+        return ids
 
-    def turn(self, role: str, content: str) -> list[int]:
-        """A closed turn: its opening (marker and role), the content, and its closing."""
-        return self.tokenizer.encode(self._turn_text(role, content, self._take_pending()))
+    def turn(self, role: str, content: str, *, system: str | None = None) -> list[int]:
+        """A closed turn: its opening (marker and role), the content, and its closing. With `system`, the
+        system prompt comes first: folded into this turn (`fold_system`) or as its own turn."""
+        self._role(role)
+        return self._ids(lambda sys: self._turn_text(role, content, sys), system)
 
-    def open_turn(self, role: str) -> list[int]:
-        """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`)."""
-        return self.tokenizer.encode(self._open_text(role, self._take_pending()))
+    def open_turn(self, role: str, *, system: str | None = None) -> list[int]:
+        """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`); `system` as in `turn`."""
+        self._role(role)
+        return self._ids(lambda sys: self._open_text(role, sys), system)
 
     def close_turn(self) -> list[int]:
         """Ids that close a turn opened with `open_turn`, after its content (e.g. `<|im_end|>\\n`)."""
@@ -201,7 +245,7 @@ class ChatTemplate:
     def encode_messages(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False
     ) -> list[int]:
-        """The ids of `render(messages)`, built turn by turn (never touches a system prompt `start` holds)."""
+        """The ids of `render(messages)`, built turn by turn."""
         ids: list[int] = []
         for piece in self._pieces(messages, add_generation_prompt):
             ids += self.tokenizer.encode(piece)
