@@ -12,9 +12,20 @@ from librarian_jax.eval import stats
 
 
 def _records(method, corpus, n, correct, read, written, construction, files=1):
-    return [{"method": method, "corpus": corpus, "question": f"{corpus}-q{i}", "correct": float(i < correct),
-             "tokens_read": read, "tokens_written": written, "files_read": files, "turns": 2,
-             "construction_tokens": construction} for i in range(n)]
+    return [
+        {
+            "method": method,
+            "corpus": corpus,
+            "question": f"{corpus}-q{i}",
+            "correct": float(i < correct),
+            "tokens_read": read,
+            "tokens_written": written,
+            "files_read": files,
+            "turns": 2,
+            "construction_tokens": construction,
+        }
+        for i in range(n)
+    ]
 
 
 def _random_records(seed=0, corpora=7):
@@ -25,10 +36,19 @@ def _random_records(seed=0, corpora=7):
         build = float(rng.integers(100, 999))  # the trained builder's construction tokens of this corpus
         for m, bias in (("base", 0.3), ("trained", 0.6)):
             for i in range(n):
-                recs.append({"method": m, "corpus": f"c{c}", "question": f"q{i}",
-                             "correct": float(rng.random() < bias), "tokens_read": float(rng.integers(10, 99)),
-                             "tokens_written": 5.0, "files_read": float(rng.integers(0, 4)), "turns": 1,
-                             "construction_tokens": build if m == "trained" else 50.0})
+                recs.append(
+                    {
+                        "method": m,
+                        "corpus": f"c{c}",
+                        "question": f"q{i}",
+                        "correct": float(rng.random() < bias),
+                        "tokens_read": float(rng.integers(10, 99)),
+                        "tokens_written": 5.0,
+                        "files_read": float(rng.integers(0, 4)),
+                        "turns": 1,
+                        "construction_tokens": build if m == "trained" else 50.0,
+                    }
+                )
     return recs
 
 
@@ -65,8 +85,12 @@ def test_missing_corpus_is_an_error_not_a_gap():
 
 def test_cost_curves_ratio_and_crossover_on_a_hand_made_table():
     # trained: B=1000, A=100, p=0.5; base: B=1000, A=10, p=0.1 (two corpora of 10 questions each)
-    recs = (_records("trained", "a", 10, 5, 90, 10, 1000) + _records("trained", "b", 10, 5, 90, 10, 1000)
-            + _records("base", "a", 10, 1, 8, 2, 1000) + _records("base", "b", 10, 1, 8, 2, 1000))
+    recs = (
+        _records("trained", "a", 10, 5, 90, 10, 1000)
+        + _records("trained", "b", 10, 5, 90, 10, 1000)
+        + _records("base", "a", 10, 1, 8, 2, 1000)
+        + _records("base", "b", 10, 1, 8, 2, 1000)
+    )
     sums = stats.corpus_sums(recs, ["base", "trained"], ["a", "b"])
     w = stats.draw_counts(stats.bootstrap_indices(2, 200, seed=0), 2)
     t = stats.cost_table(sums, w, "trained", "base", qs=(1, 10, 80))
@@ -98,8 +122,16 @@ def test_cost_ratio_ci_equals_a_plain_loop():
         cost = {}
         for m in ("base", "trained"):
             rs = [r for c in row for r in recs if r["method"] == m and r["corpus"] == corpora[c]]
-            b = np.mean([next(r["construction_tokens"] for r in recs if r["method"] == m
-                              and r["corpus"] == corpora[c]) for c in row])
+            b = np.mean(
+                [
+                    next(
+                        r["construction_tokens"]
+                        for r in recs
+                        if r["method"] == m and r["corpus"] == corpora[c]
+                    )
+                    for c in row
+                ]
+            )
             a = np.mean([r["tokens_read"] + r["tokens_written"] for r in rs])
             p = np.mean([r["correct"] for r in rs])
             cost[m] = (b / 10 + a) / p if p > 0 else np.inf

@@ -41,7 +41,7 @@ def draw_counts(idx: np.ndarray, num_corpora: int) -> np.ndarray:
 
 
 def ratio_of_sums(w: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """`(w @ num) / (w @ den)` per draw: `w` `[draws, C]`, `num`/`den` `[C]` -> `[draws]` (nan where den 0)."""
+    """`(w @ num) / (w @ den)` per draw: `w` `[draws, C]`, `num`/`den` `[C]` -> `[draws]` (nan: den 0)."""
     n, d = w @ np.asarray(num, np.float64), w @ np.asarray(den, np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(d > 0, n / np.where(d > 0, d, 1.0), np.nan)
@@ -62,8 +62,9 @@ def percentile_ci(values: np.ndarray, level: float = CI_LEVEL) -> tuple[float, f
 SUM_FIELDS = ("n", "correct", "answer_tokens", "tokens_read", "files_read", "turns")
 
 
-def corpus_sums(records: Sequence[Mapping[str, Any]], methods: Sequence[str],
-                corpora: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+def corpus_sums(
+    records: Sequence[Mapping[str, Any]], methods: Sequence[str], corpora: Sequence[str]
+) -> dict[str, dict[str, np.ndarray]]:
     """Per method, per corpus (in `corpora` order) sums over question records: `n` (records), `correct`,
     `answer_tokens` (read + written), `tokens_read`, `files_read`, `turns`, and `construction` (the corpus's
     construction tokens, the mean over its samples). Each array is float64 `[C]`.
@@ -91,16 +92,19 @@ def corpus_sums(records: Sequence[Mapping[str, Any]], methods: Sequence[str],
     for m in methods:
         missing = [c for c, k in zip(corpora, out[m]["n"], strict=True) if k == 0]
         if missing:
-            raise ValueError(f"method {m!r} has no question record for corpora {missing[:3]}: every corpus "
-                             f"counts (a failed construction is recorded as incorrect answers)")
+            raise ValueError(
+                f"method {m!r} has no question record for corpora {missing[:3]}: every corpus "
+                f"counts (a failed construction is recorded as incorrect answers)"
+            )
     return out
 
 
 # ------------------------------------------------------------------------------------------- accuracy
 
 
-def accuracy_table(sums: Mapping[str, Mapping[str, np.ndarray]], w: np.ndarray,
-                   base: str | None) -> dict[str, dict[str, Any]]:
+def accuracy_table(
+    sums: Mapping[str, Mapping[str, np.ndarray]], w: np.ndarray, base: str | None
+) -> dict[str, dict[str, Any]]:
     """Per method: accuracy (full denominator), its paired-bootstrap 95% CI, files / tokens read per query,
     construction tokens per corpus, and (when `base` is given) the paired difference to `base` with its CI."""
     out: dict[str, dict[str, Any]] = {}
@@ -110,7 +114,10 @@ def accuracy_table(sums: Mapping[str, Mapping[str, np.ndarray]], w: np.ndarray,
         acc = float(s["correct"].sum() / n)
         draws = ratio_of_sums(w, s["correct"], s["n"])
         row: dict[str, Any] = {
-            "accuracy": acc, "ci": percentile_ci(draws), "questions": int(n), "corpora": int(len(s["n"])),
+            "accuracy": acc,
+            "ci": percentile_ci(draws),
+            "questions": int(n),
+            "corpora": int(len(s["n"])),
             "files_per_query": float(s["files_read"].sum() / n),
             "tokens_read_per_query": float(s["tokens_read"].sum() / n),
             "answer_tokens_per_query": float(s["answer_tokens"].sum() / n),
@@ -154,15 +161,26 @@ def method_bap(s: Mapping[str, np.ndarray], w: np.ndarray | None = None) -> tupl
     `w` `[draws, C]`, one value per draw (`[draws]` each)."""
     if w is None:
         n = s["n"].sum()
-        return (float(s["construction"].mean()), float(s["answer_tokens"].sum() / n),
-                float(s["correct"].sum() / n))
+        return (
+            float(s["construction"].mean()),
+            float(s["answer_tokens"].sum() / n),
+            float(s["correct"].sum() / n),
+        )
     ones = np.ones_like(s["construction"])
-    return (ratio_of_sums(w, s["construction"], ones), ratio_of_sums(w, s["answer_tokens"], s["n"]),
-            ratio_of_sums(w, s["correct"], s["n"]))
+    return (
+        ratio_of_sums(w, s["construction"], ones),
+        ratio_of_sums(w, s["answer_tokens"], s["n"]),
+        ratio_of_sums(w, s["correct"], s["n"]),
+    )
 
 
-def cost_table(sums: Mapping[str, Mapping[str, np.ndarray]], w: np.ndarray, method: str, base: str,
-               qs: Sequence[int] = COST_QS) -> dict[str, Any]:
+def cost_table(
+    sums: Mapping[str, Mapping[str, np.ndarray]],
+    w: np.ndarray,
+    method: str,
+    base: str,
+    qs: Sequence[int] = COST_QS,
+) -> dict[str, Any]:
     """`method` against `base` (Figure 6): per q the ratio `C_method(q) / C_base(q)` with its paired-bootstrap
     CI, and the crossover q* with its CI (over the draws where the curves cross) and which method is cheaper
     below / above it."""
@@ -171,20 +189,25 @@ def cost_table(sums: Mapping[str, Mapping[str, np.ndarray]], w: np.ndarray, meth
     dm, db = method_bap(sums[method], w), method_bap(sums[base], w)
     ratios = {}
     for q in qs:
-        point = float(cost_per_correct(bm, am, pm, q) / cost_per_correct(bb, ab, pb, q))
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            point = float(cost_per_correct(bm, am, pm, q) / cost_per_correct(bb, ab, pb, q))
             draws = cost_per_correct(*dm, q) / cost_per_correct(*db, q)
         ratios[str(q)] = {"ratio": point, "ci": percentile_ci(draws)}
     q_star = float(crossover(bm, am, pm, bb, ab, pb))
     q_draws = crossover(*dm, *db)
     below = method if cost_per_correct(bm, am, pm, 1) < cost_per_correct(bb, ab, pb, 1) else base
     return {
-        "method": method, "base": base, "ratios": ratios,
-        "crossover_q": q_star, "crossover_ci": percentile_ci(q_draws),
+        "method": method,
+        "base": base,
+        "ratios": ratios,
+        "crossover_q": q_star,
+        "crossover_ci": percentile_ci(q_draws),
         "crossover_defined_frac": float(np.isfinite(q_draws).mean()),
         "cheaper_at_q1": below,
         "cheaper_beyond_crossover": (base if below == method else method) if np.isfinite(q_star) else below,
-        "B": {method: bm, base: bb}, "A": {method: am, base: ab}, "p": {method: pm, base: pb},
+        "B": {method: bm, base: bb},
+        "A": {method: am, base: ab},
+        "p": {method: pm, base: pb},
     }
 
 
@@ -200,7 +223,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def pass_at_k_table(per_question: Sequence[tuple[int, int]], ks: Sequence[int]) -> dict[str, dict[str, float]]:
+def pass_at_k_table(
+    per_question: Sequence[tuple[int, int]], ks: Sequence[int]
+) -> dict[str, dict[str, float]]:
     """Mean pass@k over questions and its standard error (std of the per-question values / sqrt(Q)), for each
     k <= the smallest n. `per_question`: (n samples, c correct) per question."""
     out: dict[str, dict[str, float]] = {}

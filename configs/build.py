@@ -1,0 +1,31 @@
+"""Build one workspace over a user's folder of .txt/.md files with a trained builder, and export it.
+
+    python -m librarian_jax.main --config=configs/build.py --config.run=/runs/q4b \\
+        --config.data.path=~/notes --config.out=~/notes_workspace
+
+The export is a plain directory tree: README.md, raw_docs/ (the documents, unchanged), the synthetic files
+(each with its title, direct sources and transitive raw sources with content hashes), history/ and
+manifest.json; any agent can browse it.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+    if preset not in (None, "", "default"):
+        raise ValueError(f"configs/build.py: unknown preset {preset!r}; known: ['default']")
+    c = ml_collections.ConfigDict()
+    c.command = "build"
+    c.run = ""  # the training workdir whose builder to use
+    c.step = -1  # -1 = newest committed checkpoint
+    c.builder = ""  # "" = the run's checkpoint; "hf:/path" for a Hugging Face model
+    c.train_preset = "embedded"  # configs/grpo.py preset for rollout settings when there is no run
+    c.out = ""  # the export directory (must not hold a previous export's files)
+    c.seed = 0
+    c.builder_temperature = 0.0
+    c.data = ml_collections.ConfigDict(dict(path="", extensions=".txt,.md"))
+    c.engine = ml_collections.ConfigDict(dict(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0))
+    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    return c

@@ -1,0 +1,68 @@
+"""Evaluation of a trained builder against baselines on held-out corpora (librarian_jax.eval; docs/eval.md).
+
+    python -m librarian_jax.main --config=configs/eval.py --config.run=/runs/q4b
+    python -m librarian_jax.main --config=configs/eval.py:browsecomp_plus --config.run=/runs/q4b \\
+        --config.task_ids=/data/bcp_heldout_ids.txt
+    python -m librarian_jax.main --config=configs/eval.py --config.builder=hf:/ckpt/Qwen3.5-4B \\
+        --config.tasks=/data/heldout.jsonl --config.train_preset=qwen3_5_4b
+
+The report goes to `<run>/eval/<name>/` (or `out` when set): report.md, results.json, questions.jsonl,
+PNG plots, TensorBoard scalars (`tb/`) and the built workspaces (`workspaces/`).
+Presets: `embedded` (default), `browsecomp_plus` (the paper's 680/50 protocol, one sample per question),
+`bright` (pass@1 and pass@3 from 4 sampled constructions per corpus).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+PRESETS = ("embedded", "browsecomp_plus", "bright")
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+    preset = preset or "embedded"
+    if preset not in PRESETS:
+        raise ValueError(f"configs/eval.py: unknown preset {preset!r}; known: {list(PRESETS)}")
+    c = ml_collections.ConfigDict()
+    c.command = "eval"
+    c.preset = preset
+    c.run = ""  # the training workdir (config.json, split.json, checkpoints/, tokenizer/)
+    c.step = -1  # checkpoint step; -1 = the newest committed one
+    c.builder = ""  # the "trained" method's weights: "" = the run's checkpoint, or "hf:/path"
+    c.train_preset = "embedded"  # configs/grpo.py preset for rollout settings when there is no run
+    # comma-separated: trained, base, raw, bm25, run:/other/workdir (extra Orbax runs)
+    c.methods = "trained,base,raw,bm25"
+    c.name = "default"  # report folder name under <run>/eval/
+    c.out = ""  # report folder; "" = <run>/eval/<name>
+    c.tasks = ""  # a task file (data.load_tasks); "" = the run's data, held-out ids from split.json
+    c.task_ids = ""  # a file of task ids to evaluate (one per line, or JSON list / {"heldout": [...]})
+    c.num_tasks = 0  # evaluate the first N held-out corpora (0 = all)
+    c.seed = 0
+    c.samples = 1  # n samples per question (pass@k); a sample = one construction + one answer
+    c.pass_k = "1"  # comma-separated k <= samples
+    c.builder_temperature = 0.0  # 0 = greedy builder (the default for evaluation)
+    c.answerer = ml_collections.ConfigDict(dict(kind="", temperature=-1.0))  # "" / -1 = the run's
+    c.bm25 = ml_collections.ConfigDict(dict(top_k=3, passage_words=120))
+    c.ablation = ml_collections.ConfigDict(dict(enabled=True, shuffle_seed=0))
+    c.bootstrap = ml_collections.ConfigDict(dict(draws=2000, seed=0))
+    c.cost_qs = "1,10,20,50"
+    c.batch_tasks = 8  # corpora per scheduler batch (one progress-bar tick)
+    c.export_workspaces = True
+    c.engine = ml_collections.ConfigDict(dict(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0))
+    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    if preset == "browsecomp_plus":
+        # 680 train / 50 held-out tasks: the held-out ids come from task_ids when given, else the run's split
+        c.train_preset = "qwen3_5_4b"
+        c.bm25.update(top_k=5, passage_words=200)
+        c.engine.update(policy_slots=64, frozen_slots=256)
+        c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
+        c.bootstrap.draws = 10000
+    elif preset == "bright":
+        c.train_preset = "qwen3_5_4b"
+        c.samples, c.pass_k, c.builder_temperature = 4, "1,3", 1.0
+        c.methods = "trained,base,raw,bm25"
+        c.ablation.enabled = False
+        c.engine.update(policy_slots=64, frozen_slots=256)
+        c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
+        c.bootstrap.draws = 10000
+    return c

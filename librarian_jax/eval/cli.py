@@ -1,0 +1,602 @@
+"""The `eval` and `build` commands of `librarian_jax.main` (configs/eval.py, configs/build.py).
+
+    run_eval(config)       validate -> restore builders -> build -> answer -> statistics -> report
+    evaluate_run(run_dir)  the same from Python (main's end-of-training table uses it)
+    run_build(config)      one workspace over a user's folder, exported as a plain directory tree
+
+Every check of the config, the run directory and its checkpoints happens before any model is loaded; each
+bad input is one `ConfigError("config.<key>: ...")` naming the key and the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+
+from librarian_jax.config_validation import ConfigError, validate_mesh
+from librarian_jax.eval import pipeline, report, restore
+
+BUILTIN_METHODS = ("trained", "base", "raw", "bm25")
+ABLATIONS = ("flattened", "shuffled")
+ACCOUNTING = (
+    "Construction tokens B (per corpus, per construction; the mean over a corpus's samples): every token of "
+    "the builder's context segments that it did not sample (system prompt, corpus listing, tool "
+    "observations; each segment's prompt once, since the engine keeps the session's KV cache across turns, "
+    "so a history compaction's new prompt counts again) + every token the builder sampled + the executor's "
+    "prompt and generated tokens of every create/merge + the compaction summariser's tokens. Probes are off "
+    "in evaluation. Raw navigation and BM25 construct nothing (B = 0; the BM25 index costs no model tokens). "
+    "A failed construction counts B = 0 and all its questions incorrect. Answer tokens A (per question): "
+    "the answerer's prompt and observation tokens (tokens read, BM25 passages included) + its generated "
+    "tokens; a greedy repeat that is run once and recorded again costs what the original did."
+)
+
+
+def _err(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"config.{key}: {msg}")
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def _ints(config: Any, key: str) -> list[int]:
+    try:
+        vals = [int(x) for x in _csv(config[key])]
+    except ValueError:
+        raise _err(key, f"must be comma-separated integers, got {config[key]!r}") from None
+    if not vals or min(vals) < 1:
+        raise _err(key, f"must list integers >= 1, got {config[key]!r}")
+    return vals
+
+
+def method_label(method: str) -> str:
+    return f"run:{os.path.basename(os.path.normpath(method[4:]))}" if method.startswith("run:") else method
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a validated eval config will do (no model loaded yet)."""
+
+    config: Any
+    run_dir: str
+    run_cfg: Any
+    step: int
+    step_dir: str
+    methods: list[str]
+    extra_runs: dict[str, tuple[Any, str, int]]  # label -> (run config, step dir, step)
+    out_dir: str
+    pass_k: list[int]
+    cost_qs: list[int]
+
+
+def _check_builder(c: Any) -> None:
+    b = c.builder
+    if b and not b.startswith("hf:"):
+        raise _err("builder", f"must be '' (the run's checkpoint) or 'hf:/path', got {b!r}")
+    if b and not os.path.isfile(os.path.join(b[3:], "config.json")):
+        raise _err("builder", f"{b[3:]!r} is not a Hugging Face model folder (no config.json)")
+
+
+def _no_run_config(c: Any) -> Any:
+    grpo = importlib.import_module("configs.grpo")
+    try:
+        cfg = grpo.get_config(c.train_preset)
+    except ValueError as e:
+        raise _err("train_preset", str(e)) from None
+    cfg.model.update(init="hf", path=c.builder[3:], lora_rank=0)
+    return cfg
+
+
+def plan_eval(config: Any) -> Plan:
+    """Validates an eval config against the file system (run dir, checkpoints, shapes). No model loaded."""
+    c = config
+    for k in ("run", "builder", "methods", "name", "tasks", "task_ids", "step", "samples", "num_tasks"):
+        if k not in c:
+            raise _err(k, "missing")
+    _check_builder(c)
+    methods = _csv(c.methods)
+    if not methods:
+        raise _err("methods", "lists no method")
+    for m in methods:
+        if m not in BUILTIN_METHODS and not m.startswith("run:"):
+            raise _err("methods", f"unknown method {m!r}; known: {list(BUILTIN_METHODS)} or run:/workdir")
+    if len(set(map(method_label, methods))) != len(methods):
+        raise _err("methods", f"lists a method twice: {methods}")
+    if not isinstance(c.samples, int) or c.samples < 1:
+        raise _err("samples", f"must be an integer >= 1, got {c.samples!r}")
+    pass_k = _ints(c, "pass_k")
+    if max(pass_k) > c.samples:
+        raise _err("pass_k", f"k={max(pass_k)} needs at least that many samples (config.samples={c.samples})")
+    cost_qs = _ints(c, "cost_qs")
+    for k in ("tasks", "task_ids"):
+        if c[k] and not os.path.exists(c[k]):
+            raise _err(k, f"{c[k]!r} does not exist")
+    if c.answerer.kind not in ("", "model", "scripted"):
+        raise _err("answerer.kind", f"must be '', 'model' or 'scripted', got {c.answerer.kind!r}")
+    validate_mesh(c.mesh.shape.to_dict(), jax.device_count())
+    step, step_dir = -1, ""
+    if c.run:
+        run_dir = os.path.abspath(c.run)
+        run_cfg = restore.load_run_config(run_dir)
+        if not c.builder:
+            step, step_dir = restore.select_step(run_dir, c.step if c.step >= 0 else None)
+            restore.check_checkpoint(step_dir, run_cfg)
+        if not c.tasks and not c.task_ids and not os.path.isfile(os.path.join(run_dir, "split.json")):
+            raise _err(
+                "run",
+                f"{os.path.join(run_dir, 'split.json')!r} is missing (the run's held-out ids); "
+                f"give config.task_ids or config.tasks",
+            )
+    else:
+        if not c.builder:
+            raise _err("run", "required: a training workdir (or config.builder=hf:/path with config.tasks)")
+        if not c.tasks:
+            raise _err("tasks", "required without config.run (a task file to evaluate on)")
+        if "base" in methods:
+            raise _err("methods", "'base' (the run's initial weights) needs config.run")
+        run_dir, run_cfg = "", _no_run_config(c)
+    extra = {}
+    for m in methods:
+        if m.startswith("run:"):
+            d = os.path.abspath(m[4:])
+            rc = restore.load_run_config(d, key="methods")
+            s, sd = restore.select_step(d, None, key="methods")
+            restore.check_checkpoint(sd, rc)
+            extra[method_label(m)] = (rc, sd, s)
+    if c.out:
+        out_dir = c.out
+    elif run_dir:
+        out_dir = os.path.join(run_dir, "eval", c.name)
+    else:
+        raise _err("out", "required without config.run")
+    return Plan(
+        c,
+        run_dir,
+        run_cfg,
+        step,
+        step_dir,
+        [method_label(m) for m in methods],
+        extra,
+        out_dir,
+        pass_k,
+        cost_qs,
+    )
+
+
+def _read_ids(path: str) -> list[str]:
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return [x.strip() for x in text.splitlines() if x.strip()]
+    if isinstance(data, dict):
+        data = data.get("heldout", data.get("test"))
+    if not isinstance(data, list):
+        raise _err("task_ids", f"{path!r}: expected a JSON list of ids or {{'heldout': [...]}}")
+    return [str(x) for x in data]
+
+
+def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
+    """The held-out tasks and where their ids came from: `tasks` (a file) filtered by `task_ids` when
+    given; else the run's own data (`main.build_tasks` on its config) selected by its split.json ids."""
+    from librarian_jax import data, main
+
+    c = plan.config
+    if c.tasks:
+        try:
+            pool = data.load_tasks(c.tasks)
+        except data.DataError as e:
+            raise _err("tasks", str(e)) from None
+        source = f"tasks file {c.tasks}"
+    else:
+        train, held = main.build_tasks(plan.run_cfg)
+        pool = train + held
+        source = f"the run's data ({plan.run_cfg.data.source})"
+    if c.task_ids:
+        ids, source = _read_ids(c.task_ids), source + f", ids from {c.task_ids}"
+    elif c.tasks and not plan.run_dir:
+        ids = [t.task_id for t in pool]
+    else:
+        split = os.path.join(plan.run_dir, "split.json")
+        if c.tasks and not os.path.isfile(split):
+            ids = [t.task_id for t in pool]
+        else:
+            with open(split) as f:
+                ids = json.load(f)["heldout"]
+            source += f", held-out ids recorded in {split}"
+    by_id = {t.task_id: t for t in pool}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise _err(
+            "task_ids" if c.task_ids else "run",
+            f"{len(missing)} held-out ids are not in the tasks "
+            f"(first {missing[0]!r}); the data differs from the run's",
+        )
+    tasks = [by_id[i] for i in ids]
+    if c.num_tasks:
+        tasks = tasks[: c.num_tasks]
+    if not tasks:
+        raise _err("run", f"no held-out task to evaluate ({source})")
+    return tasks, source
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+class Models:
+    """The models and engines of one evaluation: the frozen answerer's engine and one policy engine per
+    builder graph (full params share one engine, their weights swapped with `update_params`)."""
+
+    def __init__(self, run_cfg: Any, eval_cfg: Any, mesh: Any, tokenizer: Any):
+        self.run_cfg, self.mesh, self.tokenizer = run_cfg, mesh, tokenizer
+        e, r = eval_cfg.engine, run_cfg.rollout
+        self.sizes = dict(
+            policy_slots=e.policy_slots or r.policy_slots,
+            frozen_slots=e.frozen_slots or r.frozen_slots,
+            max_seq_len=e.max_seq_len or r.max_seq_len,
+            round_steps=e.round_steps or r.round_steps,
+        )
+        self.base = restore.shard_model(restore.base_model(run_cfg, mesh, tokenizer), mesh)
+        self.frozen_model = self.base
+        if run_cfg.model.get("frozen_path", ""):
+            from librarian_jax import models
+
+            self.frozen_model = models.load_hf(
+                run_cfg.model.frozen_path, dtype=run_cfg.model.dtype or "bfloat16", mesh=mesh
+            )
+        self.policy_model: Any = None
+        self._engines: dict[str, Any] = {}
+
+    def _engine(self, model: Any, slots: int) -> Any:
+        from librarian_jax.engine import Engine
+
+        s = self.sizes
+        return Engine(model, slots, s["max_seq_len"], self.mesh, round_steps=s["round_steps"])
+
+    def set_policy(self, model: Any) -> None:
+        from flax import nnx
+
+        self.policy_model = model
+        eng = self._engines.get("policy")
+        if eng is not None:
+            try:
+                eng.update_params(nnx.state(model))
+                return
+            except ValueError:  # another graph (LoRA vs full, another architecture): a new engine
+                pass
+        self._engines["policy"] = self._engine(model, self.sizes["policy_slots"])
+
+    def engines(self) -> dict[str, Any]:
+        if "frozen" not in self._engines:
+            self._engines["frozen"] = self._engine(self.frozen_model, self.sizes["frozen_slots"])
+        out = {"frozen": self._engines["frozen"]}
+        if "policy" in self._engines:
+            out["policy"] = self._engines["policy"]
+        return out
+
+    def reset(self) -> None:
+        """Fresh engines (after a batch raised with sessions still in the old ones' slots)."""
+        self._engines.clear()
+        if self.policy_model is not None:
+            self.set_policy(self.policy_model)
+
+    def builder(self, label: str, plan: Plan) -> Any:
+        """The weights of builder method `label`."""
+        if label == "base":
+            return self.base
+        if label == "trained":
+            if plan.config.builder.startswith("hf:"):
+                from librarian_jax import models
+
+                return models.load_hf(
+                    plan.config.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
+                )
+            return restore.restore_builder(
+                self.run_cfg, plan.step_dir, self.mesh, self.tokenizer, base=self.base
+            )
+        run_cfg, step_dir, _ = plan.extra_runs[label]
+        return restore.restore_builder(run_cfg, step_dir, self.mesh, self.tokenizer)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+def _rollout_config(plan: Plan) -> Any:
+    from librarian_jax import config_validation
+
+    c = plan.config
+    answerer = {}
+    if c.answerer.kind:
+        answerer["kind"] = c.answerer.kind
+    if c.answerer.temperature >= 0:
+        answerer["temperature"] = float(c.answerer.temperature)
+    return pipeline.eval_rollout_config(
+        config_validation.rollout_config(plan.run_cfg),
+        builder_temperature=c.builder_temperature,
+        answerer=answerer,
+    )
+
+
+def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records)."""
+    from librarian_jax import main, tokenizers
+
+    c = plan.config
+    t_start = time.perf_counter()
+    tasks, split_source = heldout_tasks(plan)
+    corpora = [t.task_id for t in tasks]
+    mesh = main.make_mesh(c)
+    tokenizer = (
+        restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
+        if plan.run_dir
+        else tokenizers.load_tokenizer(c.builder[3:])
+    )
+    cfg = _rollout_config(plan)
+    models = Models(plan.run_cfg, c, mesh, tokenizer)
+    t_load = time.perf_counter()
+    greedy_builder = cfg.builder.temperature == 0.0
+    group = 1 if greedy_builder else c.samples
+    repeats = c.samples if greedy_builder else 1
+    jobs: list[pipeline.Job] = []
+    built_by: dict[str, list[pipeline.Built]] = {}
+    timing = {"load_s": t_load - t_start}
+    for label in plan.methods:
+        if label in ("raw", "bm25"):
+            continue
+        t0 = time.perf_counter()
+        models.set_policy(models.builder(label, plan))
+        built = pipeline.build_workspaces(
+            label,
+            tasks,
+            models.engines,
+            tokenizer,
+            cfg,
+            group_size=group,
+            seed=c.seed,
+            batch_tasks=c.batch_tasks,
+            reset=models.reset,
+            progress=progress,
+        )
+        built_by[label] = built
+        jobs += [
+            pipeline.Job(
+                label, b.task, b.workspace, repeats, b.construction_tokens, b.episode, failed=b.failed
+            )
+            for b in built
+        ]
+        timing[f"build_{label}_s"] = time.perf_counter() - t0
+    from librarian_jax.workspace import Workspace
+
+    for t in tasks:
+        if "raw" in plan.methods:
+            jobs.append(pipeline.Job("raw", t, Workspace.from_documents(list(t.documents)), c.samples))
+        if "bm25" in plan.methods:
+            pre = pipeline.bm25_preambles(
+                t, pipeline.questions_of(t, cfg), c.bm25.top_k, c.bm25.passage_words
+            )
+            jobs.append(
+                pipeline.Job("bm25", t, Workspace.from_documents(list(t.documents)), c.samples, preambles=pre)
+            )
+    ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
+    for b in built_by.get("trained", []):
+        if ablation and b.episode == 0:
+            flat = b.workspace.flattened() if b.workspace is not None else None
+            shuf = b.workspace.shuffled(c.ablation.shuffle_seed) if b.workspace is not None else None
+            jobs.append(pipeline.Job("flattened", b.task, flat, 1, b.construction_tokens, failed=b.failed))
+            jobs.append(pipeline.Job("shuffled", b.task, shuf, 1, b.construction_tokens, failed=b.failed))
+    t0 = time.perf_counter()
+    answers = pipeline.answer_jobs(
+        jobs, models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset, progress=progress
+    )
+    timing["answer_s"] = time.perf_counter() - t0
+    records = [
+        dict(r, step=plan.step)
+        for j, a in zip(jobs, answers, strict=True)
+        for r in pipeline.job_records(j, a, cfg)
+    ]
+    results = report.analyse(
+        records,
+        plan.methods + ablation,
+        corpora,
+        draws=c.bootstrap.draws,
+        seed=c.bootstrap.seed,
+        cost_qs=plan.cost_qs,
+        pass_k=plan.pass_k,
+        ablation=ablation,
+    )
+    results["failed_constructions"] = {m: sum(1 for b in bs if b.failed) for m, bs in built_by.items()}
+    results["accounting"] = ACCOUNTING
+    results["setup"] = {
+        "name": c.name,
+        "run": plan.run_dir or c.builder,
+        "step": plan.step,
+        "split": split_source,
+        "builder": c.builder or "the run's checkpoint",
+        "answerer": f"{cfg.answerer.kind} (temperature "
+        f"{cfg.answerer.temperature}, {cfg.answerer.max_turns} turns)",
+        "builder_temperature": cfg.builder.temperature,
+        "samples": c.samples,
+        "sample_unit": "one construction + one answer"
+        if not greedy_builder
+        else "one answer on the (greedy) construction",
+        "preset": c.get("preset", ""),
+        "devices": jax.device_count(),
+        "mesh": dict(mesh.shape),
+    }
+    if c.export_workspaces:
+        t0 = time.perf_counter()
+        results["workspaces"] = export_workspaces(os.path.join(plan.out_dir, "workspaces"), built_by)
+        timing["export_s"] = time.perf_counter() - t0
+    timing["total_s"] = time.perf_counter() - t_start
+    results["timing"] = timing
+    report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
+    return results, records
+
+
+def export_workspaces(root: str, built_by: dict[str, list[pipeline.Built]]) -> dict[str, int]:
+    """Each method's first construction of each corpus, exported under `root/<method>/<corpus>/`."""
+    if os.path.isdir(root) and not os.path.islink(root):
+        shutil.rmtree(root)
+    counts = {}
+    for m, built in built_by.items():
+        counts[m] = 0
+        for b in built:
+            if b.episode == 0 and b.workspace is not None:
+                r = b.workspace.export(
+                    os.path.join(root, m.replace(":", "_").replace("/", "_"), b.task.task_id)
+                )
+                counts[m] += int(r.ok)
+    return counts
+
+
+def evaluate_run(
+    run_dir: str,
+    *,
+    methods: str | list[str] | None = None,
+    name: str = "heldout",
+    config: Any = None,
+    progress: bool = True,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Evaluates a training workdir on its recorded held-out split and writes `run_dir/eval/<name>/`.
+
+    Args:
+      run_dir: the training workdir.
+      methods: e.g. `["trained", "base", "raw"]` (default: the eval config's).
+      name: the report's folder name.
+      config: an eval ConfigDict (default `configs/eval.py`'s embedded preset).
+      overrides: any top-level eval key (`num_tasks=2`, `samples=4`, ...).
+    Returns the results dict (`format_table(results)` prints the held-out table).
+    """
+    c = config if config is not None else importlib.import_module("configs.eval").get_config()
+    c = ml_collections.ConfigDict(c.to_dict())
+    c.run, c.name = run_dir, name
+    if methods is not None:
+        c.methods = methods if isinstance(methods, str) else ",".join(methods)
+    for k, v in overrides.items():
+        if k not in c:
+            raise _err(k, "unknown eval key")
+        c[k] = v
+    results, _ = execute(plan_eval(c), progress=progress)
+    return results
+
+
+format_table = report.format_table
+
+
+def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
+    """`main --config=configs/eval.py`: validate, then evaluate and print the table."""
+    plan = plan_eval(config)
+    what = f"eval {plan.methods} of {plan.run_dir or config.builder} (step {plan.step}) -> {plan.out_dir}"
+    if dry_run:
+        print(what)  # noqa: T201 - the CLI's answer
+        return None
+    logging.info("%s", what)
+    results, _ = execute(plan)
+    print(format_table(results))  # noqa: T201
+    print(f"report: {os.path.join(plan.out_dir, 'report.md')}")  # noqa: T201
+    return results
+
+
+# ------------------------------------------------------------------------------------------- build
+
+
+def plan_build(config: Any) -> tuple[Plan, Any]:
+    """Validates a build config (folder, output, run, checkpoint); returns (plan, the folder's task)."""
+    from librarian_jax import data
+
+    c = config
+    path = c.data.path
+    if not path:
+        raise _err("data.path", "required: a folder of .txt/.md files")
+    if not os.path.isdir(path):
+        raise _err("data.path", f"{path!r} is not a folder")
+    exts = tuple(_csv(c.data.extensions))
+    try:
+        task = data.load_folder(path, extensions=exts, task_id=os.path.basename(os.path.normpath(path)))
+    except data.DataError as e:
+        raise _err("data.path", str(e)) from None
+    if not task.documents:
+        raise _err("data.path", f"{path!r} holds no non-empty {'/'.join(exts)} file")
+    if not c.out:
+        raise _err("out", "required: the directory to export the workspace to")
+    if os.path.isfile(c.out) or (os.path.isdir(c.out) and os.listdir(c.out)):
+        raise _err("out", f"{c.out!r} exists and is not an empty folder")
+    e = ml_collections.ConfigDict(c.to_dict())
+    e.update(
+        methods="trained",
+        name="build",
+        tasks="",
+        task_ids="",
+        samples=1,
+        num_tasks=0,
+        pass_k="1",
+        cost_qs="1",
+    )
+    e.answerer = ml_collections.ConfigDict(dict(kind="", temperature=-1.0))
+    return plan_eval(e), task
+
+
+def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
+    """`main --config=configs/build.py`: the trained builder's workspace over `data.path`, exported to `out`
+    (README.md, raw_docs/ unchanged, synthetic files with source links and hashes, manifest.json,
+    build.json with the construction's tokens, turns and status)."""
+    from librarian_jax import main, tokenizers
+    from librarian_jax.workspace import Workspace
+
+    plan, task = plan_build(config)
+    c = plan.config
+    if dry_run:
+        print(
+            f"build a workspace over {len(task.documents)} documents of {c.data.path} with "  # noqa: T201
+            f"{plan.run_dir or c.builder} (step {plan.step}) -> {c.out}"
+        )
+        return None
+    t0 = time.perf_counter()
+    mesh = main.make_mesh(c)
+    tokenizer = (
+        restore.run_tokenizer(plan.run_cfg, plan.run_dir, [task])
+        if plan.run_dir
+        else tokenizers.load_tokenizer(c.builder[3:])
+    )
+    models = Models(plan.run_cfg, c, mesh, tokenizer)
+    models.set_policy(models.builder("trained", plan))
+    cfg = _rollout_config(plan)
+    built = pipeline.build_workspaces(
+        "trained", [task], models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset
+    )[0]
+    ws = built.workspace if built.workspace is not None else Workspace.from_documents(list(task.documents))
+    res = ws.export(c.out)
+    if not res.ok:
+        raise _err("out", res.message)
+    summary = {
+        "folder": os.path.abspath(c.data.path),
+        "documents": len(task.documents),
+        "run": plan.run_dir or c.builder,
+        "step": plan.step,
+        "failed": built.failed,
+        "construction_tokens": built.construction_tokens,
+        "turns": built.turns,
+        "stopped": built.stopped,
+        "stats": ws.stats(),
+        "wall_s": time.perf_counter() - t0,
+    }
+    with open(os.path.join(c.out, "build.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if built.failed:
+        logging.warning("the construction failed (%s); exported the raw documents only", built.failed)
+    print(f"workspace: {c.out} ({ws.stats()})")  # noqa: T201
+    return summary

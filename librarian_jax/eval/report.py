@@ -1,0 +1,332 @@
+"""The evaluation report: results.json, questions.jsonl, report.md, PNG plots, TensorBoard scalars.
+
+`analyse(records, methods, corpora, ...)` turns per-question records into the results dict (every table);
+`write_report(out_dir, results, records)` writes the files; `format_table(results)` is the plain-text
+held-out table the console prints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from librarian_jax.eval import stats
+
+BASE = "base"
+TRAINED = "trained"
+
+
+def _ci(ci: Sequence[float], pct: bool = True) -> str:
+    if any(not math.isfinite(x) for x in ci):
+        return "n/a"
+    return f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if pct else f"[{ci[0]:.3g}, {ci[1]:.3g}]"
+
+
+def analyse(
+    records: Sequence[dict[str, Any]],
+    methods: Sequence[str],
+    corpora: Sequence[str],
+    *,
+    draws: int = stats.DEFAULT_DRAWS,
+    seed: int = 0,
+    cost_qs: Sequence[int] = stats.COST_QS,
+    pass_k: Sequence[int] = (1,),
+    ablation: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Every table of the report from the question records (see docs/eval.md)."""
+    main = [m for m in methods if m not in ablation]
+    sums = stats.corpus_sums(records, main, corpora)
+    idx = stats.bootstrap_indices(len(corpora), draws, seed)
+    w = stats.draw_counts(idx, len(corpora))
+    base = BASE if BASE in main else None
+    out: dict[str, Any] = {
+        "methods": list(main),
+        "corpora": list(corpora),
+        "base_method": base,
+        "bootstrap": {
+            "draws": draws,
+            "seed": seed,
+            "unit": "corpus",
+            "paired": True,
+            "level": stats.CI_LEVEL,
+        },
+        "accuracy": stats.accuracy_table(sums, w, base),
+    }
+    if base is not None:
+        out["cost"] = {
+            m: stats.cost_table(sums, w, m, base, cost_qs)
+            for m in main
+            if m != base and sums[m]["construction"].any()
+        }
+    per_q: dict[str, list[tuple[int, int]]] = {}
+    for m in main:
+        groups: dict[tuple[str, str], list[float]] = {}
+        for r in records:
+            if r["method"] == m:
+                groups.setdefault((r["corpus"], r["question_id"]), []).append(float(r["correct"]))
+        per_q[m] = [(len(v), int(sum(v))) for v in groups.values()]
+    out["pass_at_k"] = {m: stats.pass_at_k_table(per_q[m], pass_k) for m in main}
+    if ablation:
+        table = {}
+        for variant in (TRAINED, *ablation):
+            rs = [r for r in records if r["method"] == variant and int(r.get("sample", 0)) == 0]
+            if rs:
+                table[variant] = {
+                    "accuracy": stats.mean_se([r["correct"] for r in rs]),
+                    "nav_tokens": stats.mean_se([r["tokens_read"] + r["tokens_written"] for r in rs]),
+                }
+        out["ablation"] = table
+    return out
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The held-out table as plain text: per method accuracy with its paired-bootstrap 95% CI, the paired
+    difference to the base builder, files and tokens read per query, construction tokens per corpus."""
+    acc = results["accuracy"]
+    head = (
+        f"{'method':<22} {'acc %':>6} {'95% CI':>14} {'vs base':>8} {'95% CI':>14} {'files/q':>8} "
+        f"{'tok read/q':>10} {'build tok/corpus':>16}"
+    )
+    lines = [head, "-" * len(head)]
+    for m, row in acc.items():
+        diff = f"{100 * row['diff_vs_base']:+.1f}" if "diff_vs_base" in row else ""
+        lines.append(
+            f"{m:<22} {100 * row['accuracy']:6.1f} {_ci(row['ci']):>14} {diff:>8} "
+            f"{_ci(row['diff_ci']) if 'diff_ci' in row else '':>14} {row['files_per_query']:8.2f} "
+            f"{row['tokens_read_per_query']:10.0f} {row['construction_tokens_per_corpus']:16.0f}"
+        )
+    n = next(iter(acc.values()))
+    lines.append(
+        f"{n['corpora']} corpora, {n['questions']} question records per method; CIs: paired corpus "
+        f"bootstrap, {results['bootstrap']['draws']} draws"
+    )
+    return "\n".join(lines)
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def report_markdown(results: dict[str, Any]) -> str:
+    """report.md: setup, accuracy, cost curves, pass@k, ablation, the accounting rule, the timing."""
+    s = results.get("setup", {})
+    parts = [
+        f"# Evaluation: {s.get('name', '')}",
+        "",
+        f"Run `{s.get('run', '')}` step {s.get('step', '')}; {len(results['corpora'])} held-out corpora "
+        f"({s.get('split', '')}); methods {', '.join(results['methods'])}; answerer "
+        f"{s.get('answerer', '')}; builder temperature {s.get('builder_temperature', 0.0)}; "
+        f"{s.get('samples', 1)} sample(s) per question.",
+        "",
+    ]
+    parts += [
+        "## Accuracy (Figure 4)",
+        "",
+        "Full denominator: failed constructions, crashes, empty or forced answers count as incorrect. "
+        "95% CIs: paired corpus bootstrap (the same corpora drawn for every method); the difference "
+        "to the base builder is taken inside each draw.",
+        "",
+    ]
+    rows = []
+    for m, r in results["accuracy"].items():
+        rows.append(
+            [
+                m,
+                f"{100 * r['accuracy']:.1f}",
+                _ci(r["ci"]),
+                f"{100 * r['diff_vs_base']:+.1f} {_ci(r['diff_ci'])}" if "diff_vs_base" in r else "",
+                f"{r['files_per_query']:.2f}",
+                f"{r['tokens_read_per_query']:.0f}",
+                f"{r['answer_tokens_per_query']:.0f}",
+                f"{r['construction_tokens_per_corpus']:.0f}",
+                str(results.get("failed_constructions", {}).get(m, 0)),
+            ]
+        )
+    parts += [
+        _md_table(
+            [
+                "method",
+                "acc %",
+                "95% CI",
+                "vs base (pp, CI)",
+                "files/query",
+                "tokens read/query",
+                "answer tokens/query (A)",
+                "construction tokens/corpus (B)",
+                "failed constructions",
+            ],
+            rows,
+        ),
+        "",
+        "![accuracy](accuracy.png)",
+        "",
+    ]
+    parts += [
+        "## Reuse cost (Figure 6, Appendix A.4)",
+        "",
+        "`T(q) = B/q + A` tokens per question when q questions share one construction; "
+        "`C(q) = T(q)/p` tokens per expected correct answer. Ratios and the crossover q* are computed "
+        "inside each bootstrap draw from that draw's B, A and p.",
+        "",
+    ]
+    for m, c in results.get("cost", {}).items():
+        rows = [[q, f"{v['ratio']:.3f}", _ci(v["ci"], pct=False)] for q, v in c["ratios"].items()]
+        parts += [
+            f"**{m} / {c['base']}**",
+            "",
+            _md_table(["q", "C ratio", "95% CI"], rows),
+            "",
+            f"Crossover q* = {c['crossover_q']:.3g} (95% CI {_ci(c['crossover_ci'], pct=False)}, curves "
+            f"cross in {100 * c['crossover_defined_frac']:.0f}% of draws); cheaper at q = 1: "
+            f"{c['cheaper_at_q1']}; cheaper beyond q*: {c['cheaper_beyond_crossover']}.",
+            "",
+        ]
+    if not results.get("cost"):
+        parts += ["(no method with construction tokens to compare with the base builder)", ""]
+    parts += ["![cost curves](cost_curves.png)", ""]
+    parts += [
+        "## pass@k (Table 3)",
+        "",
+        "Unbiased estimator `1 - C(n-c, k)/C(n, k)` per question from n samples, mean over questions "
+        "+- standard error.",
+        "",
+    ]
+    rows = [
+        [m, k, f"{100 * v['mean']:.1f} +- {100 * v['se']:.1f}", v["n"]]
+        for m, t in results["pass_at_k"].items()
+        for k, v in t.items()
+    ]
+    parts += [_md_table(["method", "k", "pass@k %", "n"], rows), ""]
+    if results.get("ablation"):
+        parts += [
+            "## Hierarchy ablation (Table 7)",
+            "",
+            "The trained builder's workspaces (first sample) as built, flattened (every synthetic file at "
+            "the root) and shuffled (same directories, files placed at random); same questions and "
+            "answerer. Mean +- standard error over questions; navigation tokens = answerer tokens read "
+            "+ written.",
+            "",
+        ]
+        rows = [
+            [
+                v,
+                f"{100 * r['accuracy']['mean']:.1f} +- {100 * r['accuracy']['se']:.1f}",
+                f"{r['nav_tokens']['mean']:.0f} +- {r['nav_tokens']['se']:.0f}",
+                r["accuracy"]["n"],
+            ]
+            for v, r in results["ablation"].items()
+        ]
+        parts += [
+            _md_table(["workspace", "acc %", "navigation tokens", "questions"], rows),
+            "",
+            "![ablation](ablation.png)",
+            "",
+        ]
+    parts += ["## Accounting", "", results.get("accounting", ""), ""]
+    t = results.get("timing", {})
+    if t:
+        parts += ["## Time", "", _md_table(["phase", "seconds"], [[k, f"{v:.1f}"] for k, v in t.items()]), ""]
+    return "\n".join(parts)
+
+
+def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
+    """accuracy.png (accuracy with CIs per method), cost_curves.png (T(q) and C(q) panels), ablation.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    acc = results["accuracy"]
+    names = list(acc)
+    vals = np.array([acc[m]["accuracy"] for m in names])
+    ci = np.array([acc[m]["ci"] for m in names], np.float64)
+    err = np.nan_to_num(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])))
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.5))
+    ax.bar(names, 100 * vals, yerr=100 * err, capsize=4, color="tab:blue")
+    ax.set_ylabel("accuracy % (95% CI)")
+    ax.set_title("Held-out accuracy")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=100)
+    plt.close(fig)
+    written.append("accuracy.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    qs = np.unique(np.round(np.logspace(0, 2, 40)))
+    for m in names:
+        row = acc[m]
+        b, a, p = row["construction_tokens_per_corpus"], row["answer_tokens_per_query"], row["accuracy"]
+        a1.plot(qs, stats.cost_per_question(b, a, qs), label=m)
+        if p > 0:
+            a2.plot(qs, stats.cost_per_correct(b, a, p, qs), label=m)
+    for c in results.get("cost", {}).values():
+        if math.isfinite(c["crossover_q"]):
+            a2.axvline(c["crossover_q"], ls=":", c="gray")
+    for ax, title in ((a1, "tokens per question T(q) = B/q + A"), (a2, "tokens per expected correct C(q)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("questions per corpus q")
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "cost_curves.png"), dpi=100)
+    plt.close(fig)
+    written.append("cost_curves.png")
+
+    if results.get("ablation"):
+        ab = results["ablation"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
+        v = list(ab)
+        a1.bar(
+            v,
+            [100 * ab[x]["accuracy"]["mean"] for x in v],
+            yerr=[100 * ab[x]["accuracy"]["se"] for x in v],
+            capsize=4,
+        )
+        a1.set_title("accuracy % (+- SE)")
+        a2.bar(
+            v,
+            [ab[x]["nav_tokens"]["mean"] for x in v],
+            yerr=[ab[x]["nav_tokens"]["se"] for x in v],
+            capsize=4,
+            color="tab:orange",
+        )
+        a2.set_title("navigation tokens (+- SE)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "ablation.png"), dpi=100)
+        plt.close(fig)
+        written.append("ablation.png")
+    return written
+
+
+def write_report(
+    out_dir: str, results: dict[str, Any], records: Sequence[dict[str, Any]], step: int = 0
+) -> dict[str, str]:
+    """Writes results.json, questions.jsonl, report.md, the plots and TensorBoard scalars under `out_dir`."""
+    from tensorboardX import SummaryWriter
+
+    from librarian_jax.eval.pipeline import scalar_metrics
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "questions.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    results["plots"] = plot(out_dir, results)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(report_markdown(results))
+    writer = SummaryWriter(os.path.join(out_dir, "tb"))
+    for k, v in scalar_metrics(results["accuracy"]).items():
+        if math.isfinite(v):
+            writer.add_scalar(k, v, step)
+    writer.close()
+    return {k: os.path.join(out_dir, k) for k in ("report.md", "results.json", "questions.jsonl")}

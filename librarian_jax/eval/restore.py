@@ -1,0 +1,220 @@
+"""A training run's builder, restored from its Orbax checkpoints onto the mesh of *this* process.
+
+    run_cfg = load_run_config(run_dir)                       # the run's own config.json
+    step, step_dir = select_step(run_dir, step=None)         # newest committed step (or the one asked for)
+    check_checkpoint(step_dir, run_cfg)                      # shapes vs the run's preset / LoRA rank
+    model = restore_builder(run_cfg, step_dir, mesh, tok)    # full params, or LoRA params on the base
+
+Every check reads only JSON and Orbax metadata, so a bad run directory fails with one line naming the path
+(`ConfigError`) before any weight is loaded. The restore itself is Orbax's `StandardRestore` into abstract
+targets that carry this mesh's shardings (each process reads its own shards; no gather to one host), so a
+run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+
+from librarian_jax import checkpoint
+from librarian_jax.config_validation import ConfigError
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def _err(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"config.{key}: {msg}")
+
+
+def load_run_config(run_dir: str, key: str = "run") -> ml_collections.ConfigDict:
+    """The config a training run recorded in `run_dir/config.json`."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isdir(run_dir):
+        raise _err(key, f"training workdir {run_dir!r} does not exist")
+    if not os.path.isfile(path):
+        raise _err(key, f"{path!r} is missing: not a training workdir (main writes config.json at start)")
+    try:
+        with open(path) as f:
+            return ml_collections.ConfigDict(json.load(f))
+    except (OSError, ValueError) as e:
+        raise _err(key, f"{path!r} is not a readable config ({e})") from None
+
+
+def committed_steps(ckpt_dir: str) -> list[int]:
+    """Steps of `ckpt_dir` that Orbax finished (commit marker present), oldest first. Read-only: unlike
+    `checkpoint.Checkpointer`, evaluation never moves a run's half-written steps."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(
+        int(n)
+        for n in os.listdir(ckpt_dir)
+        if n.isdigit() and checkpoint.is_committed(os.path.join(ckpt_dir, n))
+    )
+
+
+def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tuple[int, str]:
+    """(step, step directory): `step`, or the newest committed one; a half-written or missing step is an
+    error naming its path (a newer half-written step is skipped with a warning)."""
+    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+    steps = committed_steps(ckpt_dir)
+    if step is not None and step >= 0:
+        path = os.path.join(ckpt_dir, str(step))
+        if not os.path.isdir(path):
+            raise _err("step", f"{path!r} does not exist (committed steps: {steps})")
+        if not checkpoint.is_committed(path):
+            raise _err(
+                "step", f"{path!r} is half-written (no {checkpoint.COMMIT_MARKER}); committed steps: {steps}"
+            )
+        return step, path
+    if not steps:
+        raise _err(key, f"{ckpt_dir!r} holds no committed checkpoint step")
+    newer = [
+        n
+        for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+        if n.isdigit() and int(n) > steps[-1]
+    ]
+    for n in newer:
+        logging.warning(
+            "checkpoint %s is half-written; evaluating step %d", os.path.join(ckpt_dir, n), steps[-1]
+        )
+    return steps[-1], os.path.join(ckpt_dir, str(steps[-1]))
+
+
+def _keystr(path: Any) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {
+        _keystr(p): tuple(getattr(leaf, "shape", ()))
+        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _base_model_config(run_cfg: Any) -> Any:
+    from librarian_jax import models
+
+    m = run_cfg.model
+    if m.init == "hf":
+        path = os.path.join(m.path, "config.json")
+        if not os.path.isfile(path):
+            raise _err("run", f"the run's base model {path!r} is missing (model.path of the run's config)")
+        with open(path) as f:
+            return models.config_from_hf(json.load(f))
+    return models.get_preset(m.preset)
+
+
+def expected_params(run_cfg: Any) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """(shape of every trainable param by path, is_lora) of the run's policy, from abstract shapes only."""
+    from librarian_jax import models
+    from librarian_jax.rl.train_step import apply_lora
+
+    m = run_cfg.model
+    cfg = _base_model_config(run_cfg)
+
+    def make() -> Any:
+        model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+        return apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path) if m.lora_rank else model
+
+    abstract = nnx.eval_shape(make)
+    wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
+    return _shapes(nnx.state(abstract, wrt).to_pure_dict()), bool(m.lora_rank)
+
+
+def checkpoint_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
+    """Param shapes stored in a checkpoint step (Orbax metadata; no array is read)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(step_dir, "params")
+    if not os.path.isdir(path):
+        raise _err("run", f"{path!r} is missing: not a librarian_jax checkpoint step")
+    with ocp.StandardCheckpointer() as ckptr:
+        md = ckptr.metadata(path)
+    tree = getattr(md, "item_metadata", md)
+    tree = getattr(tree, "tree", tree)
+    return _shapes(tree)
+
+
+def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
+    """Raises ConfigError naming `step_dir` when its params are not the run's policy (another model preset,
+    full params where LoRA was expected or the other way round, another LoRA rank)."""
+    want, lora = expected_params(run_cfg)
+    have = checkpoint_shapes(step_dir)
+    have_lora = any("lora" in k for k in have)
+    what = f"LoRA rank {run_cfg.model.lora_rank}" if lora else "full params"
+    if have_lora != lora:
+        kind = "LoRA" if have_lora else "full"
+        raise _err(
+            "run",
+            f"checkpoint {step_dir!r} holds {kind} params; the run's config "
+            f"({run_cfg.model.preset}) expects {what}",
+        )
+    for k in sorted(set(want) | set(have)):
+        if want.get(k) != have.get(k):
+            raise _err(
+                "run",
+                f"checkpoint {step_dir!r} does not match model {run_cfg.model.preset} with "
+                f"{what}: param {k} has shape {have.get(k)} in the checkpoint, {want.get(k)} expected",
+            )
+
+
+def shard_model(model: nnx.Module, mesh: Any) -> nnx.Module:
+    """Every variable of `model` placed on `mesh` with the engine's logical-axis rules."""
+    from librarian_jax.rl.train_step import shard_state
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, shard_state(state, mesh))
+
+
+def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
+    """The run's initial weights (`model.init`/`model.path` of its config): the "base builder"."""
+    from librarian_jax import main
+
+    return main.build_model(run_cfg, mesh, tokenizer)
+
+
+def restore_builder(
+    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None
+) -> nnx.Module:
+    """The policy of `run_cfg` at `step_dir`, on `mesh`: the base model with the checkpoint's params (full),
+    or the base wrapped with LoRA adapters holding the checkpoint's LoRA params. The abstract restore target
+    carries `mesh`'s shardings, so Orbax reads straight into them."""
+    from librarian_jax.rl.train_step import apply_lora
+
+    m = run_cfg.model
+    model = base if base is not None else base_model(run_cfg, mesh, tokenizer)
+    if m.lora_rank:
+        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=run_cfg.seed)
+    model = shard_model(model, mesh)
+    wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
+    target = nnx.state(model, wrt)
+    restored = checkpoint.restore_params(step_dir, target)
+    nnx.update(model, restored)
+    logging.info(
+        "restored the builder (%s) from %s onto mesh %s",
+        "LoRA" if m.lora_rank else "full params",
+        step_dir,
+        dict(mesh.shape),
+    )
+    return model
+
+
+def run_tokenizer(run_cfg: Any, run_dir: str, tasks: list[Any]) -> Any:
+    """The run's tokenizer: its recorded file (`run_dir/tokenizer/*.model` when exactly one), else the one
+    `main.build_tokenizer` gives for the run's config (HF folder / `model.tokenizer`)."""
+    from librarian_jax import main, tokenizers
+
+    cfg = ml_collections.ConfigDict(run_cfg.to_dict())
+    cfg.workdir = run_dir
+    if not cfg.model.tokenizer and cfg.model.init != "hf":
+        files = sorted(glob.glob(os.path.join(run_dir, "tokenizer", "*.model")))
+        if len(files) == 1:
+            return tokenizers.load_tokenizer(files[0])
+    return main.build_tokenizer(cfg, tasks)
