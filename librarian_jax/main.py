@@ -361,14 +361,16 @@ def run(config: Any) -> dict[str, Any]:
 
 def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer: Any, rollout_cfg: Any,
              seed: int) -> dict[str, float]:
-    """Greedy builder episodes on held-out tasks: the mean terminal accuracy (and total reward)."""
-    from librarian_jax import rollout
+    """Periodic held-out evaluation (`eval.every`): the eval command's own build and answer code
+    (`eval.pipeline.periodic_eval`: greedy builder, no probes, the frozen answerer `eval.repeats` times per
+    question) with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is the same accuracy."""
+    from librarian_jax.eval import pipeline
 
-    cfg = dataclasses.replace(rollout_cfg, builder=dataclasses.replace(rollout_cfg.builder, temperature=0.0))
-    records = rollout.run_batch(heldout[: config.eval.num_tasks], config.eval.repeats, engines, tokenizer,
-                                cfg, rng=seed)
-    return {"eval/accuracy": float(np.mean([r.terminal_reward for r in records])),
-            "eval/reward": float(np.mean([r.total_reward for r in records]))}
+    tasks = heldout[: config.eval.num_tasks]
+    _, metrics = pipeline.periodic_eval(tasks, engines, tokenizer, rollout_cfg, seed,
+                                        repeats=config.eval.repeats)
+    metrics["eval/accuracy"] = metrics["eval/trained/accuracy"]
+    return metrics
 
 
 def _train_command(config: Any, dry_run: bool = False) -> None:
