@@ -118,6 +118,8 @@ class Engine:
       round_steps: the most decode steps per ``step()``; the host admits new work between rounds.
       max_stop_ids: the most stop ids one turn may give.
       cache_dtype: dtype of the K/V cache (default: the model's choice in ``init_cache``).
+      stats_window: how many of the latest ``StepStats`` ``engine.stats`` keeps (oldest dropped first), so a
+        long run's stats stay bounded; ``engine.total_steps`` counts every step.
     """
 
     def __init__(
@@ -132,11 +134,14 @@ class Engine:
         round_steps: int = 64,
         max_stop_ids: int = 8,
         cache_dtype: Any = None,
+        stats_window: int = 10_000,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
         if max_seq_len < 2:
             raise ValueError(f"Engine: max_seq_len must be >= 2, got {max_seq_len}")
+        if stats_window < 1:
+            raise ValueError(f"Engine: stats_window must be >= 1, got {stats_window}")
         if round_steps < 1:
             raise ValueError(f"Engine: round_steps must be >= 1, got {round_steps}")
         if not prefill_buckets or any(b < 1 for b in prefill_buckets):
@@ -181,7 +186,9 @@ class Engine:
         self._clock = 0
         self._last_end: float | None = None
         self._slot_buckets = _slot_buckets(self.num_slots)
-        self.stats: list[StepStats] = []
+        self.stats_window = int(stats_window)
+        self.stats: list[StepStats] = []  # the latest `stats_window` steps
+        self.total_steps = 0
 
     # ----------------------------------------------------------------------------------------------- public
 
@@ -245,6 +252,9 @@ class Engine:
         st.host_s += (t1 - t0) + (t4 - t3)
         self._last_end = t4
         self.stats.append(st)
+        self.total_steps += 1
+        if len(self.stats) > self.stats_window:
+            del self.stats[: len(self.stats) - self.stats_window]
         return results
 
     def pending(self) -> bool:

@@ -32,6 +32,8 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping
 
+from librarian_jax.workspace import render as R
+
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_CHARS = 255
 MAX_DEPTH = 64
@@ -56,7 +58,9 @@ class PathError:
 def normalize(path: object) -> str | PathError:
     """Normalise a model-written path (see the module docstring); returns the path or a `PathError`."""
     if not isinstance(path, str):
-        return PathError("invalid_path", f"path must be a string, got {type(path).__name__}: {path!r:.80}")
+        return PathError(
+            "invalid_path", f"path must be a string, got {type(path).__name__}: {R.short_repr(path, 80)}"
+        )
     if len(path) > MAX_PATH_CHARS:
         return PathError(
             "invalid_path", f"path is {len(path)} characters long; the limit is {MAX_PATH_CHARS}"

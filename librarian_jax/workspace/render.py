@@ -99,6 +99,18 @@ def encodable(text: str) -> bool:
     return True
 
 
+def short_repr(value: object, n: int = 60) -> str:
+    """`repr(value)` cut to `n` characters; never raises (the repr of an integer of more than 4,300 digits
+    does, so such a number is described instead)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 (a model-written value must never crash the workspace)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= n else text[: max(0, n - 3)] + "..."
+
+
 HEADER_END = "---"
 
 

@@ -373,14 +373,7 @@ def _norm_title(title: str) -> str:
 
 
 def _short_repr(value: object, n: int = 60) -> str:
-    """`repr(value)` cut to `n` characters; never raises (a huge int's repr does, so it is described)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 (a model-written value must never crash the workspace)
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= n else text[: n - 3] + "..."
+    return R.short_repr(value, n)
 
 
 _INT_TEXT = re.compile(r"[+-]?[0-9]{1,18}", re.ASCII)
@@ -438,7 +431,7 @@ def _check_document(d: object, i: int) -> None:
         value = getattr(d, field)
         if not isinstance(value, str):
             raise ValueError(f"document #{i}: field {field!r} must be a string, got {type(value).__name__}")
-        if not R.encodable(value):
+        if field in ("doc_id", "text") and not R.encodable(value):  # titles and URLs are made one line
             raise ValueError(f"document #{i}: field {field!r} holds a lone surrogate (not valid Unicode)")
     if not d.doc_id or R.has_control(d.doc_id):
         raise ValueError(
@@ -531,7 +524,8 @@ class Workspace:
         spaces), so no header can be forged through them; texts are kept exactly. Raises ValueError (this is
         corpus input, not model input) on a repeated doc_id, and on a document that is not a `Document` of
         strings: a doc_id that is empty or holds a control character or line break, a text that UTF-8
-        cannot encode (a lone surrogate), a non-string title or URL, a meta that is not a dict."""
+        cannot encode (a lone surrogate), a non-string title or URL, a meta that is not a dict. (A lone
+        surrogate in a title or URL becomes U+FFFD with the rest of the one-line conversion.)"""
         raw: list[RawDoc] = []
         seen: set[str] = set()
         for i, d in enumerate(docs, start=1):
@@ -1723,7 +1717,7 @@ class Workspace:
                 )
             texts[x.doc_id] = x.text
         raw = []
-        for i, x in enumerate(_field(d, "raw", list, "raw")):
+        for i, x in enumerate(_field(d, "raw", list, "")):
             where = f"raw[{i}]"
             if not isinstance(x, dict):
                 raise SnapshotError(f"malformed workspace snapshot: field {where!r} must be an object", where)
@@ -1754,7 +1748,7 @@ class Workspace:
                 )
             )
         nodes: dict[str, SyntheticNode] = {}
-        for i, x in enumerate(_field(d, "nodes", list, "nodes")):
+        for i, x in enumerate(_field(d, "nodes", list, "")):
             where = f"nodes[{i}]"
             if not isinstance(x, dict):
                 raise SnapshotError(f"malformed workspace snapshot: field {where!r} must be an object", where)
