@@ -1,8 +1,9 @@
-"""Model configuration and presets for the decoder-only families (Qwen3, Gemma 3 text, Llama 3, Qwen3.5).
+"""Model configuration and presets for the decoder-only families (Qwen3, Gemma 3 text, Llama 3, Qwen3.5,
+Qwen3.5-MoE).
 
 One frozen dataclass describes every family; the family is selected by switches (qk norm, `(1 + w)` norms,
 post norms, embedding scale, activation, rope scaling, sliding-window layers, gated attention output, partial
-rotary, Gated DeltaNet dims). Field names follow Hugging Face's config.json where one exists.
+rotary, Gated DeltaNet dims, sparse mixture-of-experts feed-forward). Field names follow Hugging Face's config.json where one exists.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Qwen3.5-MoE sparse feed-forward (every layer when num_experts > 0; `intermediate_size` is then unused):
+    # router softmax over all experts, top-k renormalised, plus a shared expert of
+    # `shared_expert_intermediate_size` (0: none) behind a sigmoid gate. See `models/moe.py`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -105,6 +113,14 @@ class ModelConfig:
                     raise ValueError(
                         f"ModelConfig has linear_attention layers but {name} is {getattr(self, name)}"
                     )
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"ModelConfig.num_experts_per_tok = {self.num_experts_per_tok}; expected 1..num_experts "
+                    f"({self.num_experts})"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("ModelConfig has num_experts > 0 but moe_intermediate_size is not set")
         jnp.dtype(self.dtype)
         jnp.dtype(self.param_dtype)
 
@@ -192,6 +208,30 @@ PRESETS: dict[str, ModelConfig] = {
                               partial_rotary_factor=0.25, linear_num_key_heads=16, linear_num_value_heads=32,
                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                               max_position_embeddings=262_144, dtype="bfloat16", param_dtype="bfloat16"),
+    # Qwen/Qwen3.5-35B-A3B config.json, text_config (transformers' Qwen3_5MoeTextConfig defaults are this
+    # checkpoint): 40 hybrid layers (3 Gated DeltaNet, 1 gated full attention), each with a sparse MoE of 256
+    # experts (top 8, 512 wide) plus a 512-wide shared expert; untied embeddings. The paper's executor.
+    "qwen3_5_35b_a3b": ModelConfig(vocab_size=248_320, hidden_size=2048, intermediate_size=512, num_layers=40,
+                                   num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10_000_000.0,
+                                   rms_norm_eps=1e-6, tie_embeddings=False, model_type="qwen3_5_moe_text",
+                                   layer_types=_pattern(40, 4, "linear_attention", "full_attention"),
+                                   qk_norm=True, norm_plus_one=True, attn_output_gate=True,
+                                   partial_rotary_factor=0.25, linear_num_key_heads=16,
+                                   linear_num_value_heads=32, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                                   num_experts_per_tok=8, moe_intermediate_size=512,
+                                   shared_expert_intermediate_size=512, max_position_embeddings=262_144,
+                                   dtype="bfloat16", param_dtype="bfloat16"),
+    # A CPU-sized Qwen3.5-MoE for tests and `bench/moe.py` (same layer pattern and routing, tiny dims).
+    "tiny_moe": ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=64, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=32, rope_theta=10_000_000.0, rms_norm_eps=1e-6,
+                            tie_embeddings=False, model_type="qwen3_5_moe_text",
+                            layer_types=_pattern(4, 4, "linear_attention", "full_attention"), qk_norm=True,
+                            norm_plus_one=True, attn_output_gate=True, partial_rotary_factor=0.25,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=16,
+                            num_experts_per_tok=4, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=64, max_position_embeddings=4096),
 }
 
 

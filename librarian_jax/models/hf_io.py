@@ -4,6 +4,12 @@
 safetensors files, one tensor at a time, straight to its NamedSharding when a mesh is given, so a large model
 is never randomly initialised nor fully copied onto every device. `save_hf` writes HF names and layouts
 (`[out, in]` linear weights), so transformers' `from_pretrained` loads the folder.
+
+Qwen3.5-MoE routed experts are read from either layout a checkpoint uses: fused 3-d tensors
+`mlp.experts.gate_up_proj` `[experts, 2 * moe, hidden]` / `mlp.experts.down_proj` `[experts, hidden, moe]` (the
+published Qwen3.5-35B-A3B files, and transformers' in-memory layout) or per-expert
+`mlp.experts.{j}.{gate,up,down}_proj.weight` (what transformers' `save_pretrained` writes); `save_hf` writes
+either (`expert_layout`).
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.partitioning import Rules, named_sharding, variable_axes
 from librarian_jax.models.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
+                         "qwen3_5_moe")
+_MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # transformers' config-class defaults for fields a config.json may omit (Gemma 3 multimodal text_configs do).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -48,6 +57,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": dict(vocab_size=248_320, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=32,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=256,
                          max_position_embeddings=32_768),
+    "qwen3_5_moe_text": dict(vocab_size=248_320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                             num_key_value_heads=2, head_dim=256, max_position_embeddings=32_768,
+                             moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
+                             num_experts_per_tok=8, tie_word_embeddings=False),
 }
 _EMBED_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
@@ -106,23 +119,28 @@ def _activation(d: dict[str, Any]) -> str:
 
 def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: Any = None) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (qwen3, llama, gemma3_text / gemma3 text part,
-    qwen3_5_text / qwen3_5 text part)."""
+    qwen3_5_text / qwen3_5 text part, qwen3_5_moe_text / qwen3_5_moe text part)."""
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"config.json: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     top = d
-    if model_type in ("gemma3", "qwen3_5"):
+    if model_type in _MULTIMODAL:
         if "text_config" not in d:
             raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' entry")
         d = dict(d["text_config"])
         tie_default = model_type == "gemma3"
         tie = bool(top.get("tie_word_embeddings", d.get("tie_word_embeddings", tie_default)))
-        model_type = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}[model_type]
+        model_type = _MULTIMODAL[model_type]
     else:
         tie = bool(d.get("tie_word_embeddings", model_type == "gemma3_text"))
     defaults = _HF_DEFAULTS[model_type]
+    if model_type == "qwen3_5_moe_text":
+        tie = bool(d.get("tie_word_embeddings", top.get("tie_word_embeddings", False)))
+        # no dense MLP: intermediate_size (unused) mirrors the experts' width
+        d = dict(d, intermediate_size=d.get("intermediate_size") or
+                 d.get("moe_intermediate_size", defaults["moe_intermediate_size"]))
     d = defaults | {k: v for k, v in d.items() if v is not None or k not in defaults}
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
@@ -168,7 +186,17 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
             query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
             final_logit_softcapping=d.get("final_logit_softcapping"),
         )
-    else:  # qwen3_5_text
+    else:  # qwen3_5_text, qwen3_5_moe_text
+        if model_type == "qwen3_5_moe_text":
+            if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step", 1)) != 1:
+                raise NotImplementedError("config.json: dense (mlp_only) layers in qwen3_5_moe are not supported")
+            fields |= dict(
+                num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            )
+            if not d.get("norm_topk_prob", True):
+                raise NotImplementedError("config.json: norm_topk_prob=false is not supported for qwen3_5_moe")
         if not layer_types:
             every = int(d.get("full_attention_interval", 4))
             layer_types = [
@@ -234,7 +262,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         d["rope_parameters"] = _rope_params_hf(config)
     if mt == "llama":
         d["mlp_bias"] = False
-    if mt == "qwen3_5_text":
+    if mt == "qwen3_5_moe_text":
+        del d["intermediate_size"]  # no dense MLP in this family (transformers' config has no such key)
+        d |= {
+            "num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+            "moe_intermediate_size": config.moe_intermediate_size,
+            "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
+            "router_aux_loss_coef": 0.001, "output_router_logits": False,
+        }
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):
         d["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
         d |= {
             "partial_rotary_factor": config.partial_rotary_factor,
@@ -251,9 +287,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- names
 
 
-def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool]]:
-    """nnx parameter path -> (HF tensor name without the "model." prefix, transpose?).
+def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool | str]]:
+    """nnx parameter path -> (HF tensor name without the "model." prefix, conversion).
 
+    The conversion is True / False (transpose the last two axes or not) or, for the routed experts of an MoE
+    layer, "gate_up" / "down" (name is then the fused tensor; see `_read_experts` for both layouts).
     The embedding is "embed_tokens.weight" and the untied head "lm_head.weight" (kept without prefix).
     """
     names: dict[tuple[Any, ...], tuple[str, bool]] = {
@@ -269,8 +307,19 @@ def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool
         pre = f"layers.{i}."
         for n in norms:
             names[("layers", i, n, "weight")] = (f"{pre}{n}.weight", False)
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            names[("layers", i, "mlp", p, "kernel")] = (f"{pre}mlp.{p}.weight", True)
+        if config.num_experts:
+            names[("layers", i, "mlp", "gate", "kernel")] = (f"{pre}mlp.gate.weight", True)
+            names[("layers", i, "mlp", "experts", "gate_up_proj")] = (f"{pre}mlp.experts.gate_up_proj", "gate_up")
+            names[("layers", i, "mlp", "experts", "down_proj")] = (f"{pre}mlp.experts.down_proj", "down")
+            if config.shared_expert_intermediate_size:
+                for p in ("gate_proj", "up_proj", "down_proj"):
+                    names[("layers", i, "mlp", "shared_expert", p, "kernel")] = (
+                        f"{pre}mlp.shared_expert.{p}.weight", True)
+                names[("layers", i, "mlp", "shared_expert_gate", "kernel")] = (
+                    f"{pre}mlp.shared_expert_gate.weight", True)
+        else:
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                names[("layers", i, "mlp", p, "kernel")] = (f"{pre}mlp.{p}.weight", True)
         if layer_type == "linear_attention":
             from librarian_jax.models.gated_deltanet import HF_PARAMS
 
@@ -286,8 +335,47 @@ def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool
     return names
 
 
-def _to_ours(arr: np.ndarray, transpose: bool) -> np.ndarray:
+def _to_ours(arr: np.ndarray, transpose: bool | str) -> np.ndarray:
+    """HF layout -> ours: swap the last two axes (linear weights, fused down_proj); fused gate_up_proj
+    `[experts, 2 * moe, hidden]` -> `[experts, hidden, 2, moe]`."""
+    if transpose == "gate_up":
+        e, two_m, h = arr.shape
+        return np.ascontiguousarray(np.swapaxes(arr, 1, 2)).reshape(e, h, 2, two_m // 2)
     return np.swapaxes(arr, -1, -2) if transpose and arr.ndim >= 2 else arr
+
+
+def _to_hf(arr: np.ndarray, transpose: bool | str) -> np.ndarray:
+    """Ours -> HF layout (the inverse of `_to_ours`)."""
+    if transpose == "gate_up":
+        e, h, _, m = arr.shape
+        return np.swapaxes(arr.reshape(e, h, 2 * m), 1, 2)
+    return np.swapaxes(arr, -1, -2) if transpose and arr.ndim >= 2 else arr
+
+
+def _per_expert_keys(key: str, conversion: str, j: int) -> tuple[str, ...]:
+    """The per-expert tensor names standing for fused tensor `key` (`...mlp.experts.gate_up_proj`)."""
+    base = key.rsplit(".", 1)[0]
+    parts = ("gate_proj", "up_proj") if conversion == "gate_up" else ("down_proj",)
+    return tuple(f"{base}.{j}.{p}.weight" for p in parts)
+
+
+def _read_experts(tensors: _Tensors, key: str, conversion: str, num_experts: int, used: set[str]
+                  ) -> np.ndarray | None:
+    """The routed experts' tensor in our layout from the per-expert names (None if the first is absent)."""
+    if _per_expert_keys(key, conversion, 0)[0] not in tensors:
+        return None
+    mats = []
+    for j in range(num_experts):
+        keys = _per_expert_keys(key, conversion, j)
+        for k in keys:
+            if k not in tensors:
+                raise KeyError(f"load_hf: missing tensor {k!r} (per-expert layout of {key!r})")
+        if conversion == "gate_up":  # gate, up [moe, hidden] -> [hidden, 2, moe]
+            mats.append(np.stack([tensors.get(k).T for k in keys], axis=1))
+        else:  # down [hidden, moe] -> [moe, hidden]
+            mats.append(tensors.get(keys[0]).T)
+        used.update(keys)
+    return np.stack(mats)
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
@@ -295,6 +383,16 @@ def _path_str(path: tuple[Any, ...]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- load
+
+
+def _place(host: np.ndarray, var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None,
+           rules: Rules | None) -> jax.Array:
+    """A host array onto the device (its NamedSharding slices only, with a mesh)."""
+    host = np.ascontiguousarray(host)
+    if mesh is None:
+        return jnp.asarray(host)
+    sharding = named_sharding(variable_axes(var), mesh, shape, rules)
+    return jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
 
 
 class _Tensors:
@@ -371,6 +469,23 @@ def load_hf(
         if key == "lm_head.weight":
             key = next((k for k in _LM_HEAD_KEYS if k in tensors), key)
         expected = tuple(var.get_value().shape)
+        if transpose in ("gate_up", "down"):
+            arr = tensors.get(key) if key in tensors else None
+            if arr is not None:
+                arr = _to_ours(arr, transpose)
+                used.add(key)
+            else:
+                arr = _read_experts(tensors, key, transpose, config.num_experts, used)
+            if arr is None:
+                raise KeyError(f"load_hf: missing tensor {key!r} (or its per-expert form "
+                               f"{_per_expert_keys(key, transpose, 0)}) in {directory}")
+            if tuple(arr.shape) != expected:
+                raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint gives "
+                                 f"{tuple(arr.shape)} in model layout but the model expects {expected} for "
+                                 f"{_path_str(path)}")
+            new_leaves.append((path, var.replace(_place(arr.astype(target_dtype, copy=False), var, expected,
+                                                        mesh, rules))))
+            continue
         if key not in tensors:
             hf_expected = expected[::-1] if transpose else expected
             raise KeyError(
@@ -384,14 +499,9 @@ def load_hf(
                 f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint shape {hf_shape} "
                 f"(as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
             )
-        host = np.ascontiguousarray(_to_ours(tensors.get(key), transpose).astype(target_dtype, copy=False))
-        if mesh is None:
-            value = jnp.asarray(host)
-        else:
-            sharding = named_sharding(variable_axes(var), mesh, expected, rules)
-            value = jax.make_array_from_callback(expected, sharding, lambda idx, h=host: h[idx])
+        host = _to_ours(tensors.get(key), transpose).astype(target_dtype, copy=False)
         used.add(key)
-        new_leaves.append((path, var.replace(value)))
+        new_leaves.append((path, var.replace(_place(host, var, expected, mesh, rules))))
 
     ignored = [k for k in tensors.keys() if k not in used]
     if config.tie_embeddings:
@@ -401,6 +511,10 @@ def load_hf(
                      len(ignored), ignored[0], directory)
     state = nnx.from_flat_state(new_leaves)
     model = nnx.merge(graphdef, state)
+    if mesh is not None and config.num_experts:
+        from librarian_jax.models.moe import bind_mesh
+
+        bind_mesh(model, mesh, rules)
     logging.info("load_hf: %s (%s, %d layers) from %s", config.model_type, config.param_dtype,
                  config.num_layers, directory)
     return model
@@ -417,9 +531,16 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_hf(model: Transformer, directory: str, *, max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_hf(model: Transformer, directory: str, *, max_shard_bytes: int = 2 * 1024**3,
+            expert_layout: str = "fused") -> None:
     """Writes config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when larger
-    than `max_shard_bytes`) in Hugging Face names and layouts. Only process 0 writes."""
+    than `max_shard_bytes`) in Hugging Face names and layouts. Only process 0 writes.
+
+    MoE experts: `expert_layout="fused"` writes `mlp.experts.gate_up_proj` / `down_proj` 3-d tensors (the
+    published Qwen3.5-MoE layout), "per_expert" writes `mlp.experts.{j}.{gate,up,down}_proj.weight` (what
+    transformers' `save_pretrained` writes); transformers loads both."""
+    if expert_layout not in ("fused", "per_expert"):
+        raise ValueError(f"save_hf: expert_layout {expert_layout!r} is not 'fused' or 'per_expert'")
     config = model.config
     names = hf_param_names(config)
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
@@ -429,7 +550,24 @@ def save_hf(model: Transformer, directory: str, *, max_shard_bytes: int = 2 * 10
             raise KeyError(f"save_hf: model variable {_path_str(path)} has no Hugging Face tensor name")
         name, transpose = names[path]
         key = name if name == "lm_head.weight" else "model." + name
-        tensors[key] = np.ascontiguousarray(_to_ours(_host(var.get_value()), transpose))
+        hf = _to_hf(_host(var.get_value()), transpose)
+        if transpose in ("gate_up", "down") and expert_layout == "per_expert":
+            for j in range(hf.shape[0]):
+                keys = _per_expert_keys(key, transpose, j)
+                halves = np.split(hf[j], len(keys), axis=0)  # gate_up [2 * moe, hidden] -> gate, up
+                for k, part in zip(keys, halves, strict=True):
+                    tensors[k] = np.ascontiguousarray(part)
+            continue
+        tensors[key] = np.ascontiguousarray(hf)
+    if config.num_experts and not config.shared_expert_intermediate_size:
+        # transformers always builds a shared expert: width 0 and a zero gate say "none"
+        h, dt = config.hidden_size, tensors["model.norm.weight"].dtype
+        for i in range(config.num_layers):
+            pre = f"model.layers.{i}.mlp.shared_expert"
+            tensors[f"{pre}.gate_proj.weight"] = np.zeros((0, h), dt)
+            tensors[f"{pre}.up_proj.weight"] = np.zeros((0, h), dt)
+            tensors[f"{pre}.down_proj.weight"] = np.zeros((h, 0), dt)
+            tensors[f"{pre}_gate.weight"] = np.zeros((1, h), dt)
     if jax.process_index() != 0:
         return
     os.makedirs(directory, exist_ok=True)

@@ -1,10 +1,12 @@
 """Logical axis names -> mesh axes.
 
-Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, mlp, norm, conv, lin_heads`)
+Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, mlp, norm, conv, lin_heads,
+expert`)
 in its `out_sharding` metadata (set with `nnx.with_partitioning`); the KV cache uses `cache_batch, kv_heads,
 cache_seq, head_dim, lin_heads` (see `cache_logical_axes`). `DEFAULT_RULES` maps them onto a mesh with axes
-named `data` (batch), `fsdp` (parameter sharding over the embedding dim) and `tensor` (tensor parallel), the
-axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks, and mesh axes that do not divide a
+named `data` (batch), `fsdp` (parameter sharding over the embedding dim), `expert` (expert parallelism: the
+routed experts of MoE layers, see `models/moe.py`; meshes without it keep every expert on each device) and
+`tensor` (tensor parallel), the axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks, and mesh axes that do not divide a
 dimension, are dropped (that dimension is replicated), so the same rules work on 1 device, a CPU test mesh
 and a pod slice.
 """
@@ -30,6 +32,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "norm": None,
     "conv": "tensor",
     "lin_heads": "tensor",
+    "expert": "expert",
     # cache
     "cache_batch": "data",
     "cache_seq": None,
@@ -102,6 +105,9 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nn
     state = nnx.state(model)
     shardings = state_shardings(state, mesh, rules)
     nnx.update(model, jax.device_put(state, shardings))
+    from librarian_jax.models.moe import bind_mesh  # local: moe imports this module
+
+    bind_mesh(model, mesh, rules)
     return model
 
 

@@ -1,4 +1,4 @@
-"""The decoder-only transformer shared by Qwen3, Gemma 3 text, Llama 3 and the Qwen3.5 hybrid.
+"""The decoder-only transformer shared by Qwen3, Gemma 3 text, Llama 3, the Qwen3.5 hybrid and Qwen3.5-MoE.
 
     logits, cache = model(tokens, positions=None, cache=None, mask=None)
 
@@ -22,7 +22,8 @@ from librarian_jax.models.partitioning import Rules, state_shardings
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: token mixer (attention or Gated DeltaNet) then gated MLP, each with a residual.
+    """Pre-norm block: token mixer (attention or Gated DeltaNet) then gated MLP (or, with
+    `config.num_experts`, the sparse MoE of `models/moe.py`), each with a residual.
 
     Gemma 3 (`post_norms`) also normalises each sublayer's output: post_attention_layernorm after attention,
     pre/post_feedforward_layernorm around the MLP. Otherwise `post_attention_layernorm` is the pre-MLP norm
@@ -45,7 +46,13 @@ class DecoderLayer(nnx.Module):
         if config.post_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = MLP(config, rngs=rngs)
+        self.moe = config.num_experts > 0
+        if self.moe:
+            from librarian_jax.models.moe import SparseMoE
+
+            self.mlp = SparseMoE(config, rngs=rngs)
+        else:
+            self.mlp = MLP(config, rngs=rngs)
 
     def __call__(
         self,
@@ -71,7 +78,8 @@ class DecoderLayer(nnx.Module):
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         else:
             x = x + h
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            h = self.post_attention_layernorm(x)
+            x = x + (self.mlp(h, mask) if self.moe else self.mlp(h))
         return x, new_cache
 
 
@@ -186,4 +194,9 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
         return nnx.state(Transformer(config, rngs=nnx.Rngs(key)))
 
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if mesh is not None and config.num_experts:
+        from librarian_jax.models.moe import bind_mesh
+
+        bind_mesh(model, mesh, rules)
+    return model
