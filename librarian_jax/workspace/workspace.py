@@ -1212,6 +1212,10 @@ class Workspace:
         start_v = _as_int(start, "start")
         if isinstance(start_v, ActionResult):
             return start_v
+        cap = _as_int(max_chars, "max_chars")
+        if isinstance(cap, ActionResult):
+            return cap
+        max_chars = cap
         kids = self._dir_children(r.path, r.entry)
         if start_v < 1 or (start_v > len(kids) and kids):
             return ActionResult.error(INVALID_ARGUMENT, f"start={start_v} is outside 1..{len(kids)}")
