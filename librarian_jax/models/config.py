@@ -3,7 +3,8 @@ Qwen3.5-MoE).
 
 One frozen dataclass describes every family; the family is selected by switches (qk norm, `(1 + w)` norms,
 post norms, embedding scale, activation, rope scaling, sliding-window layers, gated attention output, partial
-rotary, Gated DeltaNet dims, sparse mixture-of-experts feed-forward). Field names follow Hugging Face's config.json where one exists.
+rotary, Gated DeltaNet dims, sparse mixture-of-experts feed-forward). Field names follow Hugging Face's
+config.json where one exists.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                         num_kv_heads=2, head_dim=32, tie_embeddings=True, max_position_embeddings=4096,
                         **{k: v for k, v in _QWEN3.items() if k != "max_position_embeddings"}),
+    # The embedded default's model: tiny with an 8k vocabulary (its SentencePiece, trained on the synthetic
+    # world and the agents' prompts, then encodes a builder episode in about half the tokens of a 2k one).
+    "tiny_8k": ModelConfig(vocab_size=8192, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=32, tie_embeddings=True, max_position_embeddings=4096,
+                           **{k: v for k, v in _QWEN3.items() if k != "max_position_embeddings"}),
     "decode_bench": ModelConfig(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_layers=6,
                                 num_heads=6, num_kv_heads=2, head_dim=64, tie_embeddings=True, **_QWEN3),
     # Qwen/Qwen3-0.6B config.json

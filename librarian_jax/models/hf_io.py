@@ -6,8 +6,8 @@ is never randomly initialised nor fully copied onto every device. `save_hf` writ
 (`[out, in]` linear weights), so transformers' `from_pretrained` loads the folder.
 
 Qwen3.5-MoE routed experts are read from either layout a checkpoint uses: fused 3-d tensors
-`mlp.experts.gate_up_proj` `[experts, 2 * moe, hidden]` / `mlp.experts.down_proj` `[experts, hidden, moe]` (the
-published Qwen3.5-35B-A3B files, and transformers' in-memory layout) or per-expert
+`mlp.experts.gate_up_proj` `[experts, 2 * moe, hidden]` / `mlp.experts.down_proj` `[experts, hidden, moe]`
+(the published Qwen3.5-35B-A3B files, and transformers' in-memory layout) or per-expert
 `mlp.experts.{j}.{gate,up,down}_proj.weight` (what transformers' `save_pretrained` writes); `save_hf` writes
 either (`expert_layout`).
 """
@@ -33,8 +33,8 @@ from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.partitioning import Rules, named_sharding, variable_axes
 from librarian_jax.models.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
-                         "qwen3_5_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5",
+                         "qwen3_5_moe_text", "qwen3_5_moe")
 _MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -57,8 +57,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": dict(vocab_size=248_320, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=32,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=256,
                          max_position_embeddings=32_768),
-    "qwen3_5_moe_text": dict(vocab_size=248_320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-                             num_key_value_heads=2, head_dim=256, max_position_embeddings=32_768,
+    "qwen3_5_moe_text": dict(vocab_size=248_320, hidden_size=2048, num_hidden_layers=40,
+                             num_attention_heads=16, num_key_value_heads=2, head_dim=256, max_position_embeddings=32_768,
                              moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
                              num_experts_per_tok=8, tie_word_embeddings=False),
 }
@@ -189,14 +189,14 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
     else:  # qwen3_5_text, qwen3_5_moe_text
         if model_type == "qwen3_5_moe_text":
             if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step", 1)) != 1:
-                raise NotImplementedError("config.json: dense (mlp_only) layers in qwen3_5_moe are not supported")
+                raise NotImplementedError("config.json: dense (mlp_only) layers in qwen3_5_moe: not supported")
             fields |= dict(
                 num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
                 moe_intermediate_size=int(d["moe_intermediate_size"]),
                 shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
             )
             if not d.get("norm_topk_prob", True):
-                raise NotImplementedError("config.json: norm_topk_prob=false is not supported for qwen3_5_moe")
+                raise NotImplementedError("config.json: norm_topk_prob=false in qwen3_5_moe: not supported")
         if not layer_types:
             every = int(d.get("full_attention_interval", 4))
             layer_types = [
@@ -309,7 +309,8 @@ def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool
             names[("layers", i, n, "weight")] = (f"{pre}{n}.weight", False)
         if config.num_experts:
             names[("layers", i, "mlp", "gate", "kernel")] = (f"{pre}mlp.gate.weight", True)
-            names[("layers", i, "mlp", "experts", "gate_up_proj")] = (f"{pre}mlp.experts.gate_up_proj", "gate_up")
+            names[("layers", i, "mlp", "experts", "gate_up_proj")] = (
+                f"{pre}mlp.experts.gate_up_proj", "gate_up")
             names[("layers", i, "mlp", "experts", "down_proj")] = (f"{pre}mlp.experts.down_proj", "down")
             if config.shared_expert_intermediate_size:
                 for p in ("gate_proj", "up_proj", "down_proj"):
@@ -480,8 +481,8 @@ def load_hf(
                 raise KeyError(f"load_hf: missing tensor {key!r} (or its per-expert form "
                                f"{_per_expert_keys(key, transpose, 0)}) in {directory}")
             if tuple(arr.shape) != expected:
-                raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint gives "
-                                 f"{tuple(arr.shape)} in model layout but the model expects {expected} for "
+                raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint "
+                                 f"gives {tuple(arr.shape)} in model layout but the model expects {expected} for "
                                  f"{_path_str(path)}")
             new_leaves.append((path, var.replace(_place(arr.astype(target_dtype, copy=False), var, expected,
                                                         mesh, rules))))

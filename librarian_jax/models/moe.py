@@ -20,8 +20,8 @@ Expert parallelism: expert weights carry the logical axis `expert` (mesh axis `e
 `bind_mesh(model, mesh)` has told the MoE layers the mesh (`load_hf(mesh=)`, `init_model(mesh=)`,
 `shard_model`, the engine and the trainer do it), the expert computation runs under `shard_map`: each device
 holds experts [e0, e0 + E / n_expert) (and a slice of their hidden dim), computes those experts' contribution
-for the tokens of its data shard, and one `psum` over (`expert`, `tensor`) combines them. Router, shared expert
-and everything else stay plain GSPMD.
+for the tokens of its data shard, and one `psum` over (`expert`, `tensor`) combines them. Router, shared
+expert and everything else stay plain GSPMD.
 
 Router statistics for a load-balancing loss: after `collect_router_stats(model)`, every MoE layer sows into
 `nnx.Intermediate` "router_stats" the per-expert assignment counts and summed router probabilities over real
@@ -30,7 +30,7 @@ transformers' `load_balancing_loss_func` value (experts * sum_e f_e * P_e).
 
 Parameters (ours -> HF, see `hf_io`):
   gate.kernel                  [hidden, experts]          <- mlp.gate.weight [experts, hidden]
-  experts.gate_up_proj         [experts, hidden, 2, moe]  <- mlp.experts.gate_up_proj [experts, 2 * moe, hidden]
+  experts.gate_up_proj         [experts, hidden, 2, moe]  <- mlp.experts.gate_up_proj [experts, 2*moe, hidden]
                                                              (gate rows first) or experts.{j}.{gate,up}_proj
   experts.down_proj            [experts, moe, hidden]     <- mlp.experts.down_proj [experts, hidden, moe]
                                                              or experts.{j}.down_proj.weight
@@ -136,7 +136,8 @@ class Plan:
         return jnp.where(self.local[:, None], out, jnp.zeros((), y.dtype))
 
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        """Grouped rows x `[rows, d_in]` times each group's w `[num_local, d_in, d_out]` -> `[rows, d_out]`."""
+        """Grouped rows x `[rows, d_in]` times each group's w `[num_local, d_in, d_out]` -> `[rows, d_out]`.
+        """
         return grouped_matmul(x, w, self)
 
 
@@ -276,10 +277,8 @@ class SparseMoE(nnx.Module):
         lora_specs = None
         if lora is not None:
             e = spec_gu[0]
-            lora_specs = {"gate_up_a": PartitionSpec(e, None, None), "gate_up_b": PartitionSpec(e, None, None),
-                          "down_a": PartitionSpec(e, None, None), "down_b": PartitionSpec(e, None, None)}
-            if spec_gu[3] is not None:  # LoRA B of gate_up is [.., 2 * moe]: keep the experts' tensor split
-                lora_specs["gate_up_b"] = PartitionSpec(e, None, None)
+            # split over experts like the experts; each device slices its tensor share inside the body
+            lora_specs = {n: PartitionSpec(e, None, None) for n in ("gate_up_a", "gate_up_b", "down_a", "down_b")}
         scale = self.lora_scale
 
         def body(x, top_w, top_i, gate_up, down, lora):
@@ -294,7 +293,8 @@ class SparseMoE(nnx.Module):
                 moe_l, r = gate_up.shape[3], lora["gate_up_b"].shape[1]
                 ti = jax.lax.axis_index(spec_gu[3])
                 bb = lora["gate_up_b"].reshape(n_local, r, 2, -1)
-                bb = jax.lax.dynamic_slice_in_dim(bb, ti * moe_l, moe_l, axis=3).reshape(n_local, r, 2 * moe_l)
+                bb = jax.lax.dynamic_slice_in_dim(bb, ti * moe_l, moe_l, axis=3)
+                bb = bb.reshape(n_local, r, 2 * moe_l)
                 da = jax.lax.dynamic_slice_in_dim(lora["down_a"], ti * moe_l, moe_l, axis=1)
                 # down's LoRA A rows over moe are split too, so the psum adds each slice once
                 lora = dict(lora, gate_up_b=bb, down_a=da)

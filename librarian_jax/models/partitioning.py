@@ -6,9 +6,9 @@ in its `out_sharding` metadata (set with `nnx.with_partitioning`); the KV cache 
 cache_seq, head_dim, lin_heads` (see `cache_logical_axes`). `DEFAULT_RULES` maps them onto a mesh with axes
 named `data` (batch), `fsdp` (parameter sharding over the embedding dim), `expert` (expert parallelism: the
 routed experts of MoE layers, see `models/moe.py`; meshes without it keep every expert on each device) and
-`tensor` (tensor parallel), the axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks, and mesh axes that do not divide a
-dimension, are dropped (that dimension is replicated), so the same rules work on 1 device, a CPU test mesh
-and a pod slice.
+`tensor` (tensor parallel), the axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks,
+and mesh axes that do not divide a dimension, are dropped (that dimension is replicated), so the same rules
+work on 1 device, a CPU test mesh and a pod slice.
 """
 
 from __future__ import annotations
