@@ -143,7 +143,8 @@ def main() -> None:
                  greedy=greedy.astype(np.int32), prompt=np.int32(PROMPT))
         size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
         assert size < 210_000, f"{name}: {size} bytes"
-        print(f"{name}: {size / 1e3:.0f} kB, logits |max| {np.abs(logits).max():.2f}, greedy {greedy.tolist()}")
+        top = np.abs(logits).max()
+        print(f"{name}: {size / 1e3:.0f} kB, logits |max| {top:.2f}, greedy {greedy.tolist()}")
 
 
 SAVE_SNIPPET = """

@@ -162,6 +162,12 @@ class Engine:
         self.rules = normalize_rules(rules) if rules is not None else default_rules()
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh if mesh is not None else _mesh_of(state)
+        if getattr(config, "num_experts", 0):
+            # MoE layers run their experts expert-parallel on this mesh (models/moe.py); a graph-only change
+            from librarian_jax.models.moe import bind_mesh
+
+            if bind_mesh(model, self.mesh, self.rules):
+                self.graphdef, state = nnx.split(model)
         self._param_shardings = param_shardings(state, self.mesh, self.rules)
         self.params = jax.device_put(state, self._param_shardings)
 

@@ -58,7 +58,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                          num_attention_heads=16, num_key_value_heads=4, head_dim=256,
                          max_position_embeddings=32_768),
     "qwen3_5_moe_text": dict(vocab_size=248_320, hidden_size=2048, num_hidden_layers=40,
-                             num_attention_heads=16, num_key_value_heads=2, head_dim=256, max_position_embeddings=32_768,
+                             num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                             max_position_embeddings=32_768,
                              moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
                              num_experts_per_tok=8, tie_word_embeddings=False),
 }
@@ -189,7 +190,7 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
     else:  # qwen3_5_text, qwen3_5_moe_text
         if model_type == "qwen3_5_moe_text":
             if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step", 1)) != 1:
-                raise NotImplementedError("config.json: dense (mlp_only) layers in qwen3_5_moe: not supported")
+                raise NotImplementedError("config.json: qwen3_5_moe with dense (mlp_only) layers")
             fields |= dict(
                 num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
                 moe_intermediate_size=int(d["moe_intermediate_size"]),
@@ -482,7 +483,8 @@ def load_hf(
                                f"{_per_expert_keys(key, transpose, 0)}) in {directory}")
             if tuple(arr.shape) != expected:
                 raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint "
-                                 f"gives {tuple(arr.shape)} in model layout but the model expects {expected} for "
+                                 f"gives {tuple(arr.shape)} in model layout but the model expects {expected} "
+                                 f"for "
                                  f"{_path_str(path)}")
             new_leaves.append((path, var.replace(_place(arr.astype(target_dtype, copy=False), var, expected,
                                                         mesh, rules))))

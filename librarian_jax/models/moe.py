@@ -278,7 +278,8 @@ class SparseMoE(nnx.Module):
         if lora is not None:
             e = spec_gu[0]
             # split over experts like the experts; each device slices its tensor share inside the body
-            lora_specs = {n: PartitionSpec(e, None, None) for n in ("gate_up_a", "gate_up_b", "down_a", "down_b")}
+            lora_specs = {n: PartitionSpec(e, None, None)
+                          for n in ("gate_up_a", "gate_up_b", "down_a", "down_b")}
         scale = self.lora_scale
 
         def body(x, top_w, top_i, gate_up, down, lora):
