@@ -33,8 +33,13 @@ def _save_run(tmp_path, lora_rank: int):
         f.write(cfg.to_json_best_effort())
     mesh = make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
     base = main.build_model(cfg, mesh, TOK)
-    model = train_step.apply_lora(base, lora_rank, cfg.model.lora_alpha, cfg.model.lora_module_path,
-                                  seed=cfg.seed) if lora_rank else base
+    model = (
+        train_step.apply_lora(
+            base, lora_rank, cfg.model.lora_alpha, cfg.model.lora_module_path, seed=cfg.seed
+        )
+        if lora_rank
+        else base
+    )
     trainer = train_step.Trainer(model, main.train_config(cfg), mesh=mesh)
     keys = iter(jax.random.split(jax.random.key(1), 1000))
     moved = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), trainer.params)
@@ -90,7 +95,7 @@ def test_bad_checkpoints_are_one_line_errors_naming_the_path(lora_run):
     with pytest.raises(ConfigError, match=r"config\.run: checkpoint .*/checkpoints/3' does not match .*lora"):
         restore.check_checkpoint(step_dir, other)
     other.model.lora_rank = 0
-    with pytest.raises(ConfigError, match=r"holds LoRA params; the run's config \(tiny\) expects full params"):
+    with pytest.raises(ConfigError, match=r"holds LoRA params; the run's config \(tiny\) expects full"):
         restore.check_checkpoint(step_dir, other)
     other.model.update(lora_rank=4, preset="decode_bench")
     with pytest.raises(ConfigError, match=r"does not match model decode_bench"):

@@ -1,0 +1,235 @@
+"""eval end to end on the embedded world: a 2-step training run, then `configs/eval.py` writes a report with
+every section and plot, `configs/build.py` exports a browsable tree; bad inputs fail before any model loads;
+a corpus whose construction fails stays in the denominator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import build as build_config
+from configs import eval as eval_config
+from librarian_jax import data
+from librarian_jax.config_validation import ConfigError
+from librarian_jax.eval import cli, pipeline, stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_main import tiny_run_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from librarian_jax import main
+
+    workdir = str(tmp_path_factory.mktemp("eval_run") / "run")
+    config = tiny_run_config(workdir, num_steps=2)
+    if "warm_start" in config:
+        config.warm_start.enabled = False  # the SFT warm start has its own tests
+    main.run(config)
+    return workdir
+
+
+def _eval_cfg(run_dir, **kw):
+    c = eval_config.get_config()
+    c.run = run_dir
+    c.answerer.kind = "scripted"
+    c.bootstrap.draws = 200
+    c.update(kw)
+    return c
+
+
+def test_eval_writes_every_section_and_plot(run_dir):
+    results = cli.run_eval(_eval_cfg(run_dir, name="e2e"))
+    out = os.path.join(run_dir, "eval", "e2e")
+    with open(os.path.join(run_dir, "split.json")) as f:
+        assert results["corpora"] == json.load(f)["heldout"]  # the run's recorded held-out split
+    assert results["methods"] == ["trained", "base", "raw", "bm25"]
+    report = open(os.path.join(out, "report.md")).read()
+    for section in (
+        "## Accuracy (Figure 4)",
+        "## Reuse cost (Figure 6",
+        "## pass@k (Table 3)",
+        "## Hierarchy ablation (Table 7)",
+        "## Accounting",
+        "## Time",
+    ):
+        assert section in report, section
+    for name in ("accuracy.png", "cost_curves.png", "ablation.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 1000, name
+    assert os.listdir(os.path.join(out, "tb"))
+    rows = [json.loads(x) for x in open(os.path.join(out, "questions.jsonl"))]
+    n_q = results["accuracy"]["raw"]["questions"]
+    assert n_q >= len(results["corpora"])
+    for m in ("trained", "base", "raw", "bm25", "flattened", "shuffled"):
+        assert sum(r["method"] == m for r in rows) == n_q, m
+    for key in (
+        "method",
+        "corpus",
+        "question",
+        "answer",
+        "judgement",
+        "files_read",
+        "tokens_read",
+        "turns",
+        "construction_tokens",
+    ):
+        assert all(key in r for r in rows), key
+    assert all(r["construction_tokens"] > 0 for r in rows if r["method"] in ("trained", "base"))
+    assert all(r["construction_tokens"] == 0 for r in rows if r["method"] in ("raw", "bm25"))
+    bm25_read = [r["tokens_read"] for r in rows if r["method"] == "bm25"]
+    raw_read = [r["tokens_read"] for r in rows if r["method"] == "raw"]
+    assert sum(bm25_read) > 0 and sum(raw_read) > 0
+    acc = results["accuracy"]
+    assert acc["base"]["diff_vs_base"] == 0.0 and "diff_ci" in acc["trained"]
+    assert set(results["ablation"]) == {"trained", "flattened", "shuffled"}
+    assert set(results["cost"]) == {"trained"}
+    assert results["pass_at_k"]["raw"]["1"]["n"] == 1
+    assert results["workspaces"] == {"trained": 2, "base": 2}
+    assert os.path.isfile(os.path.join(out, "workspaces", "trained", results["corpora"][0], "README.md"))
+    t = results["timing"]
+    assert t["answer_s"] > 0 and t["build_trained_s"] > 0
+    print(json.dumps(t))  # the embedded evaluation's wall-time split (BENCHMARKS.md)
+    table = cli.format_table(results)
+    assert table.splitlines()[2].startswith("trained") and "95% CI" in table
+
+
+def test_bad_eval_inputs_fail_before_any_model_loads(run_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"config\.methods: unknown method 'dense'"):
+        cli.plan_eval(_eval_cfg(run_dir, methods="trained,dense"))
+    with pytest.raises(ConfigError, match=r"config\.run: training workdir '/no/such/run' does not exist"):
+        cli.plan_eval(_eval_cfg("/no/such/run"))
+    with pytest.raises(ConfigError, match=r"config\.step: '.*checkpoints/7' does not exist"):
+        cli.plan_eval(_eval_cfg(run_dir, step=7))
+    with pytest.raises(ConfigError, match=r"config\.pass_k: k=3 needs"):
+        cli.plan_eval(_eval_cfg(run_dir, pass_k="1,3"))
+    # a copy of the run whose config says LoRA rank 4: its full-param checkpoint does not match
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.load(open(os.path.join(run_dir, "config.json")))
+    cfg["model"]["lora_rank"] = 4
+    (other / "config.json").write_text(json.dumps(cfg))
+    os.symlink(os.path.join(run_dir, "checkpoints"), other / "checkpoints")
+    with pytest.raises(ConfigError, match=r"config\.run: checkpoint .* holds full params; .* expects LoRA"):
+        cli.plan_eval(_eval_cfg(str(other)))
+    b = build_config.get_config()
+    b.run, b.out = run_dir, str(tmp_path / "out")
+    b.data.path = str(tmp_path / "empty")
+    os.makedirs(b.data.path)
+    with pytest.raises(ConfigError, match=r"config\.data\.path: .*/empty.*(empty corpus|holds no non-empty)"):
+        cli.plan_build(b)
+    # through main: a one-line error and exit code 2
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "librarian_jax.main",
+            "--config=configs/eval.py",
+            f"--config.run={run_dir}",
+            "--config.methods=trained,nope",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "error: config.methods: unknown method 'nope'" in bad.stderr
+
+
+def test_build_exports_a_browsable_tree(run_dir, tmp_path):
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    texts = {
+        "a.txt": "Orlen Vask works at the Amber Institute.\n",
+        "sub/b.md": "# Lab\nThe lab is in Tarn.\n",
+    }
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    b = build_config.get_config()
+    b.run, b.out, b.data.path = run_dir, str(tmp_path / "ws"), str(folder)
+    summary = cli.run_build(b)
+    out = tmp_path / "ws"
+    assert summary["documents"] == 2 and not summary["failed"]
+    assert (out / "README.md").is_file() and (out / "build.json").is_file()
+    manifest = json.load(open(out / "manifest.json"))
+    for d in manifest["raw_docs"]:  # raw documents untouched
+        assert (out / d["path"]).read_text().endswith(texts[d["doc_id"]]) or texts[d["doc_id"]] in (
+            out / d["path"]
+        ).read_text()
+    _assert_links_resolve(out, manifest)
+    # the same export contract on a workspace that has synthetic files (a random tiny builder writes none)
+    from librarian_jax.workspace import Workspace
+
+    task = data.load_folder(folder)
+    ws = Workspace.from_documents(list(task.documents))
+    raw = [d.path for d in ws.raw_docs]
+    assert ws.create_file("Who works where", raw[:1], "Orlen Vask: Amber Institute").ok
+    assert ws.merge_files("People", [ws.manifest()["synthetic"][0]["path"]], "people").ok
+    assert ws.export(tmp_path / "ws2").ok
+    manifest = json.load(open(tmp_path / "ws2" / "manifest.json"))
+    assert len(manifest["synthetic"]) == 2
+    _assert_links_resolve(tmp_path / "ws2", manifest)
+
+
+def _assert_links_resolve(root, manifest):
+    for n in manifest["synthetic"]:
+        if not n["active"]:
+            continue
+        assert (root / n["path"]).is_file() or (root / n["path"]).is_dir(), n["path"]
+        assert n["raw_provenance"], n
+        for link in n["raw_sources"] + n["synthetic_sources"] + [p["path"] for p in n["raw_provenance"]]:
+            assert os.path.exists(root / link), link
+
+
+def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
+    from librarian_jax.workspace import Workspace
+
+    tasks = data.generate_world(1, 2, docs_per_task=2, min_words=20, max_words=30, questions_per_task=2)
+    bad = tasks[1].task_id
+
+    def fake_run_batch(batch, group_size, engines, tokenizer, config, rng=0):
+        if any(t.task_id == bad for t in batch):
+            raise RuntimeError("builder crashed")
+        from librarian_jax.rollout import EpisodeRecord
+
+        return [
+            EpisodeRecord(
+                t.task_id,
+                i,
+                0,
+                [],
+                [],
+                0.0,
+                0.0,
+                workspace_snapshots={
+                    "final": Workspace.from_documents(list(t.documents)).to_dict(include_raw_text=False)
+                },
+                token_counts={"builder_generated": 7},
+            )
+            for i, t in enumerate(batch)
+        ]
+
+    monkeypatch.setattr(pipeline, "run_batch", fake_run_batch)
+    resets = []
+    cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
+    built = pipeline.build_workspaces(
+        "trained", tasks, dict, None, cfg, reset=lambda: resets.append(1), progress=False
+    )
+    assert [b.failed != "" for b in built] == [False, True] and resets
+    assert built[0].construction_tokens == 7
+    job = pipeline.Job("trained", built[1].task, None, 1, failed=built[1].failed)
+    rows = pipeline.job_records(job, RuntimeError("no workspace"), cfg)
+    assert len(rows) == len(pipeline.questions_of(tasks[1], cfg)) and all(
+        r["judgement"] == "construction_failed" and r["correct"] == 0 for r in rows
+    )
+    good = [dict(r, method="trained", corpus=tasks[0].task_id, correct=1.0) for r in rows]
+    sums = stats.corpus_sums(good + rows, ["trained"], [t.task_id for t in tasks])
+    assert stats.accuracy_table(sums, sums["trained"]["n"][None] * 0 + 1, None)["trained"][
+        "accuracy"
+    ] == pytest.approx(len(good) / (len(good) + len(rows)))
