@@ -47,6 +47,7 @@ def test_batch_of_episodes_with_the_tiny_model(world):
         builder=BuilderConfig(max_turns=2, max_new_tokens=MAX_NEW, executor="model"),
         answerer=AnswererConfig(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8),
         probe_repeats=2,
+        repeat_mode="sample",  # sampled repeats: all R runs are made (greedy ones would be run once)
         probe_at_start=True,
         terminal_repeats=1,
         terminal_questions="hidden",

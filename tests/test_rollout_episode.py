@@ -88,6 +88,9 @@ def config(**kw):
         terminal_repeats=3,
         terminal_questions="hidden",
         use_model_judge=False,
+        # sampled repeats, so every (question, repeat) run is made (the scripted engine is deterministic)
+        repeat_mode="sample",
+        repeat_temperature=0.7,
     )
     base.update(kw)
     return RolloutConfig(**base)
@@ -385,7 +388,7 @@ def test_answerer_forced_answer_and_word_cut():
 
 
 def test_greedy_repeats_deduplicated_give_the_same_rewards():
-    recs, _, frozen = run(config(dedupe_greedy_repeats=True))
+    recs, _, frozen = run(config(repeat_mode="greedy_once"))
     (r,) = recs
     assert r.turn_rewards == pytest.approx([0.0, 0.5, -0.05, 0.45, 0.0, 0.0]) and r.terminal_reward == 1.0
     assert r.token_counts["answerer_runs"] == 6 and len(r.answers) == 14  # 2+2+2 runs, recorded R times

@@ -5,8 +5,17 @@ is a tool call, `answer(text)`, like `list_files(path=".")` and `read_file(path,
 num_lines=100)`. One call per reply (`max_calls_per_turn`, default 1; more are `too_many_calls` errors and
 not run). Malformed replies get the protocol's error observation (no reward is involved here).
 
-The first prompt holds the workspace README, the root listing and the question. Raw documents stay reachable
-(`raw_docs/` is part of every workspace), so the answerer can always fall back on them.
+The first prompt is where the authors' answerer starts: the workspace README, the root listing, and the
+contents of every root-level file (`preload_root_files`, in listing order, while they fit in
+`preload_max_tokens`, default: half of `context_budget`; files that do not fit are named so the answerer can
+read them), then the question. Raw documents stay reachable (`raw_docs/` is part of every workspace), so the
+answerer can always fall back on them. Observations are tool-response turns of the role's chat template
+(`template.observation_role`: "tool" for Qwen3.5, whose template renders them as `<tool_response>` blocks).
+
+Records (`AnswerOutcome`): `files_read` (every successful read_file path, in order, with repeats),
+`files_preloaded` (root-level files placed in the first prompt), `files_opened` (distinct files read or
+preloaded) and `tokens_read` (= `prompt_tokens`: every token the model read, prompt and observations), so
+"files and tokens read per query" can be computed from answer records.
 
 Budgets: at most `max_turns` replies (default 32) of at most `max_new_tokens` each; when the turns are
 spent or another regular turn would not fit in `context_budget` tokens (set it at most the frozen engine's
@@ -37,7 +46,7 @@ from librarian_jax.agents.protocol import (
     render_response,
     render_tools,
 )
-from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.agents.runtime import ANSWERER, AgentContext, AgentGen, Sampling, SessionLog
 
 ANSWERER_TOOLS: tuple[ToolSpec, ...] = (
     LIST_FILES_TOOL,
@@ -62,6 +71,8 @@ class AnswererConfig:
     answer_max_words: int = 128
     kind: str = "model"  # "model": the frozen LLM; "scripted": `agents.navigator` (embedded world, CPU)
     max_reads: int = 0  # scripted navigator: read_file calls allowed (0 = max_turns)
+    preload_root_files: bool = True  # README + every root-level file in the first prompt (authors' code)
+    preload_max_tokens: int = 0  # tokens the preloaded files may take; 0 = half of context_budget
 
 
 @dataclasses.dataclass
@@ -74,10 +85,27 @@ class AnswerOutcome:
     actions: list[str]
     status: str = "ok"  # "ok" | "cache_full"
     files_read: list[str] = dataclasses.field(default_factory=list)  # paths it read (in order, with repeats)
+    files_preloaded: list[str] = dataclasses.field(default_factory=list)  # root files in its first prompt
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def tokens_read(self) -> int:
+        """Every token the answerer read: its prompt (preloaded files included) and observations."""
+        return self.prompt_tokens
+
+    @property
+    def files_opened(self) -> list[str]:
+        """The distinct files it had in context (preloaded or read), in first-seen order."""
+        return list(dict.fromkeys([*self.files_preloaded, *self.files_read]))
+
+    def record(self) -> dict[str, Any]:
+        """The answer record's reading fields: files opened and read, tokens read."""
+        return {"files_read": list(self.files_read), "files_preloaded": list(self.files_preloaded),
+                "files_opened": self.files_opened, "num_files_opened": len(self.files_opened),
+                "tokens_read": self.tokens_read}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,17 +121,79 @@ def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererCon
     still fits in `context_budget` (a few tries: token counts of cut text are not linear)."""
     forced = "\n\n" + prompt_text.render("answerer_forced")
     room = cfg.context_budget - used - cfg.forced_max_new_tokens - 8  # 8: the reply's header and close
-    ids = ctx.template.turn("user", obs + forced)
+    tpl = ctx.template_for(ANSWERER)
+    role = getattr(tpl, "observation_role", "user")
+    ids = tpl.turn(role, obs + forced)
     for _ in range(4):
         if len(ids) <= room or not obs:
             break
         keep = max(0, int(len(obs) * max(room, 0) / len(ids)) - 64)
         obs = obs[:keep] + ("\n[... cut to fit the context]" if keep else "")
-        ids = ctx.template.turn("user", obs + forced)
+        ids = tpl.turn(role, obs + forced)
     return ids
 
 
 ANSWERER_KINDS = ("model", "scripted")
+
+
+def root_files(workspace: Any) -> list[str]:
+    """Paths of the entries at the workspace root other than the README, in listing order (directories
+    included: `preload_text` keeps only what `read_file` reads)."""
+    try:
+        listing = workspace.list_dir(".", max_chars=1 << 30)
+    except TypeError:  # a workspace double without max_chars
+        listing = workspace.list_dir(".")
+    data = getattr(listing, "data", None) or {}
+    entries = data.get("entries", []) if isinstance(data, dict) else []
+    return [str(p) for p in entries if str(p).rstrip("/").lower() not in ("readme.md", "readme")]
+
+
+def preload_text(ctx: AgentContext, workspace: Any, budget_tokens: int) -> tuple[str, list[str]]:
+    """The contents of the workspace's root-level files, in listing order, while their tokens fit in
+    `budget_tokens`; files that do not fit are named at the end. Returns (text, paths preloaded)."""
+    parts: list[str] = []
+    loaded: list[str] = []
+    skipped: list[str] = []
+    used = 0
+    for path in root_files(workspace):
+        r = workspace.read_file(path)  # the first window (<= 100 lines, 16,000 chars), footer says the rest
+        if not getattr(r, "ok", False):
+            continue  # a directory, or not readable
+        block = f"=== {path} ===\n{render_result(r)}"
+        n = len(ctx.encode(block))
+        if skipped or used + n > budget_tokens:
+            skipped.append(path)
+            continue
+        parts.append(block)
+        loaded.append(path)
+        used += n
+    if skipped:
+        parts.append("Root-level files not shown here (read them with read_file): " + ", ".join(skipped))
+    return "\n\n".join(parts), loaded
+
+
+def first_prompt(
+    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
+) -> tuple[str, str, list[str]]:
+    """(system text, first user text, root files preloaded): where every answerer (model, scripted) starts."""
+    system = prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
+    readme = workspace.readme()
+    listing = render_result(workspace.list_dir("."))
+    preloaded: list[str] = []
+    if config.preload_root_files:
+        budget = config.preload_max_tokens or max(config.context_budget // 2, 0)
+        files, preloaded = preload_text(ctx, workspace, budget)
+        if files:
+            listing = listing + "\n\nRoot-level files:\n\n" + files
+    user = prompt_text.render(
+        "answerer_user",
+        readme=readme if isinstance(readme, str) else render_result(readme),
+        listing=listing,
+        question=question,
+    )
+    if preamble:
+        user = preamble.rstrip() + "\n\n" + user
+    return system, user, preloaded
 
 
 def answer_question(
@@ -121,19 +211,11 @@ def answer_question(
     if config.kind != "model":
         raise ValueError(f"AnswererConfig.kind must be one of {ANSWERER_KINDS}, got {config.kind!r}")
     cfg = config
-    tpl = ctx.template
+    tpl = ctx.template_for(ANSWERER)
+    obs_role = getattr(tpl, "observation_role", "user")
     proto = ProtocolConfig(max_calls=cfg.max_calls_per_turn)
-    system = prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
-    readme = workspace.readme()
-    user = prompt_text.render(
-        "answerer_user",
-        readme=readme if isinstance(readme, str) else render_result(readme),
-        listing=render_result(workspace.list_dir(".")),
-        question=question,
-    )
-    if preamble:
-        user = preamble.rstrip() + "\n\n" + user
-    log = SessionLog(ctx, FROZEN, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    system, user, preloaded = first_prompt(ctx, workspace, question, cfg, preamble=preamble)
+    log = SessionLog(ctx, ANSWERER, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
     actions: list[str] = []
     files_read: list[str] = []
     turns = 0
@@ -161,10 +243,12 @@ def answer_question(
                     actions,
                     status,
                     files_read,
+                    preloaded,
                 )
             if status == "cache_full":
                 return AnswerOutcome(
-                    "", turns, False, log.num_observed, log.num_generated, actions, status, files_read
+                    "", turns, False, log.num_observed, log.num_generated, actions, status, files_read,
+                    preloaded,
                 )
             responses = {e.index: render_error(e) for e in parsed.errors}
             for call in parsed.calls:
@@ -180,7 +264,7 @@ def answer_question(
             obs = "\n".join(responses[i] for i in sorted(responses))
             if len(obs) > cfg.observation_max_chars:
                 obs = obs[: cfg.observation_max_chars] + "\n[... observation truncated]"
-            obs_ids = tpl.turn("user", obs)
+            obs_ids = tpl.turn(obs_role, obs)
             # the next regular turn needs room for the observation and its reply
             need = len(log) + len(obs_ids) + cfg.max_new_tokens
             forced = turns >= cfg.max_turns or need >= cfg.context_budget

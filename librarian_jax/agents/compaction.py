@@ -1,8 +1,11 @@
 """History compaction for the builder: summaries that replace all but the last assistant turn.
 
 `deterministic_summary(actions)` lists the actions so far (one line each: turn, tool, arguments, outcome),
-keeping the first and the most recent lines when there are more than `max_lines`. `model_summary` asks the
-frozen engine for a few lines instead (prompt `prompts/compaction.txt`). Either way the compacted prompt also
+keeping the first and the most recent lines when there are more than `max_lines` (the embedded world's
+default: no model). `model_summary` asks the compaction role's model (`agents.runtime.COMPACTION`; the paper
+presets' `builder.compaction = "model"`) for a summary that keeps what the builder has read and decided and
+what remains, as the authors' compaction prompt asks (`prompts/compaction.txt`), with thinking off when the
+role's template has a switch. Either way the compacted prompt also
 holds `workspace_tree(ws)`: a snapshot of the synthetic part of the workspace. The builder then starts a new
 training segment whose prompt is exactly those ids (see `agents.builder`).
 """
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from librarian_jax.agents import prompt_text
-from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.agents.runtime import COMPACTION, AgentContext, AgentGen, Sampling, SessionLog
 
 
 def deterministic_summary(actions: Sequence[str], max_lines: int = 60) -> str:
@@ -52,13 +55,13 @@ def workspace_tree(ws: Any, max_chars: int = 6000) -> str:
 def model_summary(
     ctx: AgentContext, actions: Sequence[str], tree: str, max_new_tokens: int = 256
 ) -> AgentGen:
-    """Generator: the frozen model's summary of the actions; returns (summary text, tokens used).
+    """Generator: the compaction model's summary of the actions; returns (summary text, tokens used).
 
     Falls back to the deterministic summary when the model writes nothing.
     """
-    tpl = ctx.template
+    tpl = ctx.template_for(COMPACTION)
     user = prompt_text.render("compaction", actions=deterministic_summary(actions), tree=tree)
-    log = SessionLog(ctx, FROZEN, tpl.start() + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    log = SessionLog(ctx, COMPACTION, tpl.start() + tpl.turn("user", user) + tpl.open_turn("assistant"))
     try:
         result = yield from log.generate(max_new_tokens, Sampling(temperature=0.0, seed=0))
         text = ctx.decode_new(result.tokens).strip()

@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 
 from librarian_jax.agents import prompt_text
-from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.agents.runtime import EXECUTOR, AgentContext, AgentGen, Sampling, SessionLog
 from librarian_jax.workspace import clean_content
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -119,14 +119,14 @@ def write(
         raise ValueError(f"executor kind must be 'model' or 'extractive', got {kind!r}")
     if ctx is None:
         raise ValueError("the model executor needs an AgentContext")
-    tpl = ctx.template
+    tpl = ctx.template_for(EXECUTOR)
     user = prompt_text.render(
         "executor", title=title, instructions=instructions or "(none)", excerpts=excerpt_text
     )
     prompt = (
         tpl.start(prompt_text.render("executor_system")) + tpl.turn("user", user) + tpl.open_turn("assistant")
     )
-    log = SessionLog(ctx, FROZEN, prompt)
+    log = SessionLog(ctx, EXECUTOR, prompt)
     try:
         result = yield from log.generate(max_new_tokens, Sampling(temperature=0.0, seed=0))
         text = ctx.decode_new(result.tokens).strip()

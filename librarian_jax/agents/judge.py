@@ -16,7 +16,7 @@ import string
 from collections.abc import Sequence
 
 from librarian_jax.agents import prompt_text as prompts
-from librarian_jax.agents.runtime import FROZEN, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.agents.runtime import JUDGE, AgentContext, AgentGen, Sampling, SessionLog
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -60,8 +60,8 @@ def judge_answer(
     if not use_model_judge or ctx is None or not normalize_answer(prediction or ""):
         return 0.0
     text = prompts.render("judge", question=question, gold=" | ".join(answers), prediction=prediction)
-    tpl = ctx.template
-    log = SessionLog(ctx, FROZEN, tpl.start() + tpl.turn("user", text) + tpl.open_turn("assistant"))
+    tpl = ctx.template_for(JUDGE)
+    log = SessionLog(ctx, JUDGE, tpl.start() + tpl.turn("user", text) + tpl.open_turn("assistant"))
     try:
         result = yield from log.generate(max_new_tokens, Sampling(temperature=0.0, seed=0))
         return float(parse_verdict(ctx.decode_new(result.tokens)))

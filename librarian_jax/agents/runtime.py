@@ -28,7 +28,27 @@ import numpy as np
 from absl import logging
 
 POLICY = "policy"  # the engine of the trained builder
-FROZEN = "frozen"  # the engine of the frozen answerer / executor / judge / summariser
+FROZEN = "frozen"  # the default engine of every frozen role (and the name older callers pass)
+# The frozen roles, one model each in the paper (answerer, Create/Merge executor, history compaction, judge).
+# An agent asks for its role; `engine_for_role` falls back to FROZEN, then to POLICY, so `{"policy": e,
+# "frozen": f}` still serves every role, and one engine object may serve several roles.
+ANSWERER = "answerer"
+EXECUTOR = "executor"
+COMPACTION = "compaction"
+JUDGE = "judge"
+FROZEN_ROLES = (ANSWERER, EXECUTOR, COMPACTION, JUDGE)
+ROLES = (POLICY, *FROZEN_ROLES)
+
+
+def engine_for_role(engines: Mapping[str, Any], role: str) -> Any:
+    """The engine serving `role`: its own entry, else (a frozen role) the "frozen" one, else the policy's."""
+    if role in engines:
+        return engines[role]
+    if role in FROZEN_ROLES:
+        for fallback in (FROZEN, POLICY):
+            if fallback in engines:
+                return engines[fallback]
+    raise KeyError(f"no engine for role {role!r}; engines: {sorted(engines)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +104,23 @@ class TemplateLike(Protocol):
 
 @dataclasses.dataclass
 class AgentContext:
-    """What every agent generator needs: tokenizer, chat template, engines by role, a seed stream."""
+    """What every agent generator needs: tokenizer, chat template, engines by role, a seed stream.
+
+    `templates` optionally maps a role to its own chat template (e.g. Qwen3.5 with thinking off for the
+    answerer, executor and judge, on for the builder); `template_for(role)` falls back to `template`.
+    """
 
     tokenizer: Any
     template: Any
     engines: Mapping[str, Any]
     rng: np.random.Generator = dataclasses.field(default_factory=lambda: np.random.default_rng(0))
+    templates: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def new_session(self, role: str, prompt_ids: Sequence[int]) -> Any:
-        if role not in self.engines:
-            raise KeyError(f"no engine for role {role!r}; engines: {sorted(self.engines)}")
-        return self.engines[role].new_session(list(prompt_ids))
+        return engine_for_role(self.engines, role).new_session(list(prompt_ids))
+
+    def template_for(self, role: str) -> Any:
+        return self.templates.get(role, self.template)
 
     def next_seed(self) -> int:
         return int(self.rng.integers(0, 2**31 - 1))
@@ -174,9 +200,8 @@ class SessionLog:
         self, max_new_tokens: int, sampling: Sampling, turn: int = -1
     ) -> Generator[Generate, Any, Any]:
         """Yields one `Generate`; logs and returns the engine's TurnResult."""
-        result = yield Generate(
-            self.role, self.session, int(max_new_tokens), sampling, tuple(self.ctx.template.stop_ids)
-        )
+        stops = tuple(self.ctx.template_for(self.role).stop_ids)
+        result = yield Generate(self.role, self.session, int(max_new_tokens), sampling, stops)
         toks = [int(t) for t in result.tokens]
         lps = [float(x) for x in result.logprobs]
         if len(toks) != len(lps):
@@ -190,7 +215,7 @@ class SessionLog:
     def close_turn_ids(self, generated: Sequence[int]) -> list[int]:
         """The ids that close an assistant turn after `generated` (the rest of close_turn after a sampled
         stop id; all of it when the turn ended on its budget)."""
-        close = list(self.ctx.template.close_turn())
+        close = list(self.ctx.template_for(self.role).close_turn())
         if generated and close and int(generated[-1]) == close[0]:
             return close[1:]
         return close

@@ -15,6 +15,7 @@ Rewards and the schedule: `rollout.rewards`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +30,12 @@ REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspec
 
 
 def _answer_and_judge(
-    ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig
+    ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig,
+    temperature: float | None = None,
 ) -> AgentGen:
-    outcome = yield from answer_question(ctx, ws, question.question, config.answerer)
+    acfg = config.answerer if temperature is None else dataclasses.replace(config.answerer,
+                                                                           temperature=temperature)
+    outcome = yield from answer_question(ctx, ws, question.question, acfg)
     correct = yield from judge_answer(
         ctx,
         question.question,
@@ -40,18 +44,22 @@ def _answer_and_judge(
         use_model_judge=config.use_model_judge,
         max_new_tokens=config.judge_max_new_tokens,
     )
+    reading = outcome.record() if hasattr(outcome, "record") else {"files_read": list(outcome.files_read)}
+    files = reading.get("num_files_opened", len(reading["files_read"]))
     return {
         "phase": phase,
         "question_id": question.question_id,
         "repeat": repeat,
         "answer": outcome.answer,
         "correct": float(correct),
+        "utility": R.answer_utility(float(correct), outcome.prompt_tokens, files, config),
         "turns": outcome.turns,
         "forced": outcome.forced,
         "prompt_tokens": outcome.prompt_tokens,
         "generated_tokens": outcome.generated_tokens,
         "status": outcome.status,
-        "files_read": list(outcome.files_read),
+        "temperature": acfg.temperature,
+        **reading,
     }
 
 
@@ -60,21 +68,24 @@ def evaluate(
 ) -> AgentGen:
     """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts).
 
-    With `config.dedupe_greedy_repeats` and a greedy answerer (temperature 0) the R runs of a question would
-    be identical, so one run is made and recorded R times (copies carry `"copy": True` and no tokens).
+    The score is the mean utility (= mean correctness without cost terms). Repeats follow
+    `config.repeat_mode` (`rollout.rewards`): a greedy answerer's R runs of a question would be identical, so
+    one run is made and recorded R times (copies carry `"copy": True` and no tokens); `"sample"` samples R.
     """
-    dedupe = config.dedupe_greedy_repeats and config.answerer.temperature == 0.0 and repeats > 1
-    runs = 1 if dedupe else repeats
-    gens = [_answer_and_judge(ctx, ws, q, r, phase, config) for q in questions for r in range(runs)]
+    runs, temperature = R.repeat_plan(repeats, config)
+    dedupe = runs < repeats
+    gens = [_answer_and_judge(ctx, ws, q, r, phase, config, temperature)
+            for q in questions for r in range(runs)]
     answers = (yield Parallel(gens)) if gens else []
     if dedupe:
         full = []
         for a in answers:
             full.append(a)
             for r in range(1, repeats):
-                full.append({**a, "repeat": r, "copy": True, "prompt_tokens": 0, "generated_tokens": 0})
+                full.append({**a, "repeat": r, "copy": True, "prompt_tokens": 0, "generated_tokens": 0,
+                             "tokens_read": 0})
         answers = full
-    return R.mean_correct([a["correct"] for a in answers]), answers
+    return R.mean_correct([a.get("utility", a["correct"]) for a in answers]), answers
 
 
 def _snapshot(ws: Any, config: R.RolloutConfig) -> Any:
@@ -148,6 +159,9 @@ def run_episode(
         out = yield from builder.turn()
         n = out.turn + 1
         reward = out.penalty
+        if config.edit_cost:
+            edits = sum(1 for c in out.calls if c.ok and c.name in ("create_file", "merge_files", "delete"))
+            reward -= R.edit_penalty(edits, config)
         counts["executor_prompt"] += out.executor_prompt_tokens
         counts["executor_generated"] += out.executor_generated_tokens
         rec.tool_calls.append([c.to_dict() for c in out.calls])

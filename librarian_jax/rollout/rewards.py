@@ -18,8 +18,17 @@ it has them, else its hidden questions — the paper's main run; `"hidden"`; `"r
 tool call costs `builder.malformed_penalty` (0.05) on its turn's reward. The episode's total reward is
 `sum(turn_rewards) + terminal_reward`.
 
-`dedupe_greedy_repeats` (off by default, the paper runs all R): with a greedy answerer the R runs of a
-question are identical, so one run is made and counted R times — the same score for 1/R of the probe cost.
+Repeats (`repeat_mode`): R greedy answerer runs of one question are R copies of one run, so they are never
+paid R times. `"greedy_once"` (default; the paper's answerer is greedy): with a greedy answerer (temperature
+0) each question is answered once and the run counted R times (the copies carry `"copy": True` and no
+tokens); an answerer with temperature > 0 samples all R. `"sample"`: the R runs sample at
+`repeat_temperature`, so the mean estimates the answerer's expected correctness. (`dedupe_greedy_repeats` is
+the older name of greedy_once; it is kept for callers and changes nothing.)
+
+Cost-aware utility (paper §2.3, Equations 1-4; all zero by default, as in the main run): a correct answer's
+score is `1 - token_cost * tokens_read - read_cost * files_read` (the penalties apply to correct answers
+only; a wrong answer scores 0), so probe and terminal scores are mean utilities; every successful edit
+(create / merge / delete) costs `edit_cost` on its turn's reward.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from librarian_jax.agents.answerer import AnswererConfig
 from librarian_jax.agents.builder import BuilderConfig
 
 TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
+REPEAT_MODES = ("greedy_once", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +63,12 @@ class RolloutConfig:
     judge_max_new_tokens: int = 16
     record_snapshots: bool = True
     snapshot_raw_text: bool = False  # snapshots keep raw doc hashes; texts only when True
-    dedupe_greedy_repeats: bool = False  # greedy answerer: run each question once, count it R times
+    dedupe_greedy_repeats: bool = True  # older name of repeat_mode="greedy_once" (kept for callers)
+    repeat_mode: str = "greedy_once"  # "greedy_once" | "sample" (module docstring)
+    repeat_temperature: float = 1.0  # the answerer's temperature for repeat_mode="sample"
+    token_cost: float = 0.0  # lambda_tok: per token a correct answer read
+    read_cost: float = 0.0  # lambda_read: per file a correct answer read
+    edit_cost: float = 0.0  # alpha: per successful create / merge / delete
 
     def __post_init__(self) -> None:
         if self.terminal_questions not in TERMINAL_SETS:
@@ -61,6 +76,15 @@ class RolloutConfig:
                 f"RolloutConfig.terminal_questions must be one of {TERMINAL_SETS}, "
                 f"got {self.terminal_questions!r}"
             )
+        if self.repeat_mode not in REPEAT_MODES:
+            raise ValueError(f"RolloutConfig.repeat_mode must be one of {REPEAT_MODES}, "
+                             f"got {self.repeat_mode!r}")
+        if self.repeat_mode == "sample" and self.repeat_temperature <= 0:
+            raise ValueError("RolloutConfig.repeat_temperature must be > 0 with repeat_mode='sample' (greedy "
+                             f"repeats are copies of one run), got {self.repeat_temperature}")
+        for name in ("token_cost", "read_cost", "edit_cost"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("probe_repeats", "terminal_repeats", "probe_min_gap", "max_probes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -118,6 +142,29 @@ def probe_reward(score: float, previous: float, config: RolloutConfig) -> float:
     if abs(delta) < config.probe_threshold:
         return 0.0
     return float(config.probe_scale) * delta
+
+
+def answer_utility(correct: float, tokens_read: int, files_read: int, config: RolloutConfig) -> float:
+    """Paper §2.3: a correct answer's utility less its token and read costs; a wrong answer scores 0."""
+    if not correct:
+        return 0.0
+    return float(correct) - config.token_cost * tokens_read - config.read_cost * files_read
+
+
+def edit_penalty(num_edits: int, config: RolloutConfig) -> float:
+    """The construction cost of a turn's successful edits (paper §2.3's alpha per edit)."""
+    return config.edit_cost * num_edits
+
+
+def repeat_plan(repeats: int, config: RolloutConfig) -> tuple[int, float | None]:
+    """(answerer runs to make per question, temperature override or None) for `repeats` repeats."""
+    if repeats <= 1:
+        return repeats, None
+    if config.repeat_mode == "sample":
+        return repeats, config.repeat_temperature
+    if config.answerer.temperature == 0.0:
+        return 1, None  # greedy: one run, counted `repeats` times
+    return repeats, None
 
 
 def mean_correct(values: Sequence[float]) -> float:

@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, Generate, Parallel
+from librarian_jax.agents.runtime import (
+    ANSWERER,
+    FROZEN,
+    POLICY,
+    AgentContext,
+    Generate,
+    Parallel,
+    engine_for_role,
+)
 from librarian_jax.rollout.episode import run_episode
 from librarian_jax.rollout.records import EpisodeRecord
 from librarian_jax.rollout.rewards import RolloutConfig
@@ -85,16 +93,13 @@ class Scheduler:
                 self._finish(task, stop.value)
                 return
             if isinstance(req, Generate):
-                engine = self.engines.get(req.role)
-                if engine is None:
-                    raise KeyError(
-                        f"an agent asked for engine role {req.role!r}; engines: {sorted(self.engines)}"
-                    )
+                role = _resolve_role(self.engines, req.role)
+                engine = self.engines[role]
                 engine.submit(
                     req.session, req.max_new_tokens, _to_engine_sampling(engine, req.sampling), req.stop_ids
                 )
-                self._waiting[id(req.session)] = (task, req.role)
-                self._inflight[req.role] = self._inflight.get(req.role, 0) + 1
+                self._waiting[id(req.session)] = (task, role)
+                self._inflight[role] = self._inflight.get(role, 0) + 1
                 return
             if isinstance(req, Parallel):
                 if not req.generators:
@@ -172,6 +177,14 @@ class Scheduler:
         return list(self._roots)
 
 
+def _resolve_role(engines: Mapping[str, Any], role: str) -> str:
+    """The key of `engines` that serves `role` (its own, else "frozen" for a frozen role, else "policy")."""
+    engine = engine_for_role(engines, role)  # raises KeyError naming the role
+    if role in engines:
+        return role
+    return next(k for k in (FROZEN, POLICY) if k in engines and engines[k] is engine)
+
+
 def _engines_by_role(engines: Any) -> dict[str, Any]:
     if isinstance(engines, Mapping):
         out = dict(engines)
@@ -185,14 +198,32 @@ def _engines_by_role(engines: Any) -> dict[str, Any]:
     return out
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logging.warning(msg, *args)
+
+
 def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> RolloutConfig:
-    """`config` with the builder's and answerer's context budgets at most their engines' `max_seq_len`
-    (a budget of 0, or one above the engine's, becomes the engine's)."""
+    """`config` with the builder's and answerer's context budgets set where they are unset (0: the engine's
+    `max_seq_len`). A budget above its engine's `max_seq_len` cannot be met: it is lowered to the engine's
+    with a warning naming the key (`main` refuses such a config at start; see `config_validation`)."""
     pol = getattr(engines.get(POLICY), "max_seq_len", None)
-    fro = getattr(engines.get(FROZEN), "max_seq_len", None)
+    ans = engines.get(ANSWERER) if ANSWERER in engines else engines.get(FROZEN, engines.get(POLICY))
+    fro = getattr(ans, "max_seq_len", None)
     b, a = config.builder, config.answerer
+    if pol is not None and b.context_budget > pol:
+        _warn_once("builder", "config.rollout.builder.context_budget %d exceeds the builder engine's "
+                   "max_seq_len %d (config.rollout.max_seq_len): lowered to %d", b.context_budget, pol, pol)
     if pol is not None and (b.context_budget <= 0 or b.context_budget > pol):
         b = dataclasses.replace(b, context_budget=int(pol))
+    if fro is not None and a.kind == "model" and a.context_budget > fro:
+        _warn_once("answerer", "config.rollout.answerer.context_budget %d exceeds the answerer engine's "
+                   "max_seq_len %d (config.roles.answerer.max_seq_len): lowered to %d", a.context_budget, fro,
+                   fro)
     if fro is not None and (a.context_budget <= 0 or a.context_budget > fro):
         a = dataclasses.replace(a, context_budget=int(fro))
     return dataclasses.replace(config, builder=b, answerer=a)
@@ -208,6 +239,7 @@ def run_batch(
     *,
     template: Any = None,
     scheduler: Scheduler | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> list[EpisodeRecord]:
     """Runs `group_size` builder episodes for every task, all batched together; returns their records.
 
@@ -220,6 +252,8 @@ def run_batch(
       config: the `RolloutConfig`.
       rng: an int seed or a `numpy.random.Generator`; every episode gets its own seed stream from it.
       scheduler: reuse one (its `stats` accumulate); default a new one.
+      templates: a chat template per role where it differs from `template` (e.g. thinking off for the
+        frozen roles of a Qwen3.5 run).
     """
     if group_size < 1:
         raise ValueError(f"run_batch: group_size must be >= 1, got {group_size}")
@@ -243,7 +277,8 @@ def run_batch(
     gens = []
     for b, task in enumerate(tasks):
         for g in range(group_size):
-            ctx = AgentContext(tokenizer, template, by_role, np.random.default_rng(int(rng.integers(2**62))))
+            ctx = AgentContext(tokenizer, template, by_role, np.random.default_rng(int(rng.integers(2**62))),
+                               templates=dict(templates or {}))
             gens.append(run_episode(ctx, task, config, group_id=b, episode_index=g))
     sched = scheduler or Scheduler(by_role)
     records = sched.run(gens)
