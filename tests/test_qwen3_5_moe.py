@@ -187,7 +187,7 @@ def test_router_stats_and_load_balancing_loss():
     assert float(stats["tokens"]) == n_real and float(stats["layers"]) == cfg.num_layers
     assert float(stats["counts"].sum()) == n_real * cfg.num_experts_per_tok
     np.testing.assert_allclose(float(stats["prob_sum"].sum()), n_real, rtol=1e-5)
-    aux, load = moe_lib.load_balancing_loss(stats, cfg.num_experts_per_tok)
+    aux, load = moe_lib.load_balancing_loss(stats)
     f, p = np.asarray(stats["counts"]) / n_real, np.asarray(stats["prob_sum"]) / n_real
     np.testing.assert_allclose(float(aux), cfg.num_experts * np.sum(f * p), rtol=1e-5)
     np.testing.assert_allclose(float(np.asarray(load).mean()), 1.0, rtol=1e-5)
@@ -261,3 +261,31 @@ def test_engine_serves_moe_like_transformers():
     got = generate(model, [prompt, prompt[:5]], len(ref["greedy"]), mesh=mesh)
     assert got[0] == ref["greedy"].tolist()
     assert model.layers[0].mlp.mesh is mesh
+
+
+def test_trainer_moe_aux_loss_and_expert_load():
+    """The trainer logs the load-balancing loss and expert load of a MoE policy (through per-layer remat,
+    whose checkpointed layers hand their sown statistics back), and the aux term moves the loss by its
+    coefficient; `rl.apply_lora` adapts the experts too (qwix does not see grouped matmuls)."""
+    from librarian_jax.rl import train_step as ts
+
+    rng = np.random.default_rng(5)
+    rows, seq = 2, 10
+    mask = np.ones((rows, seq), np.float32)
+    batch = {"tokens": rng.integers(0, 64, (rows, seq)).astype(np.int32), "valid": mask.astype(bool),
+             "loss_mask": mask, "advantages": np.array([[1.0], [-1.0]], np.float32) * mask,
+             "sampler_logprobs": np.full((rows, seq), -2.0, np.float32),
+             "row_weights": np.ones(rows, np.float32)}
+    folder = os.path.join(GOLDEN, "qwen3_5moe_b")
+    metrics = {}
+    for coef in (0.0, 10.0):
+        config = ts.TrainConfig(moe_aux_loss_coef=coef, remat="layer", logits_chunk=4)
+        metrics[coef] = ts.Trainer(load_hf(folder), config).update(batch)
+    m = metrics[0.0]
+    assert m["moe_aux_loss"] >= 1.0 - 1e-5  # experts * sum f P >= 1 (k = 1), equality when balanced
+    assert m["expert_load_min"] <= 1.0 <= m["expert_load_max"]
+    assert np.isfinite(m["loss"]) and not m["skipped"]
+    np.testing.assert_allclose(metrics[10.0]["loss"] - m["loss"], 10.0 * m["moe_aux_loss"], rtol=1e-3)
+    lora = ts.apply_lora(load_hf(folder), rank=2, alpha=4.0, module_path=".*")
+    names = {str(p[-1]) for p, _ in nnx.to_flat_state(nnx.state(lora, nnx.LoRAParam))}
+    assert {"gate_up_a", "gate_up_b", "down_a", "down_b"} <= names

@@ -360,17 +360,18 @@ def pop_router_stats(model: nnx.Module) -> dict[str, jax.Array] | None:
     return total
 
 
-def load_balancing_loss(stats: dict[str, jax.Array], top_k: int) -> tuple[jax.Array, jax.Array]:
+def load_balancing_loss(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(aux loss, expert load `[experts]`) from summed router statistics.
 
-    aux = experts * sum_e f_e * P_e with f_e = assignments to e / assigned tokens and P_e = mean router
+    aux = experts * sum_e f_e * P_e with f_e = assignments to e / routed tokens and P_e = mean router
     probability of e, over every layer's tokens pooled (transformers' `load_balancing_loss_func`, which
-    sums f over the k slots). load_e = f_e * experts / top_k: 1.0 everywhere when perfectly balanced."""
+    sums f over the k slots). load_e = experts * share of all assignments that went to e: 1.0 everywhere
+    when perfectly balanced."""
     n = jnp.maximum(stats["tokens"], 1.0)
-    f = stats["counts"] / n
-    p = stats["prob_sum"] / n
-    e = stats["counts"].shape[-1]
-    return e * jnp.sum(f * p), f * e / top_k
+    counts = stats["counts"]
+    e = counts.shape[-1]
+    aux = e * jnp.sum(counts / n * stats["prob_sum"] / n)
+    return aux, counts * e / jnp.maximum(jnp.sum(counts), 1.0)
 
 
 def add_expert_lora(model: nnx.Module, rank: int, alpha: float, *, seed: int = 0) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from librarian_jax.models import moe as moe_lib
 from librarian_jax.rl import losses as losses_lib
 from librarian_jax.rl.rows import TrainBatch
 
@@ -74,6 +76,10 @@ class TrainConfig:
     # (each chunk rematerialised: at most one chunk's `[rows, chunk, vocab]` logits exist, forward or
     # backward). 0 = one `[rows, seq, vocab]` logits array.
     logits_chunk: int = 1024
+    # Mixture-of-experts models (models/moe.py): weight of transformers' load-balancing loss (experts *
+    # sum_e f_e P_e over every MoE layer's real tokens) added to the loss; 0 = only logged. Models without
+    # MoE layers ignore it. Metrics `moe_aux_loss`, `expert_load_max` / `expert_load_min` (1.0 = balanced).
+    moe_aux_loss_coef: float = 0.0
 
 
 REMAT_MODES = ("none", "full", "layer")
@@ -153,6 +159,11 @@ def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = ".
     tokens = jnp.zeros((1, example_len), jnp.int32)
     method = "hidden" if callable(getattr(model, "hidden", None)) else "__call__"
     lora_model = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(seed), methods=(method,))
+    # qwix does not intercept the grouped matmuls of MoE experts: their adapters come from models.moe
+    from librarian_jax.models import moe
+
+    if moe.moe_layers(lora_model) and re.fullmatch(module_path, "layers/0/mlp/experts"):
+        moe.add_expert_lora(lora_model, rank, alpha, seed=seed)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
     if n == 0:
         raise ValueError(f"apply_lora: module_path {module_path!r} matched no matmul of the model")
@@ -246,6 +257,8 @@ class Trainer:
                              "wrap the base model with rl.apply_lora (or set train.logits_chunk=0, "
                              "train.remat != 'layer')")
         self.config = config
+        if mesh is not None:  # MoE layers: experts run expert-parallel on this mesh (a graph-only change)
+            moe_lib.bind_mesh(model, mesh, rules)
         self.graphdef, params, rest = nnx.split(model, self.wrt, ...)
         # The trainer owns a copy of the trainable arrays (its update donates them); the caller's model and
         # any engine built from it stay valid until they receive `policy_state()`.
@@ -413,9 +426,12 @@ class _RematLayer(nnx.Module):
             it = iter(arrays)
             a, kw = jax.tree.unflatten(treedef, [next(it) if arr else x for x, arr in zip(leaves, is_array,
                                                                                          strict=True)])
-            return nnx.merge(graphdef, state)(*a, **kw)
+            m = nnx.merge(graphdef, state)
+            return m(*a, **kw), nnx.pop(m, nnx.Intermediate)
 
-        return call(state, [x for x, arr in zip(leaves, is_array, strict=True) if arr])
+        out, sown = call(state, [x for x, arr in zip(leaves, is_array, strict=True) if arr])
+        nnx.update(self.layer, sown)  # what the layer sowed (MoE router statistics) reaches the model
+        return out
 
 
 def _remat_layers(model: nnx.Module) -> None:
@@ -431,8 +447,9 @@ def _remat_layers(model: nnx.Module) -> None:
 
 
 def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, tokens: jax.Array,
-                      valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits.
+                      valid: jax.Array, router_stats: bool = False) -> tuple[jax.Array, ...]:
+    """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits (with
+    `router_stats`, a third value: the MoE layers' summed router statistics, None for a model without MoE).
 
     `logits_chunk > 0`: hidden states `[B, T, H]` then `chunked_token_logprobs` (never a `[B, T, V]` array);
     else the model's own logits `[B, T, V]`. `remat` "full" checkpoints the whole model call, "layer" each
@@ -444,25 +461,26 @@ def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, 
         # merged inside the (possibly rematerialised) trace: modules that write to themselves when called
         # (qwix's LoRA interception does) stay at one trace level
         model = nnx.merge(graphdef, params, rest)
+        moe = router_stats and moe_lib.collect_router_stats(model)
         if mode == "layer":
             _remat_layers(model)
-        if chunk:
-            return model.hidden(tokens, mask=valid)[0]
-        return model(tokens, mask=valid)[0]
+        out = model.hidden(tokens, mask=valid)[0] if chunk else model(tokens, mask=valid)[0]
+        return out, (moe_lib.pop_router_stats(model) if moe else None)
 
     if mode == "full":
         # Keeps matmul outputs without batch dims (projections, MLP) and recomputes attention scores and
         # elementwise ops in the backward pass.
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    out = run(params, rest, tokens, valid)
+    out, stats = run(params, rest, tokens, valid)
+    extra = (stats,) if router_stats else ()
     if not chunk:
-        return losses_lib.token_logprobs(out, tokens, config.loss.temperature)
+        return (*losses_lib.token_logprobs(out, tokens, config.loss.temperature), *extra)
 
     def project(hidden: jax.Array) -> jax.Array:
         # only the projection's params are read here; merged inside the chunk's trace like `run`
         return nnx.merge(graphdef, params, rest).project(hidden)
 
-    return losses_lib.chunked_token_logprobs(project, out, tokens, config.loss.temperature, chunk)
+    return (*losses_lib.chunked_token_logprobs(project, out, tokens, config.loss.temperature, chunk), *extra)
 
 
 def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
@@ -472,7 +490,7 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
     loss_fn = losses_lib.get_loss_fn(config.loss.name)
 
     def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-        lp, ent = _forward_logprobs(graphdef, config, p, rest, mb["tokens"], mb["valid"])
+        lp, ent, router = _forward_logprobs(graphdef, config, p, rest, mb["tokens"], mb["valid"], True)
         old = jax.lax.stop_gradient(lp) if config.old_logprobs == "trainer" else mb["sampler_logprobs"]
         ref = None
         if ref_params is not None:
@@ -480,6 +498,12 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
                 _forward_logprobs(graphdef, config, ref_params, rest, mb["tokens"], mb["valid"])[0])
         total, count, sums = loss_fn(lp, old, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"],
                                      mb["row_weights"], ref, ent, config=config.loss)
+        if router is not None:  # MoE: load-balancing loss (weighted like the loss), logged expert load
+            aux, load = moe_lib.load_balancing_loss(router)
+            total = total + config.moe_aux_loss_coef * aux * count
+            w = sums["tokens"]
+            sums = dict(sums, moe_aux=aux * w, expert_load_max=jnp.max(load) * w,
+                        expert_load_min=jnp.min(load) * w)
         return total, (count, sums)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -530,6 +554,9 @@ def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tup
         "kl": sums["kl"] / tokens, "tis": sums["tis"] / tokens, "ratio": sums["ratio"] / tokens,
         "entropy": sums.get("entropy", jnp.zeros(())) / tokens,
     }
+    metrics |= {k: sums[k] / tokens for k in ("moe_aux", "expert_load_max", "expert_load_min") if k in sums}
+    if "moe_aux" in metrics:
+        metrics["moe_aux_loss"] = metrics.pop("moe_aux")
     return params, opt_state, metrics
 
 
