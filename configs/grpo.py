@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from librarian_jax.rl.train_step import LORA_ALL_LINEAR
+
 PRESETS = ("embedded", "qwen3_5_4b", "gemma3_4b")
 
 
@@ -25,36 +27,36 @@ def _base() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model = ml_collections.ConfigDict(dict(
-        preset="tiny",          # models.PRESETS name (architecture)
+        preset="tiny_8k",       # models.PRESETS name (architecture)
         init="random",          # "random" | "hf" (safetensors folder) | "orbax" (checkpoint dir or step dir)
         path="",                # weights for init="hf" / "orbax"
         tokenizer="",           # file/folder; "" = model.path (hf) or a SentencePiece trained on data
-        tokenizer_vocab_size=2048,
+        tokenizer_vocab_size=8192,
         dtype="",               # "" = the preset's; e.g. "float32" on CPU, "bfloat16" on accelerators
         lora_rank=0,            # 0 = full fine-tuning
         lora_alpha=64.0,
-        lora_module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*",
+        lora_module_path=LORA_ALL_LINEAR,  # every linear projection of every layer type (rl.train_step)
         frozen_path="",         # answerer/executor weights (HF folder); "" = the policy's initial weights
     ))
     c.data = ml_collections.ConfigDict(dict(
         source="synthetic",     # "synthetic" | "file"
         path="",                # tasks file/folder for source="file" (data.load_tasks)
         format="auto",
-        num_tasks=16,           # synthetic world size
-        docs_per_task=4,
-        min_words=30,
-        max_words=60,
-        questions_per_task=2,
+        num_tasks=48,           # synthetic world size
+        docs_per_task=6,        # more than the answerer can read in its turns
+        min_words=40,
+        max_words=80,
+        questions_per_task=4,   # half multi-hop (facts in >= 2 documents)
         reuse_questions_per_task=0,
         heldout_fraction=0.25,  # tasks kept out of training (by task-id hash), for eval
-        tasks_per_batch=2,
+        tasks_per_batch=4,
         shuffle_seed=0,
     ))
     c.rollout = ml_collections.ConfigDict(dict(
-        group_size=2,
-        policy_slots=8,         # builder engine slots
+        group_size=4,
+        policy_slots=16,        # builder engine slots
         frozen_slots=16,        # answerer/executor engine slots
-        max_seq_len=4096,       # tokens one session may hold (the builder's first prompt holds the corpus)
+        max_seq_len=4096,       # tokens one session may hold
         round_steps=32,         # decode steps per engine.step()
         probe_repeats=1,
         probe_min_gap=1,
@@ -66,14 +68,16 @@ def _base() -> ml_collections.ConfigDict:
         use_model_judge=False,
         record_snapshots=True,
         builder=ml_collections.ConfigDict(dict(
-            max_turns=3, max_new_tokens=48, temperature=1.0, executor="extractive",
-            compaction="deterministic", compaction_budget=3000, malformed_penalty=0.05)),
-        answerer=ml_collections.ConfigDict(dict(max_turns=2, max_new_tokens=24, forced_max_new_tokens=16,
-                                                 context_budget=3000)),
+            max_turns=3, max_new_tokens=200, temperature=1.0, executor="extractive",
+            compaction="deterministic", compaction_budget=3600, malformed_penalty=0.05)),
+        # The embedded answerer is the scripted navigator (agents/navigator.py, kind="scripted"): it reads
+        # through the same list/read tools and token accounting as an LLM answerer, 3 calls at most.
+        answerer=ml_collections.ConfigDict(dict(kind="scripted", max_turns=2, max_new_tokens=64,
+                                                 forced_max_new_tokens=16, context_budget=100_000)),
     ))
     c.train = ml_collections.ConfigDict(dict(
-        num_steps=3,
-        learning_rate=1e-4,
+        num_steps=30,
+        learning_rate=2e-4,
         warmup_steps=0,
         decay="cosine",         # "cosine" | "linear" | "constant"
         end_lr_ratio=0.1,
@@ -100,6 +104,22 @@ def _base() -> ml_collections.ConfigDict:
         num_tasks=2,
         repeats=1,
     ))
+    c.warm_start = ml_collections.ConfigDict(dict(
+        # Before GRPO, supervised fine-tuning on the embedded world's scripted demonstrations
+        # (configs/sft.py:<sft_preset>, run in workdir/warm_start, cached), and GRPO starts from it.
+        enabled=True,
+        sft_preset="embedded",
+    ))
+    # One model per frozen role (the paper: answerer, Create/Merge executor, history compaction, judge). Each
+    # names its weights: init "policy" (the builder's initial weights, frozen) | "hf" | "orbax" | "random",
+    # with path / preset / dtype ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
+    # rollout.max_seq_len); mesh ("" = the run's mesh, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the
+    # Qwen3.5 template's switch: off = the role's budget is never spent inside <think>). Roles naming the same
+    # weights share one engine and one copy of them; `--dry_run` prints the table.
+    c.roles = ml_collections.ConfigDict({
+        role: ml_collections.ConfigDict(dict(init="policy", path="", preset="", dtype="", slots=0,
+                                             max_seq_len=0, mesh="", thinking=False))
+        for role in ("answerer", "executor", "compaction", "judge")})
     c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
     c.checkpoint = ml_collections.ConfigDict(dict(
         every=1,                # save every N steps (and at the end)
@@ -113,11 +133,12 @@ def _base() -> ml_collections.ConfigDict:
 def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.ConfigDict:
     """The paper's main-run settings on a real model (HF safetensors in model.path)."""
     c.model.update(preset=model_preset, init="hf", dtype="bfloat16", lora_rank=32, lora_alpha=64.0)
+    c.warm_start.enabled = False
     c.data.update(source="file", num_tasks=0, tasks_per_batch=16, heldout_fraction=0.0)
     c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
                      probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True)
     c.rollout.builder.update(max_turns=32, max_new_tokens=4096, executor="model", compaction_budget=3000)
-    c.rollout.answerer.update(max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
+    c.rollout.answerer.update(kind="model", max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
                               context_budget=32768)
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
     # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch).
@@ -127,6 +148,18 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.eval.update(every=20, num_tasks=16, repeats=4)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
     c.checkpoint.update(every=10, keep=3)
+    # The paper's roles (docs/paper-settings.md): the fixed answerer is the builder's base model (Qwen3.5-4B,
+    # frozen); the Create/Merge executor is Qwen3.5-35B-A3B (--config.roles.executor.path=...); compaction
+    # and the judge share the executor's weights and engine (the paper compacts with Gemini 3.1 Flash Lite,
+    # which we cannot run). Thinking is off for every frozen role; the answerer's 32,768-token budget fits.
+    c.roles.answerer.update(init="policy", slots=256, max_seq_len=32768, thinking=False)
+    for role in ("executor", "compaction", "judge"):
+        c.roles[role].update(init="hf", preset="qwen3_5_35b_a3b", dtype="bfloat16", slots=128,
+                             max_seq_len=8192, thinking=False)
+    # The paper's reward and loss: probe deltas, the terminal reward and the 0.1 no-Stop penalty only; no
+    # malformed-call penalty, no dual clip, no TIS (the ratio is taken against the sampler's log-probs).
+    c.rollout.builder.update(compaction="model", malformed_penalty=0.0)
+    c.train.update(dual_clip=0.0, tis_cap=0.0, kl_beta=0.0, step_weight=0.0)
     c.workdir = f"/tmp/librarian_jax/grpo_{model_preset}"
     return c
 

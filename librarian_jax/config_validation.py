@@ -12,7 +12,7 @@ from typing import Any
 
 MODEL_INITS = ("random", "hf", "orbax")
 DATA_SOURCES = ("synthetic", "file")
-SECTIONS = ("model", "data", "rollout", "train", "eval", "mesh", "checkpoint")
+SECTIONS = ("model", "data", "rollout", "train", "eval", "mesh", "checkpoint", "warm_start")
 # rollout keys main consumes itself (engine sizes); the rest go to rollout.RolloutConfig.from_dict
 ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps")
 
@@ -88,9 +88,28 @@ def validate_mesh(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def validate(config: Any, num_devices: int | None = None) -> None:
-    """Checks every key main reads. Raises ConfigError naming the first bad key."""
+    """Checks every key the GRPO command reads. Raises ConfigError naming the first bad key."""
     for s in SECTIONS:
         _get(config, s)
+    validate_roles(config, num_devices)
+    validate_common(config, num_devices)
+    validate_train(config)
+    _int(config, "eval.every", 0)
+    _int(config, "eval.num_tasks", 1)
+    _int(config, "eval.repeats", 1)
+    if _get(config, "warm_start.enabled"):
+        from configs import sft as sft_configs
+
+        _choice(config, "warm_start.sft_preset", sft_configs.PRESETS)
+        if config.data.source != "synthetic":
+            raise _err("warm_start.enabled", "the warm start's demonstrations need the synthetic world "
+                       f"(data.source is {config.data.source!r}); run configs/sft.py on your own "
+                       "conversations and start GRPO from its checkpoint (model.init='orbax')")
+
+
+def validate_common(config: Any, num_devices: int | None = None) -> None:
+    """The keys every command that builds a model shares: seed, workdir, model, data, rollout, checkpoint,
+    mesh."""
     _int(config, "seed", 0)
     if not isinstance(_get(config, "workdir"), str) or not config.workdir:
         raise _err("workdir", f"must be a non-empty path, got {config.workdir!r}")
@@ -150,7 +169,21 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _int(config, "rollout.round_steps", 1)
     rollout_config(config)
 
-    # train
+    # checkpoint
+    _int(config, "checkpoint.every", 1)
+    _int(config, "checkpoint.keep", 1)
+
+    # mesh
+    if num_devices is None:
+        import jax
+
+        num_devices = jax.device_count()
+    shape = _get(config, "mesh.shape")
+    validate_mesh(shape.to_dict() if hasattr(shape, "to_dict") else dict(shape), num_devices)
+
+
+def validate_train(config: Any) -> None:
+    """The GRPO `train` section."""
     from librarian_jax.rl.advantages import ADVANTAGES
     from librarian_jax.rl.losses import AGGREGATIONS, LOSSES
     from librarian_jax.rl.train_step import REMAT_MODES
@@ -182,21 +215,6 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _float(config, "train.step_gamma", 0.0, 1.0)
     _int(config, "train.max_seq_len", 16)
 
-    # eval, checkpoint
-    _int(config, "eval.every", 0)
-    _int(config, "eval.num_tasks", 1)
-    _int(config, "eval.repeats", 1)
-    _int(config, "checkpoint.every", 1)
-    _int(config, "checkpoint.keep", 1)
-
-    # mesh
-    if num_devices is None:
-        import jax
-
-        num_devices = jax.device_count()
-    shape = _get(config, "mesh.shape")
-    validate_mesh(shape.to_dict() if hasattr(shape, "to_dict") else dict(shape), num_devices)
-
 
 def rollout_config(config: Any) -> Any:
     """`rollout.RolloutConfig` from `config.rollout` minus the engine keys; errors name the key."""
@@ -212,3 +230,120 @@ def rollout_config(config: Any) -> Any:
         raise _err("rollout", str(e.args[0]) if e.args else str(e)) from None
     except (TypeError, ValueError) as e:
         raise _err("rollout", str(e)) from None
+
+
+# ------------------------------------------------------------------------------------------- roles
+# One model per frozen role (the paper: a Qwen3.5-35B-A3B executor, a separate compaction model, a fixed
+# answerer that may be another model again, a judge). `config.roles.<role>` names its weights; roles that
+# name the same weights share one engine and one copy of them (`main.build`).
+FROZEN_ROLES = ("answerer", "executor", "compaction", "judge")
+ROLE_INITS = ("policy", "hf", "orbax", "random")
+ROLE_KEYS = ("init", "path", "preset", "dtype", "slots", "max_seq_len", "mesh", "thinking")
+CHARS_PER_TOKEN = 3  # a conservative characters-per-token figure for the budget warnings
+
+
+def parse_mesh_spec(spec: str, key: str) -> dict[str, int]:
+    """`"data=1,fsdp=-1,tensor=2"` -> `{"data": 1, "fsdp": -1, "tensor": 2}`; "" -> {} (the run's mesh)."""
+    out: dict[str, int] = {}
+    for part in [p for p in str(spec).replace(" ", "").split(",") if p]:
+        name, _, value = part.partition("=")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise _err(key, f"must look like 'data=1,fsdp=-1,tensor=1', got {spec!r}") from None
+    return out
+
+
+def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
+    """Each frozen role's settings with the defaults filled in: `init="policy"` (the builder's initial
+    weights; `model.frozen_path`, when set, is an HF folder for every role left at "policy"), `preset` /
+    `dtype` from `model`, `slots` from `rollout.frozen_slots`, `max_seq_len` from `rollout.max_seq_len`, the
+    run's mesh. Adds `weights`: the key of the weights (roles with equal keys share one model and engine)."""
+    roles = config.get("roles") if hasattr(config, "get") else None
+    m, r = config.model, config.rollout
+    out: dict[str, dict[str, Any]] = {}
+    for role in FROZEN_ROLES:
+        src = dict(roles[role]) if roles is not None and role in roles else {}
+        unknown = sorted(set(src) - set(ROLE_KEYS))
+        if unknown:
+            raise _err(f"roles.{role}", f"unknown keys {unknown}; known: {list(ROLE_KEYS)}")
+        d = {k: src.get(k) for k in ROLE_KEYS}
+        d["init"] = d["init"] or "policy"
+        d["path"] = d["path"] or ""
+        if d["init"] == "policy" and m.get("frozen_path", ""):
+            d["init"], d["path"] = "hf", m.frozen_path
+        d["preset"] = d["preset"] or m.preset
+        d["dtype"] = d["dtype"] or m.dtype
+        d["slots"] = d["slots"] or r.frozen_slots
+        d["max_seq_len"] = d["max_seq_len"] or r.max_seq_len
+        d["mesh"] = d["mesh"] or ""
+        d["thinking"] = bool(d["thinking"]) if d["thinking"] is not None else False
+        if d["init"] == "policy":
+            d["weights"] = "policy"
+        elif d["init"] == "random":
+            d["weights"] = f"random:{d['preset']}:{d['dtype']}"
+        else:
+            preset = d["preset"] if d["init"] == "orbax" else ""
+            d["weights"] = f"{d['init']}:{d['path']}:{preset}:{d['dtype']}"
+        out[role] = d
+    return out
+
+
+def validate_roles(config: Any, num_devices: int | None = None) -> dict[str, dict[str, Any]]:
+    """The `roles` section (when the config has one) and every context budget a role must meet: a budget that
+    cannot be met is an error naming its key, or a logged warning naming it where the run can go on."""
+    from absl import logging
+
+    from librarian_jax.models import PRESETS as MODEL_PRESETS
+
+    roles = resolve_roles(config)
+    for role, d in roles.items():
+        k = f"roles.{role}"
+        if d["init"] not in ROLE_INITS:
+            raise _err(f"{k}.init", f"must be one of {list(ROLE_INITS)}, got {d['init']!r}")
+        if d["init"] in ("hf", "orbax"):
+            if not d["path"]:
+                raise _err(f"{k}.path", f"required when {k}.init={d['init']!r}")
+            if not os.path.exists(d["path"]):
+                raise _err(f"{k}.path", f"{d['path']!r} does not exist")
+        if d["preset"] not in MODEL_PRESETS:
+            raise _err(f"{k}.preset", f"must be one of {sorted(MODEL_PRESETS)}, got {d['preset']!r}")
+        if d["dtype"] not in ("", "float32", "bfloat16", "float16"):
+            raise _err(f"{k}.dtype", f"must be '', 'float32', 'bfloat16' or 'float16', got {d['dtype']!r}")
+        for key, lo in (("slots", 1), ("max_seq_len", 16)):
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise _err(f"{k}.{key}", f"must be an integer >= {lo}, got {v!r}")
+        if d["mesh"]:
+            shape = parse_mesh_spec(d["mesh"], f"{k}.mesh")
+            if num_devices is not None:
+                validate_mesh(shape, num_devices)
+    # budgets
+    r = config.rollout
+    a, b = r.answerer, r.builder
+    if a.get("kind", "model") == "model" and a.get("context_budget", 0) > roles["answerer"]["max_seq_len"]:
+        raise _err("rollout.answerer.context_budget",
+                   f"{a.context_budget} exceeds the answerer engine's max_seq_len "
+                   f"{roles['answerer']['max_seq_len']} (config.roles.answerer.max_seq_len); raise that or "
+                   "lower this (it is never clamped silently)")
+    if b.get("compaction", "deterministic") != "none" and \
+            b.get("compaction_budget", 0) + b.get("max_new_tokens", 0) > r.max_seq_len:
+        raise _err("rollout.builder.compaction_budget",
+                   f"{b.compaction_budget} + builder.max_new_tokens {b.max_new_tokens} exceeds "
+                   f"rollout.max_seq_len {r.max_seq_len}: long episodes would end with a full context")
+    obs_cap = (r.max_seq_len - b.get("max_new_tokens", 0)) // 2
+    obs_chars = b.get("observation_max_chars", 48_000)
+    if obs_chars // CHARS_PER_TOKEN > obs_cap:
+        logging.warning("config.rollout.builder.observation_max_chars=%d (~%d tokens) may not fit the half "
+                        "of rollout.max_seq_len - builder.max_new_tokens (%d tokens) an observation may "
+                        "take: long observations will be cut to fit", obs_chars, obs_chars // CHARS_PER_TOKEN,
+                        obs_cap)
+    if b.get("executor", "model") == "model":
+        need = (b.get("excerpt_max_chars", 16_000) // CHARS_PER_TOKEN + b.get("executor_max_new_tokens", 512)
+                + 512)
+        if need > roles["executor"]["max_seq_len"]:
+            logging.warning("config.roles.executor.max_seq_len=%d may not hold the executor's prompt and "
+                            "reply (~%d tokens from rollout.builder.excerpt_max_chars and "
+                            "executor_max_new_tokens)",
+                            roles["executor"]["max_seq_len"], need)
+    return roles

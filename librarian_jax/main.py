@@ -22,15 +22,18 @@ import time
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from librarian_jax import config_validation
 
-_CONFIG = config_flags.DEFINE_config_file("config", None,
-                                          "Path to a config file, e.g. configs/grpo.py[:preset].")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
+# Defined once per process: `python -m librarian_jax.main` runs this file as `__main__`, and the commands
+# import `librarian_jax.main` again for its building blocks; the second import must not define them twice.
+if "config" not in flags.FLAGS:
+    config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/grpo.py[:preset].")
+    flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
 
 
 # ------------------------------------------------------------------------------------------- distributed
@@ -300,6 +303,54 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     return records, metrics
 
 
+WARM_START_DIR = "warm_start"
+
+
+def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
+    """Runs the supervised warm start (`configs/sft.py:<warm_start.sft_preset>` on this run's model, data,
+    rollout and mesh, in `workdir/warm_start`; resumed or skipped when done) and returns (the GRPO config
+    starting from its checkpoint, the SFT summary)."""
+    from configs import sft as sft_configs
+    from librarian_jax import supervised
+
+    sft_config = sft_configs.get_config(config.warm_start.sft_preset)
+    with sft_config.unlocked():
+        for key in ("seed", "preset"):
+            sft_config[key] = config[key]
+        for section in ("model", "data", "rollout", "mesh"):
+            packing = sft_config.data.packing if section == "data" else None
+            sft_config[section] = ml_collections.ConfigDict(config[section].to_dict())
+            if packing is not None:
+                sft_config.data.packing = packing
+                sft_config.data.path = ""
+        sft_config.workdir = os.path.join(config.workdir, WARM_START_DIR)
+    done = os.path.join(sft_config.workdir, "sft_summary.json")
+    summary: dict[str, Any] | None = None
+    if os.path.isfile(done):
+        with open(done) as f:
+            summary = json.load(f)
+        if summary.get("last_step") != sft_config.train.num_steps:
+            summary = None
+    t0 = time.perf_counter()
+    if summary is None:
+        logging.info("warm start: supervised fine-tuning on the embedded demonstrations in %s",
+                     sft_config.workdir)
+        summary = supervised.main(sft_config) or {}
+    else:
+        logging.info("warm start: done earlier (%s); GRPO starts from its checkpoint", done)
+    summary = {**summary, "this_run_s": time.perf_counter() - t0}
+    tokenizers_dir = os.path.join(sft_config.workdir, "tokenizer")
+    models = sorted(n for n in os.listdir(tokenizers_dir) if n.endswith(".model")) \
+        if os.path.isdir(tokenizers_dir) else []
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model.init = "orbax"
+    config.model.path = os.path.join(sft_config.workdir, "checkpoints")
+    if models and not config.model.tokenizer:
+        config.model.tokenizer = os.path.join(tokenizers_dir, models[-1])
+    config.warm_start.enabled = False
+    return config, summary
+
+
 def run(config: Any) -> dict[str, Any]:
     """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
     from tensorboardX import SummaryWriter
@@ -312,6 +363,10 @@ def run(config: Any) -> dict[str, Any]:
     workdir = config.workdir
     os.makedirs(workdir, exist_ok=True)
     primary = jax.process_index() == 0
+    sft_summary: dict[str, Any] = {}
+    if config.warm_start.enabled:
+        config, sft_summary = warm_start(config)
+        config_validation.validate(config)
     if primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
@@ -350,6 +405,7 @@ def run(config: Any) -> dict[str, Any]:
             writer.close()
     wall = time.perf_counter() - t_start
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
+               "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
                  state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
@@ -382,9 +438,9 @@ def _train_command(config: Any, dry_run: bool = False) -> None:
 
 
 def _sft_command(config: Any, dry_run: bool = False) -> None:
-    from librarian_jax.rl import sft
+    from librarian_jax import supervised
 
-    sft.main(config, dry_run=dry_run)
+    supervised.main(config, dry_run=dry_run)
 
 
 def _eval_command(config: Any, dry_run: bool = False) -> None:
@@ -417,7 +473,7 @@ def main(argv: list[str]) -> None:
     _quiet_library_info_logs()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
+    config = flags.FLAGS["config"].value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
     maybe_initialize_distributed()
@@ -426,7 +482,7 @@ def main(argv: list[str]) -> None:
         if command not in COMMANDS:
             raise config_validation.ConfigError(
                 f"config.command: must be one of {sorted(COMMANDS)}, got {command!r}")
-        COMMANDS[command](config, dry_run=_DRY_RUN.value)
+        COMMANDS[command](config, dry_run=flags.FLAGS.dry_run)
     except config_validation.ConfigError as e:
         logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)  # noqa: T201

@@ -203,6 +203,11 @@ class BuilderAgent:
             raw_listing=render_result(workspace.list_dir(RAW_DIR)),
         )
         prompt = self.system_ids + ctx.template.turn("user", user)
+        # The text of every turn, one conversation per training segment (a compaction starts the next): the
+        # episode as chat messages, e.g. for supervised data (`rl.sft` encodes them back to these exact ids).
+        self.conversations: list[list[dict[str, str]]] = [
+            [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": user}]
+        ]
         self._open_pos = len(prompt)  # where the coming assistant turn's header starts
         self._prev_open_pos: int | None = None
         self.log = SessionLog(ctx, POLICY, prompt + ctx.template.open_turn("assistant"))
@@ -232,6 +237,7 @@ class BuilderAgent:
         result = yield from self.log.generate(self.cfg.max_new_tokens, sampling, turn=t)
         gen = [int(x) for x in result.tokens]
         text = self.ctx.decode_new(gen)
+        self.conversations[-1].append({"role": "assistant", "content": text})
         parsed = parse_tool_calls(text, BUILDER_TOOLS, self.cfg.protocol())
         outcome = TurnOutcome(
             t,
@@ -256,17 +262,18 @@ class BuilderAgent:
             close = self.log.close_turn_ids(gen)
             self.log.append(close)
             self._prev_open_pos = self._open_pos
-            user_ids = self._fit_observation(obs)
+            user_ids, obs = self._fit_observation(obs)
+            self.conversations[-1].append({"role": "user", "content": obs})
             self._open_pos = len(self.log) + len(user_ids)
             self.log.append(user_ids + self.ctx.template.open_turn("assistant"))
         return outcome
 
-    def _fit_observation(self, obs: str) -> list[int]:
-        """The observation turn's ids, its text cut (a few tries) to at most half of what `context_budget`
-        leaves after one reply, so that after a compaction the carried-over turn still fits."""
+    def _fit_observation(self, obs: str) -> tuple[list[int], str]:
+        """The observation turn's ids and text, the text cut (a few tries) to at most half of what
+        `context_budget` leaves after one reply, so that after a compaction the carried-over turn fits."""
         ids = self.ctx.template.turn("user", obs)
         if self.cfg.context_budget <= 0:
-            return ids
+            return ids, obs
         cap = max(64, (self.cfg.context_budget - self.cfg.max_new_tokens) // 2)
         for _ in range(4):
             if len(ids) <= cap or not obs:
@@ -274,7 +281,7 @@ class BuilderAgent:
             keep = max(0, int(len(obs) * cap / len(ids)) - 64)
             obs = obs[:keep] + "\n[... observation cut to fit the context; read less at once]"
             ids = self.ctx.template.turn("user", obs)
-        return ids
+        return ids, obs
 
     def _execute(self, parsed: ParsedTurn, outcome: TurnOutcome) -> AgentGen:
         """Runs the reply's calls in order; returns {call index: rendered response}."""
@@ -388,6 +395,10 @@ class BuilderAgent:
             summary = compaction_lib.deterministic_summary(self.actions)
         user = prompt_text.render("builder_compacted", num_docs=self.num_docs, actions=summary, tree=tree)
         head = self.system_ids + self.ctx.template.turn("user", user)
+        carried = self.conversations[-1][-2:]  # the last reply and its observation, kept as exact ids
+        self.conversations.append(
+            [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": user}, *carried]
+        )
         self.segments.append(self.log.segment())
         self.log.close()
         self.log = SessionLog(self.ctx, POLICY, head + tail)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -780,3 +781,69 @@ def answer_in_corpus(
     return any(
         question.gold_answer in d.text for d in (documents if documents is not None else task.documents)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the world's text back: what a reader (the scripted navigator) can learn from text it has read.
+
+_NAME = r"[A-Z][A-Za-z]*(?: [A-Z][A-Za-z]*)*"
+_ROLE = r"[a-z]+(?: [a-z]+)*"
+
+
+def _statement_regex(template: str, relation: str) -> re.Pattern[str]:
+    obj = {"role": _ROLE, "year": r"\d{4}"}.get(RELATIONS[relation][1], _NAME)
+    pattern = re.escape(template)
+    for key, group in (("{S}", f"(?P<S>{_NAME})"), ("{O}", f"(?P<O>{obj})"), ("{A}", f"an? (?P<O>{obj})")):
+        pattern = pattern.replace(re.escape(key), group)
+    return re.compile(r"(?<![A-Za-z])" + pattern)
+
+
+_STATEMENT_RES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (rel, _statement_regex(t, rel)) for rel, templates in _STATEMENTS.items() for t in templates
+)
+
+
+def extract_facts(text: str) -> list[tuple[str, str, str]]:
+    """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
+    written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a
+    reader got: raw documents, synthetic files written from them, retrieved passages."""
+    found: list[tuple[int, tuple[str, str, str]]] = []
+    for rel, rx in _STATEMENT_RES:
+        for m in rx.finditer(text):
+            found.append((m.start(), (m.group("S"), rel, m.group("O"))))
+    found.sort(key=lambda x: x[0])
+    return list(dict.fromkeys(f for _, f in found))
+
+
+def _template_regex(template: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(template).replace(re.escape("{S}"), "(?P<S>.+)") + "$")
+
+
+_QUESTION_RES = tuple((rel, _template_regex(t)) for rel, t in _QUESTIONS.items())
+_DESCRIBE_RES = tuple((rel, _template_regex(t)) for rel, t in _DESCRIBE.items())
+
+
+def parse_question(text: str) -> tuple[str, list[str]] | None:
+    """A synthetic-world question as `(subject name, relation chain)`, innermost relation first:
+    "In which city is the lab of the organisation that employs Orlen Vask?" -> ("Orlen Vask",
+    ["works_at", "lab_city"]). None for a question not in the world's forms."""
+    text = " ".join(text.split())
+    for rel, rx in _QUESTION_RES:
+        m = rx.match(text)
+        if m is None:
+            continue
+        chain = [rel]
+        phrase = m.group("S")
+        while True:
+            for inner, drx in _DESCRIBE_RES:
+                dm = drx.match(phrase)
+                if dm is not None:
+                    chain.append(inner)
+                    phrase = dm.group("S")
+                    break
+            else:
+                break
+        name = phrase[4:] if phrase.startswith("the ") else phrase
+        if re.fullmatch(_NAME, name):
+            return name, chain[::-1]
+    return None

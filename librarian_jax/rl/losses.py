@@ -206,3 +206,26 @@ def pg_loss(logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax.
     if entropy is not None:
         metrics["entropy"] = entropy
     return total, count, _metric_sums(metrics, loss_mask)
+
+
+@register_loss("nll")
+def nll_loss(logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax.Array,
+             advantages: jax.Array, loss_mask: jax.Array, row_weights: jax.Array,
+             ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None, *,
+             config: LossConfig) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Supervised fine-tuning: the negative log-likelihood `-logp` of the loss tokens (advantages and the
+    sampler's log-probs are unused; optional KL as in the other losses). `[B, T]` inputs."""
+    loss = -logprobs
+    kl = jnp.zeros_like(loss)
+    if ref_logprobs is not None:
+        d = ref_logprobs - logprobs
+        kl = jnp.exp(d) - d - 1.0
+        if config.kl_beta:
+            loss = loss + config.kl_beta * kl
+    total, count = aggregate(loss, loss_mask, row_weights, config.aggregation, config.norm_length)
+    zeros = jnp.zeros_like(loss)
+    ones = jnp.ones_like(loss)
+    metrics = {"clip": zeros, "dual_clip": zeros, "kl": kl, "tis": ones, "ratio": ones}
+    if entropy is not None:
+        metrics["entropy"] = entropy
+    return total, count, _metric_sums(metrics, loss_mask)

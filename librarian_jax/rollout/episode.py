@@ -187,6 +187,8 @@ def run_episode(
             rec.stopped = out.stopped
             break
     rec.segments = builder.finish()
+    if config.record_conversations:
+        rec.meta["conversations"] = builder.conversations
     rec.num_turns = len(rec.turn_rewards)
     rec.compactions = builder.compactions
     counts["summary_tokens"] += builder.summary_tokens

@@ -69,6 +69,7 @@ class RolloutConfig:
     token_cost: float = 0.0  # lambda_tok: per token a correct answer read
     read_cost: float = 0.0  # lambda_read: per file a correct answer read
     edit_cost: float = 0.0  # alpha: per successful create / merge / delete
+    record_conversations: bool = False  # keep the builder's turns as chat messages in `meta["conversations"]`
 
     def __post_init__(self) -> None:
         if self.terminal_questions not in TERMINAL_SETS:

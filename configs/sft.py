@@ -1,0 +1,58 @@
+"""Supervised fine-tuning (the warm start before GRPO) on chat conversations.
+
+    python -m librarian_jax.main --config=configs/sft.py       # embedded: demonstrations, tiny model
+    python -m librarian_jax.main --config=configs/sft.py --config.data.path=convs.jsonl \\
+        --config.model.preset=qwen3_5_4b --config.model.init=hf --config.model.path=/ckpt/Qwen3.5-4B \\
+        --config.model.lora_rank=32 --config.workdir=/runs/sft
+
+The `model`, `data`, `rollout`, `mesh` and `checkpoint` sections are the GRPO config's (`configs/grpo.py`,
+same preset), so a warm start and the GRPO run that follows it agree on the model, tokenizer, world and
+protocol; `train` is SFT's own, `data.packing` and `demos` are added. With `data.path` empty and the synthetic
+world, the conversations are the embedded world's demonstrations (`librarian_jax.data.demos`), made once and
+cached as `workdir/demos.jsonl`. The checkpoint (`workdir/checkpoints`) is a valid `model.init="orbax"` for
+GRPO.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import grpo
+
+PRESETS = grpo.PRESETS
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+    """The SFT config for `preset` (None = "embedded"); see the module doc."""
+    c = grpo.get_config(preset)
+    c.command = "sft"
+    c.workdir = c.workdir.rstrip("/") + "_sft"
+    for key in ("eval", "warm_start"):
+        del c[key]
+    c.data.path = ""  # JSONL conversations; "" = the embedded demonstrations (synthetic world only)
+    c.data.packing = "none"  # "none" (one conversation per row) | "concat" (several per row, see rl.sft)
+    c.train = ml_collections.ConfigDict(dict(
+        num_steps=120,
+        batch_rows=8,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        decay="cosine",
+        end_lr_ratio=0.05,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        micro_batches=1,
+        remat="none",
+        logits_chunk=1024,
+        max_seq_len=c.rollout.max_seq_len,
+        log_every=10,
+    ))
+    c.demos = ml_collections.ConfigDict(dict(
+        per_task=2,             # demonstrations per training task
+        calls_per_turn=3,       # tool calls per scripted reply (must fit rollout.builder.max_new_tokens)
+        mix=ml_collections.ConfigDict(dict(entities=0.4, own_doc=0.3, generic=0.15, early_stop=0.15)),
+    ))
+    c.checkpoint.update(every=40, keep=1)
+    if c.preset != "embedded":
+        c.train.update(num_steps=500, batch_rows=32, learning_rate=1e-5, warmup_steps=20, micro_batches=8,
+                       remat="full", log_every=10)
+    return c

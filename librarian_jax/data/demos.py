@@ -1,0 +1,190 @@
+"""Demonstrations for the embedded world: scripted builders of varied quality, run through the real tool
+protocol, whose transcripts become supervised (SFT) data that teaches a small model the protocol.
+
+Each style is a policy over what the builder's prompt shows (the raw listing: titles and doc ids), replayed
+through the real `BuilderAgent`, executor, workspace and scheduler by a `rollout.scripted.ScriptedEngine`, so
+the transcript is exactly what the protocol produces; the episode is scored by the same probes and terminal
+evaluation as training (with the run's answerer), and that score is kept with each demonstration.
+
+Styles (`STYLES`), from good to poor:
+- `entities`: one file per entity named in the listing (people, organisations, projects), each written from
+  every document, so the file gathers the entity's facts scattered over the corpus; then stop.
+- `own_doc`: the same entity titles, each written from the entity's own page only (a wrong grouping: facts
+  stated elsewhere are missing, and the file's title promises them).
+- `generic`: files over runs of documents with titles that name no entity ("Notes, part 1").
+- `early_stop`: stop at once.
+The default mixture (`DEFAULT_MIX`) makes the warm-started policy a mixture of these that GRPO can sharpen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+STYLES = ("entities", "own_doc", "generic", "early_stop")
+DEFAULT_MIX: dict[str, float] = {"entities": 0.4, "own_doc": 0.3, "generic": 0.15, "early_stop": 0.15}
+_RAW_LINE = re.compile(r'^\S+\s+\[raw\]\s+"(?P<title>[^"]*)"\s+\(doc_id=(?P<doc>[^,]+),', re.M)
+_ENTITY_TITLE = re.compile(r"^(?:Profile: |About the |Report: )(?P<name>.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ListedDoc:
+    doc_id: str
+    title: str
+    entity: str  # the entity the title names ("" for e.g. meeting notes)
+
+
+def listed_docs(prompt_text: str) -> list[ListedDoc]:
+    """The raw documents as the builder's prompt lists them (title, doc id, the entity the title names)."""
+    out = []
+    for m in _RAW_LINE.finditer(prompt_text):
+        t = _ENTITY_TITLE.match(m.group("title"))
+        out.append(ListedDoc(m.group("doc"), m.group("title"), t.group("name") if t else ""))
+    return out
+
+
+def _call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
+    """Every tool call (rendered) a builder of `style` makes over `docs`, stop included."""
+    ids = [d.doc_id for d in docs]
+    if style == "entities":
+        calls = [_call("create_file", title=d.entity, input_paths=ids) for d in docs if d.entity]
+    elif style == "own_doc":
+        calls = [_call("create_file", title=d.entity, input_paths=[d.doc_id]) for d in docs if d.entity]
+    elif style == "generic":
+        calls = [_call("create_file", title=f"Notes, part {i // 3 + 1}", input_paths=ids[i : i + 3])
+                 for i in range(0, len(ids), 3)]
+    elif style == "early_stop":
+        calls = []
+    else:
+        raise ValueError(f"unknown demonstration style {style!r}; known: {STYLES}")
+    return [*calls, _call("stop")]
+
+
+def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max_turns: int) -> list[str]:
+    """The replies of a builder of `style`: `calls_per_turn` calls each, the last reply ending with stop (calls
+    that do not fit in `max_turns` replies are dropped, stop kept)."""
+    calls = style_calls(style, docs)
+    body, stop = calls[:-1], calls[-1]
+    per = max(1, calls_per_turn)
+    replies = [body[i : i + per] for i in range(0, len(body), per)][: max(0, max_turns - 1)] or [[]]
+    if len(replies[-1]) < per or len(replies) == max_turns:
+        replies[-1] = [*replies[-1], stop]
+    else:
+        replies.append([stop])
+    return ["\n".join(r) for r in replies]
+
+
+def scripted_builder(style: str, calls_per_turn: int, max_turns: int) -> Any:
+    """A `ScriptedEngine` policy: reply k of the episode whose prompt the session holds, for `style`."""
+    from librarian_jax.rollout.scripted import FakeSession
+
+    plans: dict[int, list[str]] = {}
+
+    def policy(session: FakeSession) -> str:
+        key = id(session)
+        if key not in plans:
+            plans[key] = plan_replies(style, listed_docs(session.text()), calls_per_turn, max_turns)
+        k = min(session.turns, len(plans[key]) - 1)
+        return plans[key][k]
+
+    return policy
+
+
+def style_counts(num: int, mix: Mapping[str, float]) -> dict[str, int]:
+    """`num` demonstrations split over the styles of `mix` (largest remainders; deterministic)."""
+    bad = sorted(set(mix) - set(STYLES))
+    if bad:
+        raise ValueError(f"demonstration mix: unknown style {bad[0]!r}; known: {STYLES}")
+    total = sum(mix.values())
+    raw = {s: num * w / total for s, w in mix.items()}
+    counts = {s: int(v) for s, v in raw.items()}
+    for s in sorted(raw, key=lambda s: counts[s] - raw[s])[: num - sum(counts.values())]:
+        counts[s] += 1
+    return counts
+
+
+def make_demonstrations(
+    tasks: Sequence[Any],
+    tokenizer: Any,
+    rollout_config: Any,
+    *,
+    mix: Mapping[str, float] | None = None,
+    per_task: int = 2,
+    calls_per_turn: int = 3,
+    seed: int = 0,
+    template: Any = None,
+) -> list[dict[str, Any]]:
+    """Runs `per_task` scripted builders per task (styles drawn from `mix`, seeded) through the real protocol.
+
+    Returns one record per conversation: `{"messages": [...], "style", "task_id", "reward", "terminal"}`.
+    The rollout config should be the training run's (its answerer scores each demonstration). Each record
+    also holds `"_segment"`: the builder session's own training segment (ids and loss mask as the scripted
+    engine held them), which `write_jsonl` leaves out and tests compare with `rl.sft.encode_conversation`.
+    """
+    from librarian_jax.rollout import run_batch
+    from librarian_jax.rollout.scripted import ScriptedEngine
+    from librarian_jax.tokenizers import chat_template
+
+    mix = dict(mix or DEFAULT_MIX)
+    template = template or chat_template(tokenizer)
+    cfg = dataclasses.replace(rollout_config, record_conversations=True, record_snapshots=False)
+    counts = style_counts(len(tasks) * per_task, mix)
+    order = np.random.default_rng(seed).permutation([s for s in STYLES for _ in range(counts.get(s, 0))])
+    jobs: dict[str, list[Any]] = {}
+    for i, style in enumerate(order):
+        jobs.setdefault(str(style), []).append(tasks[i % len(tasks)])
+    out: list[dict[str, Any]] = []
+    for style, style_tasks in jobs.items():
+        engine = ScriptedEngine(
+            tokenizer, scripted_builder(style, calls_per_turn, cfg.builder.max_turns),
+            end_id=template.stop_ids[0],
+        )
+        records = run_batch(style_tasks, 1, {"policy": engine, "frozen": engine}, tokenizer, cfg, rng=seed,
+                            template=template)
+        for task, rec in zip(style_tasks, records, strict=True):
+            for conv, seg in zip(rec.meta["conversations"], rec.segments, strict=True):
+                out.append({"messages": conv, "style": style, "task_id": task.task_id,
+                            "reward": rec.total_reward, "terminal": rec.terminal_reward, "_segment": seg})
+    return out
+
+
+def write_jsonl(path: str, demos: Sequence[Mapping[str, Any]]) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for d in demos:
+            f.write(json.dumps({k: v for k, v in d.items() if not k.startswith("_")}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def cached_demonstrations(path: str, key: Mapping[str, Any], make: Any) -> str:
+    """`path` (JSONL) made once by `make() -> demos` for this `key` (a dict of everything they depend on);
+    remade when the key changes. Returns the path."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stamp = path + ".key"
+    if os.path.exists(path) and os.path.exists(stamp) and open(stamp).read().strip() == digest:
+        logging.info("demonstrations: cached %s", path)
+        return path
+    demos = make()
+    write_jsonl(path, demos)
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
+    by_style: dict[str, list[float]] = {}
+    for d in demos:
+        by_style.setdefault(d["style"], []).append(d["terminal"])
+    logging.info("demonstrations: %d conversations -> %s; terminal accuracy by style: %s", len(demos), path,
+                 {s: round(float(np.mean(v)), 3) for s, v in sorted(by_style.items())})
+    return path

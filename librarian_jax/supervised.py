@@ -1,0 +1,178 @@
+"""The SFT command (`configs/sft.py`): supervised warm start of a builder on chat conversations.
+
+    python -m librarian_jax.main --config=configs/sft.py                      # embedded demonstrations
+    python -m librarian_jax.main --config=configs/sft.py --config.data.path=convs.jsonl \\
+        --config.model.init=hf --config.model.path=/ckpt/Qwen3.5-4B --config.workdir=/runs/sft
+
+Data encoding and rows: `rl.sft`. The loop: `rl.Trainer` with the `nll` loss, Orbax checkpoints in
+`workdir/checkpoints` (resumed when present), TensorBoard under `workdir/tb`, a progress bar and a log line
+every `train.log_every` steps. The checkpoint is a valid `model.init="orbax"` start for GRPO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from absl import logging
+
+from librarian_jax import checkpoint, config_validation
+from librarian_jax.rl import losses, sft, train_step
+
+
+def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], config: Any, *,
+          workdir: str, mesh: Any = None, template: Any = None) -> dict[str, Any]:
+    """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `config` (the
+    `configs/sft.py` ConfigDict: `train`, `data.packing`, `checkpoint`, `seed`). Checkpoints go to
+    `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses, times, steps)."""
+    from librarian_jax.tokenizers import chat_template
+
+    t_start = time.perf_counter()
+    t = config.train
+    template = template or chat_template(tokenizer)
+    examples = [sft.encode_conversation(c["messages"], template, tokenizer) for c in conversations]
+    tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, config.data.packing)
+    logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
+                 len(examples), counts["rows"], tokens.shape[1], counts["loss_tokens"],
+                 counts["cut_loss_tokens"])
+    tcfg = train_step.TrainConfig(
+        loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
+        optim=train_step.OptimConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
+                                     decay=t.decay, total_steps=max(t.num_steps, 1),
+                                     end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
+                                     grad_clip=t.grad_clip),
+        micro_batches=t.micro_batches, old_logprobs="trainer", remat=t.remat, logits_chunk=t.logits_chunk)
+    trainer = train_step.Trainer(model, tcfg, mesh=mesh)
+    batch_rows = -(-t.batch_rows // trainer.row_multiple()) * trainer.row_multiple()
+    stream = sft.RowStream(counts["rows"], batch_rows, config.seed)
+    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
+                                 keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    rng = jax.random.key(config.seed)
+    if config.checkpoint.resume:
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+        if restored is not None:
+            trainer.set_state(restored.params, restored.opt_state, restored.step)
+            if restored.data_state:
+                stream.set_state(restored.data_state)
+            logging.info("sft: resumed from step %d", restored.step)
+    losses_seen: list[float] = []
+    writer = None
+    if jax.process_index() == 0:
+        from tensorboardX import SummaryWriter
+
+        writer = SummaryWriter(os.path.join(workdir, "tb"))
+    start = trainer.step
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.num_steps, initial=start, desc="sft", unit="step", disable=None)
+        while trainer.step < t.num_steps:
+            idx = stream.next()
+            batch = sft.batch_arrays(tokens[idx], valid[idx], mask[idx])
+            out = trainer.update(batch)
+            step = trainer.step
+            losses_seen.append(out["loss"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{out['loss']:.3f}")
+            if step % max(1, t.log_every) == 0 or step == t.num_steps:
+                logging.info("sft step %d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f tok/s", step,
+                             t.num_steps, out["loss"], out["grad_norm"], out["lr"],
+                             batch["valid"].sum() / max(out["time_s"], 1e-9))
+            if writer is not None:
+                for k in ("loss", "grad_norm", "lr", "entropy"):
+                    writer.add_scalar(f"sft/{k}", out[k], step)
+            ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng,
+                    data_state=stream.get_state(), force=step == t.num_steps)
+        bar.close()
+    finally:
+        ck.close()
+        if writer is not None:
+            writer.close()
+    summary = {"start_step": start, "last_step": trainer.step, "wall_s": time.perf_counter() - t_start,
+               "first_loss": losses_seen[0] if losses_seen else None,
+               "last_loss": losses_seen[-1] if losses_seen else None, **counts}
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "sft_summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
+    """The `configs/sft.py` command: validate, build data / tokenizer / mesh / model, train."""
+    from librarian_jax import main as main_lib
+
+    validate(config)
+    desc = (f"SFT: model {config.model.preset} ({config.model.init}) on "
+            f"{config.data.path or 'embedded demonstrations'}; {config.train.num_steps} steps of "
+            f"{config.train.batch_rows} rows, lr {config.train.learning_rate}; workdir {config.workdir}")
+    if dry_run:
+        print(desc)  # noqa: T201 - the CLI's answer
+        return None
+    logging.info("%s", desc)
+    os.makedirs(config.workdir, exist_ok=True)
+    with open(os.path.join(config.workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    if config.data.path:
+        convs = sft.load_conversations(config.data.path)
+        tokenizer = main_lib.build_tokenizer(config, [])
+    else:
+        convs, tokenizer = embedded_demonstrations(config)
+    mesh = main_lib.make_mesh(config)
+    model = main_lib.build_model(config, mesh, tokenizer)
+    m = config.model
+    if m.lora_rank:
+        model = train_step.apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed)
+    try:
+        return train(model, tokenizer, convs, config, workdir=config.workdir, mesh=mesh)
+    except sft.ConversationError as e:
+        raise config_validation.ConfigError(f"config.data.path: {e}") from None
+
+
+def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
+    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and its tokenizer:
+    tasks from `config.data` (the synthetic world, the GRPO run's train split when `config.data` is a GRPO
+    data section), scored with the `config.rollout` answerer."""
+    from librarian_jax import main as main_lib
+    from librarian_jax.data import demos
+
+    train_tasks, heldout = main_lib.build_tasks(config)
+    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout)
+    rollout_cfg = config_validation.rollout_config(config)
+    d = config.demos
+    key = {"tasks": [t.task_id for t in train_tasks], "data": config.data.to_dict(),
+           "rollout": rollout_cfg.to_dict(), "demos": d.to_dict(), "vocab": tokenizer.vocab_size}
+    path = demos.cached_demonstrations(
+        os.path.join(config.workdir, "demos.jsonl"), key,
+        lambda: demos.make_demonstrations(train_tasks, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
+                                          per_task=d.per_task, calls_per_turn=d.calls_per_turn,
+                                          seed=config.seed))
+    return sft.load_conversations(path), tokenizer
+
+
+def validate(config: Any) -> None:
+    """Checks the SFT config's own keys (the model/data/mesh keys it shares with GRPO are checked there)."""
+    from librarian_jax import config_validation as cv
+
+    for section in ("model", "data", "rollout", "train", "mesh", "checkpoint", "demos"):
+        if section not in config:
+            raise cv.ConfigError(f"config.{section}: missing")
+    cv.validate_common(config)
+    t = config.train
+    for key, lo in (("num_steps", 1), ("batch_rows", 1), ("micro_batches", 1), ("max_seq_len", 16),
+                    ("log_every", 1)):
+        if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < lo:
+            raise cv.ConfigError(f"config.train.{key}: must be an integer >= {lo}, got {t[key]!r}")
+    if not isinstance(t.learning_rate, int | float) or t.learning_rate <= 0:
+        raise cv.ConfigError(f"config.train.learning_rate: must be > 0, got {t.learning_rate!r}")
+    if config.data.packing not in sft.PACKING:
+        raise cv.ConfigError(
+            f"config.data.packing: must be one of {list(sft.PACKING)}, got {config.data.packing!r}")
+    if config.data.path and not os.path.isfile(config.data.path):
+        raise cv.ConfigError(f"config.data.path: {config.data.path} is not a file")
+    if not config.data.path and config.data.source != "synthetic":
+        raise cv.ConfigError("config.data.path: a JSONL conversations file is needed unless "
+                             "config.data.source is 'synthetic' (the embedded demonstrations)")
