@@ -203,7 +203,8 @@ def describe(config: Any) -> str:
             f"{t.num_steps} steps of {d.tasks_per_batch} tasks x group {r.group_size}, "
             f"builder H={r.builder.max_turns}, {t.advantage} advantages, {t.loss} loss ({t.aggregation}), "
             f"lr {t.learning_rate}; "
-            f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}")
+            f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}\n"
+            f"roles (which model serves which role):\n{role_table(config)}")
 
 
 @dataclasses.dataclass
@@ -214,13 +215,116 @@ class Run:
     train_tasks: list[Any]
     heldout: list[Any]
     tokenizer: Any
-    engines: dict[str, Any]  # "policy" (the builder, trained) and "frozen" (answerer, executor, judge)
+    # "policy" (the builder, trained), one entry per frozen role ("answerer", "executor", "compaction",
+    # "judge"; roles naming the same weights hold the same Engine object) and "frozen" (= the answerer's)
+    engines: dict[str, Any]
     trainer: Any
     rows_config: Any
     rollout_config: Any
     data_iter: Any
     rng: jax.Array
     step: int = 0
+    templates: dict[str, Any] = dataclasses.field(default_factory=dict)  # a chat template per role
+    roles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # resolved `config.roles`
+
+
+def role_table(config: Any, roles: dict[str, dict[str, Any]] | None = None) -> str:
+    """Which model serves which role, on which mesh, with which budgets (logged at start, printed by
+    --dry_run; docs/paper-settings.md shows the paper preset's)."""
+    roles = roles or config_validation.resolve_roles(config)
+    m, r = config.model, config.rollout
+    b, a = r.builder, r.answerer
+    policy_w = {"random": f"random {m.preset}", "hf": f"HF {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
+    mesh = ",".join(f"{k}={v}" for k, v in config.mesh.shape.to_dict().items())
+    engine_of: dict[tuple[str, str], int] = {}
+    rows = [("role", "weights", "engine", "mesh", "slots", "max_seq_len", "thinking", "budget"),
+            ("builder", f"{policy_w} ({m.preset}, LoRA {m.lora_rank})" if m.lora_rank else
+             f"{policy_w} ({m.preset})", "policy", mesh, str(r.policy_slots), str(r.max_seq_len),
+             str(bool(config.get("builder_thinking", True))),
+             f"{b.max_new_tokens} new/turn, compaction {b.compaction} at {b.compaction_budget}")]
+    budgets = {
+        "answerer": (f"{a.get('kind', 'model')}: context {a.context_budget}, {a.max_new_tokens} new/turn, "
+                     f"{a.max_turns} turns"),
+        "executor": (f"{b.executor}: {b.get('executor_max_new_tokens', 512)} new, excerpts <= "
+                     f"{b.get('excerpt_max_chars', 16000)} chars"),
+        "compaction": f"{b.compaction}: {b.get('compaction_summary_tokens', 256)} new",
+        "judge": f"{'model' if r.get('use_model_judge', True) else 'exact match only'}",
+    }
+    for role, d in roles.items():
+        key = (d["weights"], d["mesh"])
+        engine_of.setdefault(key, len(engine_of))
+        w = "builder's initial weights (frozen)" if d["init"] == "policy" else \
+            f"{d['init']} {d['path'] or d['preset']} ({d['preset']}, {d['dtype'] or 'preset dtype'})"
+        rows.append((role, w, f"frozen#{engine_of[key]}", d["mesh"] or mesh, str(d["slots"]),
+                     str(d["max_seq_len"]), str(d["thinking"]), budgets[role]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _role_model(config: Any, d: dict[str, Any], mesh: Any, base: Any, tokenizer: Any) -> Any:
+    """The weights of one frozen role (`d` from `config_validation.resolve_roles`)."""
+    from flax import nnx
+
+    from librarian_jax import checkpoint, models
+
+    if d["init"] == "policy":
+        return base
+    if d["init"] == "hf":
+        model = models.load_hf(d["path"], dtype=d["dtype"] or "bfloat16", mesh=mesh)
+    else:
+        overrides = {"dtype": d["dtype"], "param_dtype": d["dtype"]} if d["dtype"] else {}
+        cfg = models.get_preset(d["preset"], **overrides)
+        model = models.Transformer(cfg, rngs=nnx.Rngs(config.seed + 1))
+        if d["init"] == "orbax":
+            nnx.update(model, checkpoint.restore_params(d["path"], nnx.state(model, nnx.Param)))
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise config_validation.ConfigError(
+            f"config.roles: {d['weights']} has vocab_size {model.config.vocab_size}, smaller than the "
+            f"tokenizer's {tokenizer.vocab_size} (every role reads the builder's tokenizer)")
+    return model
+
+
+def build_role_engines(config: Any, mesh: Any, base: Any, tokenizer: Any,
+                       roles: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One Engine per distinct (weights, mesh) of the frozen roles: roles naming the same weights share one
+    engine and one copy of the weights (slots and max_seq_len: the largest any of its roles asks for)."""
+    from librarian_jax.engine import Engine
+    from librarian_jax.engine import make_mesh as engine_mesh
+
+    groups: dict[tuple[str, str], list[str]] = {}
+    for role, d in roles.items():
+        groups.setdefault((d["weights"], d["mesh"]), []).append(role)
+    models: dict[tuple[str, str], Any] = {}  # one copy of each weights per placement
+    out: dict[str, Any] = {}
+    for (weights, mesh_spec), members in groups.items():
+        role_mesh = mesh
+        if mesh_spec:  # its own placement (a copy of the weights laid out on that mesh)
+            shape = config_validation.validate_mesh(
+                config_validation.parse_mesh_spec(mesh_spec, f"roles.{members[0]}.mesh"), jax.device_count())
+            role_mesh = engine_mesh(shape, devices=jax.devices()[: int(np.prod(list(shape.values())))])
+        if (weights, mesh_spec) not in models:
+            models[(weights, mesh_spec)] = _role_model(config, roles[members[0]], role_mesh, base, tokenizer)
+        model = models[(weights, mesh_spec)]
+        engine = Engine(model, max(roles[x]["slots"] for x in members),
+                        max(roles[x]["max_seq_len"] for x in members), role_mesh,
+                        round_steps=config.rollout.round_steps)
+        for role in members:
+            out[role] = engine
+    return out
+
+
+def build_templates(config: Any, tokenizer: Any, roles: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A chat template per role: Qwen3.5 checkpoints get the Qwen3.5 template with the role's thinking
+    switch (the builder: `builder_thinking`, default on as the checkpoint's template); other models the
+    detected style (no switch)."""
+    from librarian_jax.tokenizers import chat_template
+
+    if not str(config.model.preset).startswith("qwen3_5"):
+        return {}
+    out = {"policy": chat_template(tokenizer, "qwen3_5", thinking=bool(config.get("builder_thinking", True)))}
+    for role, d in roles.items():
+        out[role] = chat_template(tokenizer, "qwen3_5", thinking=d["thinking"])
+    return out
 
 
 def build(config: Any) -> Run:
@@ -237,13 +341,12 @@ def build(config: Any) -> Run:
     m, r, t = config.model, config.rollout, config.train
     policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
         if m.lora_rank else base
-    frozen = base
-    if m.frozen_path:
-        from librarian_jax import models
-
-        frozen = models.load_hf(m.frozen_path, dtype=m.dtype or "bfloat16", mesh=mesh)
-    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps),
-               "frozen": Engine(frozen, r.frozen_slots, r.max_seq_len, mesh, round_steps=r.round_steps)}
+    roles = config_validation.resolve_roles(config)
+    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps)}
+    engines.update(build_role_engines(config, mesh, base, tokenizer, roles))
+    engines["frozen"] = engines["answerer"]
+    logging.info("roles:\n%s", role_table(config, roles))
+    templates = build_templates(config, tokenizer, roles)
     trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
     logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
                  "LoRA" if trainer.lora else "full")
@@ -253,7 +356,8 @@ def build(config: Any) -> Run:
     pipeline = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
                             seed=config.data.shuffle_seed, num_epochs=None)
     return Run(config, train_tasks, heldout, tokenizer, engines, trainer, rows_config,
-               config_validation.rollout_config(config), pipeline.iterator(), jax.random.key(config.seed))
+               config_validation.rollout_config(config), pipeline.iterator(), jax.random.key(config.seed),
+               templates=templates, roles=roles)
 
 
 def resume(run: Run, ck: Any) -> None:
@@ -283,7 +387,8 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     sched = rollout.Scheduler(run.engines)
     t0 = time.perf_counter()
     records = rollout.run_batch(tasks, run.config.rollout.group_size, run.engines, run.tokenizer,
-                                run.rollout_config, rng=seed, scheduler=sched)
+                                run.rollout_config, rng=seed, scheduler=sched,
+                                template=run.templates.get("policy"), templates=run.templates)
     rollout_s = time.perf_counter() - t0
     try:
         batch, row_metrics = rows_lib.build_rows(records, run.rows_config)

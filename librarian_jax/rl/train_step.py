@@ -142,7 +142,18 @@ def _static_config(config: TrainConfig) -> TrainConfig:
 # ----------------------------------------------------------------------------------------------- LoRA
 
 
-def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = ".*", *, seed: int = 0,
+# Every linear projection of every layer type (qwix module paths, matched in full): attention q/k/v/o, Gated
+# DeltaNet in_proj_qkv/in_proj_z/in_proj_a/in_proj_b/out_proj, the MLP's and the MoE shared expert's
+# gate/up/down, and the routed experts (`models.moe.add_expert_lora`). Not the routers (`mlp/gate`,
+# `shared_expert_gate`), not the embedding or lm_head. The old default (attention + MLP names only) missed the
+# DeltaNet projections: 24 of Qwen3.5-4B's 32 layers adapted only their MLP.
+LORA_ALL_LINEAR = (r".*/(self_attn/[qkvo]_proj"
+                   r"|linear_attn/(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)"
+                   r"|mlp/(shared_expert/)?(gate|up|down)_proj|mlp/experts)")
+
+
+def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = LORA_ALL_LINEAR, *,
+               seed: int = 0,
                example_len: int = 8) -> nnx.Module:
     """Wraps `model` with qwix LoRA adapters (`nnx.LoRAParam`, A he-uniform, B zero) on every matmul whose
     module path matches the regex `module_path`. Returns a new module; the input model is not changed.

@@ -1,0 +1,288 @@
+"""Qwen3.5-MoE prefill and decode: our grouped-by-expert routing vs transformers, and the share of routing.
+
+    python -m librarian_jax.bench.moe [--seq_lens=128,512,2048] [--decode_batches=1,8] [--decode_steps=32]
+        [--decode_prompt=128] [--repeats=3] [--torch_threads=2]
+
+Model (`bench_config`): a Qwen3.5-MoE-style hybrid, hidden 256, 4 layers [linear, linear, linear, full]
+(Gated DeltaNet 2 key / 4 value heads of 64; gated full attention 4 heads / 2 KV heads of 64, partial rotary
+0.25), every layer a sparse MoE of 32 experts (top 4, width 128) plus a shared expert of 256; vocab 8000,
+untied; random weights, fp32.
+
+Prefill: one cached call over `seq` tokens at batch 1, all logits computed (as HF's forward). Decode:
+`decode_steps` greedy tokens after a `decode_prompt`-token prefill; ours one jitted on-device `lax.scan`,
+transformers a Python loop over `model(input_ids=tok, cache=cache)`. Best of `repeats` after a warm-up.
+
+Routing share: one MoE layer alone on `seq` hidden states (batch 1): `moe` is the whole block (router,
+routed experts, shared expert); `routing` is everything of it that is not an expert matmul: router logits,
+softmax / top-k, the sort into expert groups (tiles on CPU), the scatter of rows into groups and the gather
+and weighted sum back. The HF columns time its `gate` (router) and its whole block (the kernel transformers
+picks for `experts_implementation` is printed).
+
+The transformers side (`Qwen3_5MoeForCausalLM` loaded from our `save_hf` export, identical weights) runs only
+when torch and transformers import (an interpreter with both jax and torch, e.g. a venv holding torch,
+transformers 5.x, jax and flax with this repository on PYTHONPATH); otherwise only our figures are printed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from librarian_jax import models
+from librarian_jax.bench.common import best_time, load_average
+from librarian_jax.models import moe as moe_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("seq_lens", "128,512,2048", "comma-separated prefill lengths (batch 1)")
+flags.DEFINE_string("decode_batches", "1,8", "comma-separated decode batch sizes")
+flags.DEFINE_integer("decode_steps", 32, "greedy tokens decoded per row")
+flags.DEFINE_integer("decode_prompt", 128, "prompt tokens prefilled before decoding")
+flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
+flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads for the transformers side")
+
+
+def bench_config() -> models.ModelConfig:
+    """The Qwen3.5-MoE-style hybrid this benchmark runs (see the module docstring)."""
+    return models.get_preset(
+        "tiny_moe", vocab_size=8000, hidden_size=256, intermediate_size=128, num_heads=4, num_kv_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
+        shared_expert_intermediate_size=256, max_position_embeddings=8192,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- ours
+
+
+@jax.jit
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: models.Cache):
+    """tokens `[batch, seq]` -> (last-position logits `[batch, vocab]`, max |logit|, filled cache)."""
+    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+    return logits[:, -1], jnp.max(jnp.abs(logits)), cache
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, token: jax.Array, cache: models.Cache, steps: int):
+    """Greedy decode of `steps` tokens from `token` `[batch, 1]`, on device: -> tokens `[batch, steps]`."""
+    model = nnx.merge(graphdef, state)
+
+    def step(carry, _):
+        tok, cache = carry
+        logits, cache = model(tok, cache=cache)
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        return (nxt, cache), nxt[:, 0]
+
+    (_, cache), toks = jax.lax.scan(step, (token, cache), None, length=steps)
+    return toks.T, cache
+
+
+def ours_prefill(model: models.Transformer, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(tokens, jnp.int32)
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
+
+    def run():
+        last, top, _ = _prefill(graphdef, state, ids, cache)
+        return np.asarray(jax.block_until_ready(last)), float(top)
+
+    seconds, (last, _) = best_time(run, repeats)
+    return seconds, last
+
+
+def ours_decode(model: models.Transformer, prompts: np.ndarray, steps: int, repeats: int
+                ) -> tuple[float, np.ndarray]:
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(prompts, jnp.int32)
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1] + steps)
+    last, _, cache = _prefill(graphdef, state, ids, cache)
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
+
+    def run():
+        toks, _ = _decode(graphdef, state, first, cache, steps=steps)
+        return np.asarray(jax.block_until_ready(toks))
+
+    return best_time(run, repeats)
+
+
+@jax.jit
+def _moe_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(x)
+
+
+@jax.jit
+def _routing_only(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+    """The MoE block without its matmuls: router, top-k, grouping, scatter into groups, gather and combine."""
+    block = nnx.merge(graphdef, state)
+    xf = x.reshape(-1, x.shape[-1])
+    _, top_w, top_i = moe_lib.route(block.gate(xf), block.top_k)
+    t, k = top_i.shape
+    ne = block.num_experts
+    plan = moe_lib.Plan(top_i.reshape(-1), ne, moe_lib._implementation())
+    rows = plan.scatter(jnp.repeat(xf, k, axis=0))
+    y = plan.gather(rows).astype(jnp.float32) * top_w.reshape(-1, 1)
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
+
+
+def ours_routing_share(model: models.Transformer, x: np.ndarray, repeats: int) -> tuple[float, float]:
+    """(seconds of one MoE block, seconds of its routing alone) on hidden states x `[1, seq, hidden]`."""
+    graphdef, state = nnx.split(model.layers[0].mlp)
+    xs = jnp.asarray(x)
+    t_moe, _ = best_time(lambda: jax.block_until_ready(_moe_block(graphdef, state, xs)), repeats)
+    t_route, _ = best_time(lambda: jax.block_until_ready(_routing_only(graphdef, state, xs)), repeats)
+    return t_moe, t_route
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+
+
+class TorchSide:
+    """transformers' Qwen3_5MoeForCausalLM with our weights (via save_hf), or `available = False`."""
+
+    def __init__(self, model: models.Transformer, threads: int) -> None:
+        self.available = False
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            return
+        self.torch = torch
+        torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory() as directory:
+            models.save_hf(model, directory)
+            hf_model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        self.model = hf_model.eval()
+        self.available = True
+        impl = getattr(hf_model.config, "_experts_implementation", None)
+        self.version = (f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} "
+                        f"threads, experts_implementation={impl}")
+
+    def prefill(self, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+        torch = self.torch
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+
+        def run():
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, use_cache=True)
+            return out.logits[:, -1].float().numpy()
+
+        return best_time(run, repeats)
+
+    def decode(self, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, np.ndarray]:
+        torch = self.torch
+        ids = torch.as_tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=True)
+        prefilled = out.cache
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+
+        def run():
+            cache, tok, toks = copy.deepcopy(prefilled), first, []
+            with torch.inference_mode():
+                for _ in range(steps):
+                    step = self.model(input_ids=tok, cache=cache, use_cache=True)
+                    cache = step.cache
+                    tok = step.logits[:, -1].argmax(-1, keepdim=True)
+                    toks.append(tok)
+            return torch.cat(toks, dim=1).numpy()
+
+        return best_time(run, repeats)
+
+    def routing_share(self, x: np.ndarray, repeats: int) -> tuple[float, float]:
+        torch = self.torch
+        block = self.model.model.layers[0].mlp
+        xs = torch.as_tensor(x)
+        flat = xs.reshape(-1, xs.shape[-1])
+        with torch.inference_mode():
+            t_moe, _ = best_time(lambda: block(xs), repeats)
+            t_route, _ = best_time(lambda: block.gate(flat), repeats)
+        return t_moe, t_route
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = bench_config()
+    model = models.Transformer(config, rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    active = params - config.num_layers * (config.num_experts - config.num_experts_per_tok) * 3 * \
+        config.hidden_size * config.moe_intermediate_size
+    hf = TorchSide(model, FLAGS.torch_threads)
+    lines = [
+        f"Qwen3.5-MoE-style hybrid ({params / 1e6:.2f}M params, {active / 1e6:.2f}M active; "
+        f"{config.num_experts} experts top-{config.num_experts_per_tok} + shared, "
+        f"layers {list(config.layer_types)}), fp32, "
+        f"grouped matmul '{moe_lib._implementation()}', jax {jax.__version__} on {jax.devices()[0].platform} "
+        f"x{jax.device_count()}, {os.cpu_count()} CPUs, load average before {load_average()}",
+        "transformers side: " + (hf.version if hf.available else
+                                  "not measured (torch/transformers not importable in this python)"),
+        "",
+        f"{'prefill seq':>11} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | {'HF tok/s':>10} | "
+        f"{'HF/ours':>7} | {'max|dlogit|':>11}",
+    ]
+    rng = np.random.default_rng(0)
+    seqs = [int(s) for s in FLAGS.seq_lens.split(",")]
+    for seq in seqs:
+        tokens = rng.integers(0, config.vocab_size, size=(1, seq))
+        t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
+        row = f"{seq:>11} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
+        if hf.available:
+            t_hf, last_hf = hf.prefill(tokens, FLAGS.repeats)
+            diff = float(np.abs(last_ours - last_hf).max())
+            row += f"{t_hf * 1e3:9.1f} | {seq / t_hf:10.0f} | {t_hf / t_ours:7.2f} | {diff:11.1e}"
+        else:
+            row += f"{'-':>9} | {'-':>10} | {'-':>7} | {'-':>11}"
+        lines.append(row)
+        logging.info(row)
+
+    lines += [
+        "",
+        f"decode: {FLAGS.decode_steps} greedy steps after a {FLAGS.decode_prompt}-token prefill",
+        f"{'batch':>11} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | same tokens",
+    ]
+    for batch in [int(b) for b in FLAGS.decode_batches.split(",")]:
+        prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.decode_prompt))
+        n = batch * FLAGS.decode_steps
+        t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
+        row = f"{batch:>11} | {n / t_ours:10.1f} | "
+        if hf.available:
+            t_hf, toks_hf = hf.decode(prompts, FLAGS.decode_steps, FLAGS.repeats)
+            same = float(np.mean(toks_ours == toks_hf))
+            row += f"{n / t_hf:10.1f} | {t_hf / t_ours:7.2f} | {same:.0%}"
+        else:
+            row += f"{'-':>10} | {'-':>7} | -"
+        lines.append(row)
+        logging.info(row)
+
+    lines += [
+        "",
+        "one MoE block alone (batch 1, x ~ N(0, 1)): routing = router + top-k + grouping + scatter/gather",
+        f"{'tokens':>11} | {'ours moe ms':>11} | {'routing ms':>10} | {'share':>6} | {'HF moe ms':>9} | "
+        f"{'HF router ms':>12} | {'share':>6}",
+    ]
+    for seq in [1, 8, *seqs]:
+        x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
+        t_moe, t_route = ours_routing_share(model, x, 5 * FLAGS.repeats)
+        row = f"{seq:>11} | {t_moe * 1e3:11.3f} | {t_route * 1e3:10.3f} | {t_route / t_moe:6.0%} | "
+        if hf.available:
+            h_moe, h_route = hf.routing_share(x, 5 * FLAGS.repeats)
+            row += f"{h_moe * 1e3:9.3f} | {h_route * 1e3:12.3f} | {h_route / h_moe:6.0%}"
+        else:
+            row += f"{'-':>9} | {'-':>12} | {'-':>6}"
+        lines.append(row)
+        logging.info(row)
+    lines.append(f"load average after {load_average()}")
+    print("\n".join(lines))  # noqa: T201 - the CLI's report
+
+
+if __name__ == "__main__":
+    app.run(main)
