@@ -59,6 +59,16 @@ _STYLES: dict[str, _Style] = {
         trim=False,
         extra_stops=("<|endoftext|>",),  # Qwen base models end documents with it
     ),
+    "qwen3_5": _Style(
+        markers=("<|im_start|>", "<|im_end|>"),
+        open="<|im_start|>{role}\n",
+        close="<|im_end|>\n",
+        roles={"system": "system", "user": "user", "assistant": "assistant", "tool": "user"},
+        assistant="assistant",
+        has_system=True,
+        trim=True,
+        extra_stops=("<|endoftext|>",),
+    ),
     "gemma": _Style(
         markers=("<start_of_turn>", "<end_of_turn>"),
         open="<start_of_turn>{role}\n",
@@ -126,8 +136,11 @@ class ChatTemplate:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None, fold_system: bool = False
+        self, tokenizer: Tokenizer, style: str, *, add_bos: bool | None = None, fold_system: bool = False,
+        thinking: bool | None = None,
     ) -> None:
+        if thinking is not None and style != "qwen3_5":
+            raise ValueError(f"thinking= is a switch of the qwen3_5 template, not of {style!r}")
         if style not in _STYLES:
             raise ValueError(f"unknown chat template style {style!r}; expected one of {STYLES}")
         spec = _STYLES[style]
@@ -143,11 +156,14 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.style = style
         self.fold_system = fold_system
+        self.thinking = (True if thinking is None else bool(thinking)) if style == "qwen3_5" else False
+        # the role agents send tool results (observations) with
+        self.observation_role = "tool" if style == "qwen3_5" else "user"
         self._spec = spec
         self.open_marker = spec.markers[0]
         self.close_marker = next(m for m in spec.markers if spec.close.startswith(m))
         if add_bos is None:
-            add_bos = tokenizer.add_bos if style == "chatml" else tokenizer.bos_id is not None
+            add_bos = tokenizer.add_bos if style in ("chatml", "qwen3_5") else tokenizer.bos_id is not None
         if add_bos and tokenizer.bos_id is None:
             raise ValueError(f"add_bos=True but {tokenizer.path} has no BOS token")
         self.add_bos = add_bos
@@ -170,10 +186,16 @@ class ChatTemplate:
 
     def _open_text(self, role: str, system: str | None = None) -> str:
         text = self._spec.open.format(role=self._role(role))
+        if self.style == "qwen3_5" and role == "assistant":
+            text += "<think>\n" if self.thinking else "<think>\n\n</think>\n\n"
         return text if system is None else text + system + "\n\n"
 
     def _turn_text(self, role: str, content: str, system: str | None = None) -> str:
-        if self.style == "chatml" and role == "tool":
+        if self.style == "qwen3_5" and role == "assistant":  # a closed assistant turn after the query
+            reasoning, content = _split_think(content.strip())
+            return f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}{self._spec.close}"
+        if self.style in ("chatml", "qwen3_5") and role == "tool":
+            content = content.strip() if self._spec.trim else content
             content = f"<tool_response>\n{content}\n</tool_response>"
         elif self._spec.trim:
             content = content.strip()
@@ -192,11 +214,38 @@ class ChatTemplate:
                 pending = system
             else:
                 pieces.append(self._system_text(system))
+        if self.style == "qwen3_5":
+            return pieces + self._qwen3_5_pieces(rest, add_generation_prompt)
         for m in rest:
             pieces.append(self._turn_text(m["role"], m["content"], pending))
             pending = None
         if add_generation_prompt:
             pieces.append(self._open_text(self._spec.assistant, pending))
+        return pieces
+
+    def _qwen3_5_pieces(self, rest: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[str]:
+        """Qwen3.5's template after the system turn: assistant turns after the last user query keep a think
+        block, earlier ones lose it; consecutive tool results share one user turn."""
+        last_query = -1
+        for i, m in enumerate(rest):
+            c = m["content"].strip()
+            wrapped = c.startswith("<tool_response>") and c.endswith("</tool_response>")
+            if m["role"] == "user" and not wrapped:
+                last_query = i
+        pieces: list[str] = []
+        for i, m in enumerate(rest):
+            role, content = m["role"], m["content"]
+            if role == "assistant" and i < last_query:
+                pieces.append(f"<|im_start|>assistant\n{_split_think(content.strip())[1]}{self._spec.close}")
+            elif role == "tool" and i > 0 and rest[i - 1]["role"] == "tool":
+                # joins the previous tool turn: reopen it by dropping that turn's close
+                prev = pieces.pop()
+                body = f"\n<tool_response>\n{content.strip()}\n</tool_response>"
+                pieces.append(prev[: -len(self._spec.close)] + body + self._spec.close)
+            else:
+                pieces.append(self._turn_text(role, content))
+        if add_generation_prompt:
+            pieces.append(self._open_text(self._spec.assistant))
         return pieces
 
     # ---- ids -----------------------------------------------------------------------------------------------
@@ -258,6 +307,15 @@ class ChatTemplate:
         )
 
 
+def _split_think(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant message as Qwen3.5's template splits it at `</think>`."""
+    if "</think>" not in content:
+        return "", content
+    head = content.split("</think>")[0]
+    tail = content.split("</think>")[-1]
+    return head.rstrip("\n").split("<think>")[-1].lstrip("\n").strip(), tail.lstrip("\n")
+
+
 def _split_system(messages: Sequence[Mapping[str, str]]) -> tuple[str | None, list[Mapping[str, str]]]:
     for k, m in enumerate(messages):
         if "role" not in m or "content" not in m:
@@ -283,11 +341,16 @@ def detect_style(tokenizer: Tokenizer) -> str:
 
 
 def chat_template(
-    tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None, fold_system: bool = False
+    tokenizer: Tokenizer, style: str | None = None, *, add_bos: bool | None = None, fold_system: bool = False,
+    thinking: bool | None = None,
 ) -> ChatTemplate:
-    """A ChatTemplate for `tokenizer`; `style` is one of STYLES, or None to detect it from the vocab.
+    """A ChatTemplate for `tokenizer`; `style` is one of STYLES, or None to detect it from the vocab
+    (detection never picks "qwen3_5": a Qwen3.5 vocabulary looks like ChatML, so ask for it).
 
     `add_bos` defaults to `tokenizer.add_bos` for ChatML (Qwen has no BOS) and to True otherwise.
     `fold_system` (Gemma only) folds the system prompt into the first turn; see the module docstring.
+    `thinking` (qwen3_5 only; default True as the checkpoint's template) opens assistant turns with an open
+    think block, or with an empty closed one when False.
     """
-    return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos, fold_system=fold_system)
+    return ChatTemplate(tokenizer, style or detect_style(tokenizer), add_bos=add_bos, fold_system=fold_system,
+                        thinking=thinking)
