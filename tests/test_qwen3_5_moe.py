@@ -59,7 +59,7 @@ def test_logits_match_hf(folder):
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("folder", FIXTURES)
+@pytest.mark.parametrize("folder", ["qwen3_5moe_a"])  # qwen3_5moe_c: test_engine_serves_moe_like_transformers
 def test_greedy_cached_decode_matches_hf_generate(folder):
     """Prefill of the prompt then one-token decodes through the cache reproduce transformers' greedy tokens
     (that each step's logits equal one forward is test_padded_prefill_then_decode_equals_full_forward)."""
@@ -171,8 +171,8 @@ def test_router_stats_and_load_balancing_loss():
     model = load_hf(os.path.join(GOLDEN, "qwen3_5moe_a"))
     cfg = model.config
     assert moe_lib.collect_router_stats(model)
-    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
-    mask = np.arange(9)[None, :] < np.array([[9], [5]])
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
+    mask = np.arange(8)[None, :] < np.array([[8], [5]])
 
     @jax.jit
     def run(graphdef, state, tokens, mask):
@@ -193,21 +193,30 @@ def test_router_stats_and_load_balancing_loss():
     np.testing.assert_allclose(float(np.asarray(load).mean()), 1.0, rtol=1e-5)
 
 
-def test_expert_lora_starts_at_the_base_model_and_trains():
+def test_lora_on_experts_starts_at_the_base_model_and_trains():
+    """`rl.apply_lora` (qwix on attention, DeltaNet, router and shared expert; models.moe on the routed
+    experts, whose grouped matmuls qwix does not see): B = 0 leaves the model as it was, and the loss has a
+    gradient in every adapter of the experts."""
+    from librarian_jax.rl import train_step as ts
+
     model = load_hf(os.path.join(GOLDEN, "qwen3_5moe_b"))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (1, 10)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (1, 8)), jnp.int32)
     base = np.asarray(forward(*nnx.split(model), tokens, None))
-    assert moe_lib.add_expert_lora(model, rank=2, alpha=4.0) == model.config.num_layers
-    np.testing.assert_array_equal(np.asarray(forward(*nnx.split(model), tokens, None)), base)  # B = 0
+    lora = ts.apply_lora(model, rank=2, alpha=4.0, module_path=".*")
+    graphdef, lora_state, rest = nnx.split(lora, nnx.LoRAParam, ...)
 
+    @jax.jit
     def loss(lora_state, rest):
-        return jnp.mean(nnx.merge(graphdef, lora_state, rest)(tokens)[0] ** 2)
+        logits = nnx.merge(graphdef, lora_state, rest)(tokens)[0]
+        return jnp.mean(logits ** 2), logits
 
-    graphdef, lora_state, rest = nnx.split(model, nnx.LoRAParam, ...)
-    grads = jax.jit(jax.grad(loss))(lora_state, rest)
-    g = nnx.to_flat_state(grads)
-    assert len(g) == 4 * model.config.num_layers
-    assert all(float(jnp.abs(v.get_value()).sum()) > 0 for path, v in g if path[-1].endswith("_b"))
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(lora_state, rest)
+    np.testing.assert_allclose(np.asarray(logits), base, atol=1e-6, rtol=0)  # every B = 0
+    g = {".".join(map(str, p)): float(jnp.abs(v.get_value()).sum()) for p, v in nnx.to_flat_state(grads)}
+    experts = {k: v for k, v in g.items() if ".mlp.experts." in k}
+    assert len(experts) == 4 * model.config.num_layers
+    assert all(v > 0 for k, v in experts.items() if k.endswith("_b"))
+    assert any("linear_attn" in k for k in g) and any("self_attn" in k for k in g)
 
 
 @needs8
@@ -225,11 +234,11 @@ def test_expert_parallel_equals_unsharded():
     assert layer.mesh is mesh
     assert tuple(layer.experts.gate_up_proj.get_value().sharding.spec) == ("expert", None, None, "tensor")
     assert tuple(layer.experts.down_proj.get_value().sharding.spec)[:2] == ("expert", "tensor")
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 20)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 8)), jnp.int32)
     outs = []
     for model in (single, sharded):
         graphdef, state = nnx.split(model)
-        cache = init_cache(model.config, 2, 24)
+        cache = init_cache(model.config, 2, 12)
         a, cache = cached(graphdef, state, tokens, cache, None)
         b, _ = cached(graphdef, state, tokens[:, :1], cache, None)
         outs.append((np.asarray(a), np.asarray(b)))
@@ -266,11 +275,11 @@ def test_engine_serves_moe_like_transformers():
 def test_trainer_moe_aux_loss_and_expert_load():
     """The trainer logs the load-balancing loss and expert load of a MoE policy (through per-layer remat,
     whose checkpointed layers hand their sown statistics back), and the aux term moves the loss by its
-    coefficient; `rl.apply_lora` adapts the experts too (qwix does not see grouped matmuls)."""
+    coefficient."""
     from librarian_jax.rl import train_step as ts
 
     rng = np.random.default_rng(5)
-    rows, seq = 2, 10
+    rows, seq = 2, 8
     mask = np.ones((rows, seq), np.float32)
     batch = {"tokens": rng.integers(0, 64, (rows, seq)).astype(np.int32), "valid": mask.astype(bool),
              "loss_mask": mask, "advantages": np.array([[1.0], [-1.0]], np.float32) * mask,
@@ -286,6 +295,3 @@ def test_trainer_moe_aux_loss_and_expert_load():
     assert m["expert_load_min"] <= 1.0 <= m["expert_load_max"]
     assert np.isfinite(m["loss"]) and not m["skipped"]
     np.testing.assert_allclose(metrics[10.0]["loss"] - m["loss"], 10.0 * m["moe_aux_loss"], rtol=1e-3)
-    lora = ts.apply_lora(load_hf(folder), rank=2, alpha=4.0, module_path=".*")
-    names = {str(p[-1]) for p, _ in nnx.to_flat_state(nnx.state(lora, nnx.LoRAParam))}
-    assert {"gate_up_a", "gate_up_b", "down_a", "down_b"} <= names

@@ -11,9 +11,10 @@ A port of transformers' `Qwen3_5MoeSparseMoeBlock` (models/qwen3_5_moe/modeling_
 Routing is capacity-free (no token is ever dropped) and never loops over experts: the tokens * k assignments
 are sorted by expert and each expert's rows go through one grouped matmul (`grouped_matmul`):
 `jax.lax.ragged_dot` on GPU/TPU (grouped-GEMM kernels); on CPU, where XLA lowers ragged_dot densely (every
-row against every expert), a megablox-style tiling: each expert's rows are padded to tiles of `tile` rows, the
-expert weight of each tile is gathered and the tiles run as one batched matmul. Calls with few assignments
-(decode: tokens * k <= experts) gather each assignment's expert weight directly (tile of 1, no sort).
+row against every expert), a megablox-style tiling: each expert's rows are padded to tiles of `TILE` rows and
+a `lax.scan` over the tiles multiplies each by its expert's weight, read in place (2.5x faster on CPU than
+gathering every tile's weight for one batched matmul). Calls with few assignments (decode: tokens * k <=
+experts) gather each assignment's expert weight directly (tile of 1, no sort, one batched matmul).
 
 Expert parallelism: expert weights carry the logical axis `expert` (mesh axis `expert`, see
 `partitioning.DEFAULT_RULES`) on their leading dim, and `mlp` (mesh axis `tensor`) on their hidden dim. Once
@@ -54,7 +55,7 @@ from librarian_jax.models.layers import INIT_STD, MLP, dense
 GROUPED_MATMUL = "auto"
 """`grouped_matmul` implementation: "auto" (ragged_dot on GPU/TPU, tiles on CPU), "ragged" or "tiled"."""
 
-TILE = 32
+TILE = 64
 """Rows per tile of the CPU grouped matmul."""
 
 GATE_UP_AXES = ("expert", None, None, "mlp")
@@ -147,8 +148,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
         return jax.lax.ragged_dot(x, w, plan.group_sizes, preferred_element_type=x.dtype)
     t = plan.tile
     xt = x.reshape(plan.rows // t, t, x.shape[-1])
-    wt = w[plan.tile_expert]  # [tiles, d_in, d_out]
-    return jnp.einsum("ntd,nde->nte", xt, wt).reshape(plan.rows, w.shape[-1])
+    if t == 1:  # one row per assignment: its expert's weight gathered, one batched matmul
+        return jnp.einsum("ntd,nde->nte", xt, w[plan.tile_expert]).reshape(plan.rows, w.shape[-1])
+
+    def tile_matmul(carry: None, args: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        xi, e = args  # [t, d_in], its expert
+        return carry, xi @ jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+    _, y = jax.lax.scan(tile_matmul, None, (xt, plan.tile_expert))
+    return y.reshape(plan.rows, w.shape[-1])
 
 
 def expert_ffn(
