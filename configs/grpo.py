@@ -68,12 +68,15 @@ def _base() -> ml_collections.ConfigDict:
         use_model_judge=False,
         record_snapshots=True,
         builder=ml_collections.ConfigDict(dict(
-            max_turns=3, max_new_tokens=200, temperature=1.0, executor="extractive",
-            compaction="deterministic", compaction_budget=3600, malformed_penalty=0.05)),
+            max_turns=3, max_new_tokens=240, temperature=1.0, executor="extractive",
+            compaction="deterministic", compaction_budget=3600, malformed_penalty=0.05,
+            system_prompt="builder_system_compact")),
         # The embedded answerer is the scripted navigator (agents/navigator.py, kind="scripted"): it reads
-        # through the same list/read tools and token accounting as an LLM answerer, 3 calls at most.
+        # through the same list/read tools and token accounting as an LLM answerer. A small one: 2 tool calls,
+        # root files preloaded up to 512 tokens (a good builder's entity files do not all fit: it chooses).
         answerer=ml_collections.ConfigDict(dict(kind="scripted", max_turns=2, max_new_tokens=64,
-                                                 forced_max_new_tokens=16, context_budget=100_000)),
+                                                 forced_max_new_tokens=16, context_budget=4096,
+                                                 preload_max_tokens=512)),
     ))
     c.train = ml_collections.ConfigDict(dict(
         num_steps=30,
@@ -100,9 +103,12 @@ def _base() -> ml_collections.ConfigDict:
         max_seq_len=4096,          # training rows longer than this are truncated
     ))
     c.eval = ml_collections.ConfigDict(dict(
-        every=0,                # evaluate the policy on held-out tasks every N steps (0 = never)
-        num_tasks=2,
+        every=5,                # evaluate the policy on held-out tasks every N steps (0 = never)
+        num_tasks=6,
         repeats=1,
+        # After the last step: configs/eval.py on this run's held-out split with these methods ("" = none);
+        # the table is printed and the report written to workdir/eval/final/.
+        final_methods="trained,base,raw",
     ))
     c.warm_start = ml_collections.ConfigDict(dict(
         # Before GRPO, supervised fine-tuning on the embedded world's scripted demonstrations
@@ -137,7 +143,8 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.data.update(source="file", num_tasks=0, tasks_per_batch=16, heldout_fraction=0.0)
     c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
                      probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True)
-    c.rollout.builder.update(max_turns=32, max_new_tokens=4096, executor="model", compaction_budget=3000)
+    c.rollout.builder.update(system_prompt="builder_system", max_turns=32, max_new_tokens=4096,
+                             executor="model", compaction_budget=3000)
     c.rollout.answerer.update(kind="model", max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
                               context_budget=32768)
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
@@ -145,7 +152,7 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
                    eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat="full",
                    logits_chunk=1024, max_seq_len=16384)
-    c.eval.update(every=20, num_tasks=16, repeats=4)
+    c.eval.update(every=20, num_tasks=16, repeats=4, final_methods="")
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
     c.checkpoint.update(every=10, keep=3)
     # The paper's roles (docs/paper-settings.md): the fixed answerer is the builder's base model (Qwen3.5-4B,

@@ -47,8 +47,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         log_every=10,
     ))
     c.demos = ml_collections.ConfigDict(dict(
-        per_task=2,             # demonstrations per training task
-        calls_per_turn=3,       # tool calls per scripted reply (must fit rollout.builder.max_new_tokens)
+        num_tasks=256,          # worlds to demonstrate on (seeded apart from the run's train/held-out tasks)
+        per_task=1,             # demonstrations per world
+        calls_per_turn=2,       # tool calls per scripted reply (must fit rollout.builder.max_new_tokens)
         mix=ml_collections.ConfigDict(dict(entities=0.4, own_doc=0.3, generic=0.15, early_stop=0.15)),
     ))
     c.checkpoint.update(every=40, keep=1)

@@ -97,6 +97,12 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _int(config, "eval.every", 0)
     _int(config, "eval.num_tasks", 1)
     _int(config, "eval.repeats", 1)
+    methods = _get(config, "eval.final_methods")
+    from librarian_jax.eval.cli import BUILTIN_METHODS
+
+    for m in (x.strip() for x in str(methods).split(",") if x.strip()):
+        if m not in BUILTIN_METHODS and not m.startswith("run:"):
+            raise _err("eval.final_methods", f"unknown method {m!r}; known: {list(BUILTIN_METHODS)}")
     if _get(config, "warm_start.enabled"):
         from configs import sft as sft_configs
 

@@ -88,9 +88,10 @@ def write_split(workdir: str, train: list[Any], heldout: list[Any]) -> str:
     return path
 
 
-def build_tokenizer(config: Any, tasks: list[Any]) -> Any:
+def build_tokenizer(config: Any, tasks: list[Any], extra_texts: list[str] | None = None) -> Any:
     """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached) on the tasks
-    plus the agents' own prompts and tool descriptions, so those encode compactly too."""
+    plus the agents' own prompts and tool descriptions (and `extra_texts`, e.g. the tool calls of the
+    warm start's demonstrations), so those encode compactly too."""
     from librarian_jax import data, tokenizers
     from librarian_jax.agents import prompt_text
 
@@ -99,7 +100,7 @@ def build_tokenizer(config: Any, tasks: list[Any]) -> Any:
     if config.model.init == "hf":
         return tokenizers.load_tokenizer(config.model.path)
     cache = os.path.join(config.workdir, "tokenizer")
-    texts = data.world_texts(tasks) + prompt_text.all_texts()
+    texts = data.world_texts(tasks) + prompt_text.all_texts() + list(extra_texts or [])
     return tokenizers.cached_tokenizer(texts, cache, config.model.tokenizer_vocab_size)
 
 
@@ -187,7 +188,9 @@ def progress_line(step: int, total: int, m: dict[str, float]) -> str:
             f"loss {m['train/loss']:.4f} kl {m['train/kl']:.4f} clip {m['train/clip_frac']:.3f} "
             f"ent {m['train/entropy']:.3f}{' SKIPPED' if m['train/skipped'] else ''} | "
             f"{m['rollout/tokens_per_s']:.0f} gen tok/s, {m['train/tokens_per_s']:.0f} train tok/s | "
-            f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s")
+            f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s"
+            + (f" | held-out acc {m['eval/accuracy']:.3f} ({m['eval/time_s']:.1f}s)"
+               if "eval/accuracy" in m else ""))
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -487,6 +490,7 @@ def run(config: Any) -> dict[str, Any]:
     writer = SummaryWriter(os.path.join(workdir, "tb")) if primary else None
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
     metrics: dict[str, float] = {}
+    curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
     try:
         while state.step < num_steps:
             records, metrics = train_one_step(state)
@@ -495,6 +499,7 @@ def run(config: Any) -> dict[str, Any]:
             totals["update_s"] += metrics["train/time_s"]
             totals["eval_s"] += metrics.get("eval/time_s", 0.0)
             logging.info("%s", progress_line(step, num_steps, metrics))
+            curve.append((step, metrics["reward/mean"]))
             if writer is not None:
                 for k, v in metrics.items():
                     if np.isfinite(v):
@@ -508,8 +513,17 @@ def run(config: Any) -> dict[str, Any]:
         ck.close()
         if writer is not None:
             writer.close()
+    learning = reward_curve(curve, os.path.join(workdir, "reward_curve.png") if primary else None)
+    if learning:
+        logging.info("reward curve: %s", learning["line"])
+    final: dict[str, Any] = {}
+    t_eval = time.perf_counter()
+    if config.eval.final_methods and state.heldout and primary:
+        final = final_evaluation(workdir, config.eval.final_methods)
+    totals["final_eval_s"] = time.perf_counter() - t_eval
     wall = time.perf_counter() - t_start
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
+               "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
@@ -518,6 +532,52 @@ def run(config: Any) -> dict[str, Any]:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict[str, Any]:
+    """The mean reward of the first and last fifth of the steps (mean +- standard error over steps) and
+    a plot of the curve (`png`). Empty for fewer than 2 steps."""
+    if len(curve) < 2:
+        return {}
+    steps = [s for s, _ in curve]
+    r = np.array([v for _, v in curve], float)
+    k = max(1, len(r) // 5)
+
+    def mean_se(x: np.ndarray) -> tuple[float, float]:
+        return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
+
+    (m0, s0), (m1, s1) = mean_se(r[:k]), mean_se(r[-k:])
+    out = {"first_fifth": [m0, s0], "last_fifth": [m1, s1], "steps_per_fifth": k,
+           "line": f"mean reward, first {k} steps {m0:.3f} +- {s0:.3f}, last {k} steps {m1:.3f} +- {s1:.3f}"}
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, r, marker="o", ms=3)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("mean episode reward")
+        ax.set_title(out["line"], fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        plt.close(fig)
+        out["png"] = png
+    return out
+
+
+def final_evaluation(workdir: str, methods: str) -> dict[str, Any]:
+    """configs/eval.py on this run's held-out split (`methods`), the table logged; returns the results."""
+    from librarian_jax import eval as eval_lib
+
+    results = eval_lib.evaluate_run(workdir, methods=methods, name="final")
+    table = eval_lib.format_table(results)
+    logging.info("held-out evaluation (%s/eval/final/report.md):\n%s", workdir, table)
+    print(table)  # noqa: T201 - the run's closing answer
+    return {"methods": methods, "report": os.path.join(workdir, "eval", "final", "report.md"),
+            "accuracy": results["accuracy"]}
 
 
 def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer: Any, rollout_cfg: Any,

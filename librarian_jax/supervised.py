@@ -132,22 +132,38 @@ def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         raise config_validation.ConfigError(f"config.data.path: {e}") from None
 
 
+DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the run's train and held-out tasks
+
+
+def demo_tasks(config: Any) -> list[Any]:
+    """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world sizes,
+    seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever shown."""
+    from librarian_jax import data
+
+    d = config.data
+    return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks,
+                               docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
+                               questions_per_task=d.questions_per_task,
+                               reuse_questions_per_task=d.reuse_questions_per_task)
+
+
 def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
-    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and its tokenizer:
-    tasks from `config.data` (the synthetic world, the GRPO run's train split when `config.data` is a GRPO
-    data section), scored with the `config.rollout` answerer."""
+    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and the tokenizer,
+    trained on the run's tasks and the demonstrations' worlds together (GRPO and eval then load that file).
+    Each is scored with the `config.rollout` answerer."""
     from librarian_jax import main as main_lib
     from librarian_jax.data import demos
 
     train_tasks, heldout = main_lib.build_tasks(config)
-    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout)
+    pool = demo_tasks(config)
+    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout + pool, demos.tool_call_texts(pool))
     rollout_cfg = config_validation.rollout_config(config)
     d = config.demos
-    key = {"tasks": [t.task_id for t in train_tasks], "data": config.data.to_dict(),
+    key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),
            "rollout": rollout_cfg.to_dict(), "demos": d.to_dict(), "vocab": tokenizer.vocab_size}
     path = demos.cached_demonstrations(
         os.path.join(config.workdir, "demos.jsonl"), key,
-        lambda: demos.make_demonstrations(train_tasks, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
+        lambda: demos.make_demonstrations(pool, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
                                           per_task=d.per_task, calls_per_turn=d.calls_per_turn,
                                           seed=config.seed))
     return sft.load_conversations(path), tokenizer

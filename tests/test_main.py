@@ -28,7 +28,8 @@ def test_default_and_paper_presets():
     mod = grpo()
     c = mod.get_config()
     cv.validate(c, num_devices=1)
-    assert c.preset == "embedded" and c.model.preset == "tiny" and c.model.init == "random"
+    assert c.preset == "embedded" and c.model.preset == "tiny_8k" and c.model.init == "random"
+    assert c.warm_start.enabled and c.rollout.answerer.kind == "scripted" and c.eval.final_methods
     for name in ("qwen3_5_4b", "gemma3_4b"):
         p = mod.get_config(name)
         assert (p.model.preset, p.model.lora_rank) == (name, 32)
@@ -36,7 +37,7 @@ def test_default_and_paper_presets():
         assert p.rollout.builder.max_turns == 32 and p.rollout.builder.max_new_tokens == 4096
         assert (1 - p.train.eps_low, 1 + p.train.eps_high) == (0.8, 1.2)
         assert 1e-5 <= p.train.learning_rate <= 4e-5
-        with pytest.raises(cv.ConfigError, match=r"config\.model\.path: required when model\.init='hf'"):
+        with pytest.raises(cv.ConfigError, match=r"config\.(model|roles\.executor)\.path: required when"):
             cv.validate(p, num_devices=8)
     with pytest.raises(ValueError, match="unknown preset 'nope'; known: \\['embedded'"):
         mod.get_config("nope")
@@ -104,13 +105,16 @@ def test_cli_reports_bad_key_and_dry_run():
                           "--config.train.num_steps=7", "--config.workdir=/tmp/somewhere"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "GRPO preset 'embedded': model tiny (random init, full fine-tuning)" in dry.stdout
-    assert "7 steps of 2 tasks x group 2" in dry.stdout and "workdir /tmp/somewhere" in dry.stdout
+    assert "GRPO preset 'embedded': model tiny_8k (random init, full fine-tuning)" in dry.stdout
+    assert "7 steps of 4 tasks x group 4" in dry.stdout and "workdir /tmp/somewhere" in dry.stdout
 
 
 def tiny_run_config(workdir: str, num_steps: int):
     c = grpo().get_config()
     c.workdir = workdir
+    c.warm_start.enabled = False
+    c.eval.update(every=0, final_methods="")
+    c.model.update(preset="tiny", tokenizer_vocab_size=2048)
     c.data.update(num_tasks=4, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1,
                   heldout_fraction=0.2, tasks_per_batch=1)  # 2 train, 2 held-out tasks (by id hash)
     c.rollout.update(group_size=2, policy_slots=2, frozen_slots=4, max_seq_len=2048, round_steps=16,

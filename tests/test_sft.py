@@ -120,7 +120,7 @@ def _sft_config(workdir: str, steps: int):
     c.rollout.builder.update(max_turns=2, max_new_tokens=160)
     c.train.update(num_steps=steps, batch_rows=4, learning_rate=3e-3, warmup_steps=0, log_every=5,
                    max_seq_len=1024)
-    c.demos.update(per_task=2, calls_per_turn=2)
+    c.demos.update(num_tasks=6, per_task=1, calls_per_turn=2)
     c.checkpoint.update(every=4, keep=2, async_save=False)
     return c
 

@@ -117,6 +117,9 @@ class BuilderConfig:
     compaction_budget: int = 3000
     compaction_summary_tokens: int = 256
     malformed_penalty: float = 0.05
+    # the system prompt's file in agents/prompts/: "builder_system" (the paper's), or "builder_system_compact"
+    # (the same tools and rules in a quarter of the tokens: the embedded world's tiny model)
+    system_prompt: str = "builder_system"
 
     def protocol(self) -> ProtocolConfig:
         return ProtocolConfig(malformed_penalty=self.malformed_penalty, max_calls=self.max_calls_per_turn)
@@ -208,6 +211,8 @@ class BuilderAgent:
         self.conversations: list[list[dict[str, str]]] = [
             [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": user}]
         ]
+        # tool responses come back in the template's observation turn ("tool" for Qwen3.5, else "user")
+        self.observation_role = getattr(ctx.template, "observation_role", "user")
         self._open_pos = len(prompt)  # where the coming assistant turn's header starts
         self._prev_open_pos: int | None = None
         self.log = SessionLog(ctx, POLICY, prompt + ctx.template.open_turn("assistant"))
@@ -216,7 +221,7 @@ class BuilderAgent:
 
     def system_prompt(self) -> str:
         return prompt_text.render(
-            "builder_system",
+            self.cfg.system_prompt,
             tools=render_tools(BUILDER_TOOLS),
             max_reads=self.cfg.max_reads_per_turn,
             max_turns=self.cfg.max_turns,
@@ -263,7 +268,7 @@ class BuilderAgent:
             self.log.append(close)
             self._prev_open_pos = self._open_pos
             user_ids, obs = self._fit_observation(obs)
-            self.conversations[-1].append({"role": "user", "content": obs})
+            self.conversations[-1].append({"role": self.observation_role, "content": obs})
             self._open_pos = len(self.log) + len(user_ids)
             self.log.append(user_ids + self.ctx.template.open_turn("assistant"))
         return outcome
@@ -271,7 +276,8 @@ class BuilderAgent:
     def _fit_observation(self, obs: str) -> tuple[list[int], str]:
         """The observation turn's ids and text, the text cut (a few tries) to at most half of what
         `context_budget` leaves after one reply, so that after a compaction the carried-over turn fits."""
-        ids = self.ctx.template.turn("user", obs)
+        role = self.observation_role
+        ids = self.ctx.template.turn(role, obs)
         if self.cfg.context_budget <= 0:
             return ids, obs
         cap = max(64, (self.cfg.context_budget - self.cfg.max_new_tokens) // 2)
@@ -280,7 +286,7 @@ class BuilderAgent:
                 break
             keep = max(0, int(len(obs) * cap / len(ids)) - 64)
             obs = obs[:keep] + "\n[... observation cut to fit the context; read less at once]"
-            ids = self.ctx.template.turn("user", obs)
+            ids = self.ctx.template.turn(role, obs)
         return ids, obs
 
     def _execute(self, parsed: ParsedTurn, outcome: TurnOutcome) -> AgentGen:

@@ -22,6 +22,7 @@ def load(name: str) -> str:
 
 PROMPT_NAMES = (
     "builder_system",
+    "builder_system_compact",
     "builder_user",
     "builder_compacted",
     "answerer_system",

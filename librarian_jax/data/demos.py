@@ -73,7 +73,7 @@ def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
 
 
 def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max_turns: int) -> list[str]:
-    """The replies of a builder of `style`: `calls_per_turn` calls each, the last reply ending with stop (calls
+    """The replies of a builder of `style`: `calls_per_turn` calls each, the last one ending with stop (calls
     that do not fit in `max_turns` replies are dropped, stop kept)."""
     calls = style_calls(style, docs)
     body, stop = calls[:-1], calls[-1]
@@ -100,6 +100,19 @@ def scripted_builder(style: str, calls_per_turn: int, max_turns: int) -> Any:
         return plans[key][k]
 
     return policy
+
+
+def tool_call_texts(tasks: Sequence[Any]) -> list[str]:
+    """The tool calls every style would write for these tasks (from their documents' titles and ids), one
+    text per task and style: what the warm start's tokenizer should encode compactly."""
+    out = []
+    for t in tasks:
+        docs = []
+        for d in t.documents:
+            m = _ENTITY_TITLE.match(d.title or "")
+            docs.append(ListedDoc(d.doc_id, d.title or "", m.group("name") if m else ""))
+        out += ["\n".join(style_calls(s, docs)) for s in STYLES]
+    return out
 
 
 def style_counts(num: int, mix: Mapping[str, float]) -> dict[str, int]:

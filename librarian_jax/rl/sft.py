@@ -3,8 +3,9 @@ before GRPO.
 
     python -m librarian_jax.main --config=configs/sft.py --config.data.path=convs.jsonl --config.workdir=DIR
 
-Data: JSONL, one conversation per line: `{"messages": [{"role": "system"|"user"|"assistant", "content":
-"..."}, ...]}` (other keys are kept aside, e.g. a demonstration's style). Token in, token out: each message is
+Data: JSONL, one conversation per line: `{"messages": [{"role": "system"|"user"|"assistant"|"tool",
+"content": "..."}, ...]}` ("tool": a tool-response turn, for templates that have one; other keys are kept
+aside, e.g. a demonstration's style). Token in, token out: each message is
 encoded on its own with the run's chat template (`start(system)`, `turn(role, content)`), exactly the ids the
 builder's session holds at rollout time, and the loss covers only assistant tokens: each reply's content ids
 and its end-of-turn id (the id the sampler must produce to end the turn), never the prompt, observations or
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 PACKING = ("none", "concat")
 
 

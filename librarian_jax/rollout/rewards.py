@@ -91,6 +91,15 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.builder.max_turns < 1:
             raise ValueError(f"RolloutConfig.builder.max_turns must be >= 1, got {self.builder.max_turns}")
+        from librarian_jax.agents.prompt_text import PROMPT_NAMES
+
+        if not self.builder.system_prompt.startswith("builder_system") or \
+                self.builder.system_prompt not in PROMPT_NAMES:
+            raise ValueError(
+                f"RolloutConfig.builder.system_prompt must name a builder system prompt "
+                f"({[n for n in PROMPT_NAMES if n.startswith('builder_system')]}), "
+                f"got {self.builder.system_prompt!r}"
+            )
         if self.builder.executor not in ("model", "extractive"):
             raise ValueError(
                 f"RolloutConfig.builder.executor must be 'model' or 'extractive', "
