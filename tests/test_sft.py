@@ -160,3 +160,16 @@ def test_sft_config_errors_name_the_key(tmp_path):
     c.data.path = str(tmp_path / "missing.jsonl")
     with pytest.raises(ConfigError, match=r"config\.data\.path"):
         supervised.validate(c)
+
+
+def test_nll_loss_is_the_mean_negative_log_likelihood_of_the_loss_tokens():
+    import jax.numpy as jnp
+
+    from librarian_jax.rl import losses
+
+    lp = jnp.array([[0.0, -1.0, -2.0, -3.0]])
+    mask = jnp.array([[0.0, 1.0, 1.0, 0.0]])
+    total, count, sums = losses.get_loss_fn("nll")(
+        lp, lp, jnp.zeros_like(lp), jnp.full_like(lp, 5.0), mask, jnp.ones(1),
+        config=losses.LossConfig(name="nll", tis_cap=2.0))
+    assert float(total / count) == 1.5 and float(sums["tis"]) == 2.0  # advantages and TIS play no part

@@ -215,13 +215,9 @@ def nll_loss(logprobs: jax.Array, old_logprobs: jax.Array, sampler_logprobs: jax
              config: LossConfig) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Supervised fine-tuning: the negative log-likelihood `-logp` of the loss tokens (advantages and the
     sampler's log-probs are unused; optional KL as in the other losses). `[B, T]` inputs."""
-    loss = -logprobs
-    kl = jnp.zeros_like(loss)
-    if ref_logprobs is not None:
-        d = ref_logprobs - logprobs
-        kl = jnp.exp(d) - d - 1.0
-        if config.kl_beta:
-            loss = loss + config.kl_beta * kl
+    # no importance weight: the tokens are demonstrations, not samples of an older policy
+    loss, _, kl = _tis_and_kl(-logprobs, logprobs, old_logprobs, sampler_logprobs, ref_logprobs,
+                              dataclasses.replace(config, tis_cap=0.0))
     total, count = aggregate(loss, loss_mask, row_weights, config.aggregation, config.norm_length)
     zeros = jnp.zeros_like(loss)
     ones = jnp.ones_like(loss)
