@@ -221,19 +221,20 @@ def test_lora_on_experts_starts_at_the_base_model_and_trains():
 
 @needs8
 def test_expert_parallel_equals_unsharded():
-    """8 simulated devices as (data 2, expert 2, tensor 2): experts split over `expert`, their width over
-    `tensor`, tokens over `data`; logits of a cached prefill and a decode step equal the unsharded model's;
-    with LoRA'd experts too."""
+    """8 simulated devices as (fsdp 2, expert 2, tensor 2): experts split over `expert` x `fsdp`, their width
+    over `tensor` (tokens over `data`: test_engine_serves_moe_like_transformers); logits of a cached prefill
+    and a decode step equal the unsharded model's, with LoRA'd experts too."""
     from librarian_jax.engine import make_mesh
 
     folder = os.path.join(GOLDEN, "qwen3_5moe_b")
     single = load_hf(folder)
-    mesh = make_mesh({"data": 2, "expert": 2, "tensor": 2})
+    mesh = make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
     sharded = load_hf(folder, mesh=mesh)
     layer = sharded.layers[0].mlp
     assert layer.mesh is mesh
-    assert tuple(layer.experts.gate_up_proj.get_value().sharding.spec) == ("expert", None, None, "tensor")
-    assert tuple(layer.experts.down_proj.get_value().sharding.spec)[:2] == ("expert", "tensor")
+    split = ("expert", "fsdp")  # 4 experts, one per (expert, fsdp) device pair
+    assert tuple(layer.experts.gate_up_proj.get_value().sharding.spec) == (split, None, None, "tensor")
+    assert tuple(layer.experts.down_proj.get_value().sharding.spec)[:2] == (split, "tensor")
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 8)), jnp.int32)
     outs = []
     for model in (single, sharded):

@@ -16,7 +16,7 @@ a `lax.scan` over the tiles multiplies each by its expert's weight, read in plac
 gathering every tile's weight for one batched matmul). Calls with few assignments (decode: tokens * k <=
 experts) gather each assignment's expert weight directly (tile of 1, no sort, one batched matmul).
 
-Expert parallelism: expert weights carry the logical axis `expert` (mesh axis `expert`, see
+Expert parallelism: expert weights carry the logical axis `expert` (mesh axes `expert` and `fsdp`, see
 `partitioning.DEFAULT_RULES`) on their leading dim, and `mlp` (mesh axis `tensor`) on their hidden dim. Once
 `bind_mesh(model, mesh)` has told the MoE layers the mesh (`load_hf(mesh=)`, `init_model(mesh=)`,
 `shard_model`, the engine and the trainer do it), the expert computation runs under `shard_map`: each device
@@ -274,12 +274,14 @@ class SparseMoE(nnx.Module):
             spec_gu = PartitionSpec(spec_dn[0] if spec_gu[0] == spec_dn[0] else None, None, None, None)
             spec_dn = PartitionSpec(spec_gu[0], None, None)
         t = x.shape[0]
-        dp = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+        expert_axes = _names(spec_gu[0])
+        # tokens split over the data axes the experts are not split over (a device needs every token that
+        # may reach its experts)
+        dp = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1 and a not in expert_axes)
         if dp and t % math.prod(mesh.shape[a] for a in dp):
             dp = ()
         tok = PartitionSpec(dp or None, None)
-        reduce_axes = tuple(a for a in (*_names(spec_gu[0]), *_names(spec_gu[3])) if a)
-        expert_axes = _names(spec_gu[0])
+        reduce_axes = tuple(a for a in (*expert_axes, *_names(spec_gu[3])) if a)
         n_local = gate_up.shape[0] // math.prod(mesh.shape[a] for a in expert_axes) if expert_axes else \
             gate_up.shape[0]
         lora_specs = None

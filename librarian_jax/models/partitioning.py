@@ -32,7 +32,9 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "norm": None,
     "conv": "tensor",
     "lin_heads": "tensor",
-    "expert": "expert",
+    # routed experts: over `expert`, and over `fsdp` too, so that FSDP meshes also split them (each device
+    # then computes its own experts for every token of its data shard: expert parallelism, models/moe.py)
+    "expert": ("expert", "fsdp"),
     # cache
     "cache_batch": "data",
     "cache_seq": None,
