@@ -49,6 +49,15 @@ def _base() -> ml_collections.ConfigDict:
         questions_per_task=4,   # half multi-hop (facts in >= 2 documents)
         reuse_questions_per_task=0,
         heldout_fraction=0.25,  # tasks kept out of training (by task-id hash), for eval
+        # The paper's data protocol (docs/paper-settings.md, Data); the defaults leave the data as loaded.
+        split_file="",          # task-id file deciding train / held-out instead of the hash: held-out ids
+                                # (one a line or a JSON list) or JSON {"train": [...], "heldout": [...]}
+        max_docs=0,             # tasks / browsecomp_plus: the noisy variant, support docs + shuffled
+                                # negatives, at most this many documents; 0 = every document, file order
+        reuse_questions="",     # JSONL of {task_id | question_id, amortization_questions: [...]} rows: each
+                                # named corpus's reuse questions; "" = those the task rows carry
+        questions_per_domain=0,  # bright: a seeded sample of N questions per domain; 0 = every question
+        sample_seed=0,          # seed of the max_docs negatives and the BRIGHT question sample
         tasks_per_batch=4,
         shuffle_seed=0,
     ))
@@ -141,6 +150,10 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.model.update(preset=model_preset, init="hf", dtype="bfloat16", lora_rank=32, lora_alpha=64.0)
     c.warm_start.enabled = False
     c.data.update(source="file", num_tasks=0, tasks_per_batch=16, heldout_fraction=0.0)
+    # BrowseComp-Plus as the authors train on it: the noisy variant (support documents plus shuffled
+    # negatives, <= 50 documents), 680 train / 50 held-out tasks from --config.data.split_file (their split as
+    # data; without it every task trains); BRIGHT (zero-shot evaluation) as 50 sampled questions per domain.
+    c.data.update(max_docs=50, questions_per_domain=50)
     c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
                      probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True)
     c.rollout.builder.update(system_prompt="builder_system", max_turns=32, max_new_tokens=4096,

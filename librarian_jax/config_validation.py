@@ -113,6 +113,31 @@ def validate(config: Any, num_devices: int | None = None) -> None:
                        "conversations and start GRPO from its checkpoint (model.init='orbax')")
 
 
+def _validate_data_protocol(config: Any, source: str) -> None:
+    """The paper's data protocol keys (configs/grpo.py, docs/paper-settings.md): the split and reuse files are
+    read here (ids missing from the data are caught when the tasks load, still before any model)."""
+    from librarian_jax import data
+
+    readers = {"data.split_file": data.read_task_ids, "data.reuse_questions": data.load_reuse_questions}
+    for key, read in readers.items():
+        p = _get(config, key)
+        if not isinstance(p, str):
+            raise _err(key, f"must be a path string ('' = none), got {p!r}")
+        if not p:
+            continue
+        if not os.path.isfile(p):
+            raise _err(key, f"{p!r} is not a file")
+        try:
+            read(p)
+        except data.DataError as e:
+            raise _err(key, str(e)) from None
+    for key in ("data.max_docs", "data.questions_per_domain"):
+        if _int(config, key, 0) and source != "file":
+            raise _err(key, f"applies to data.source='file' (BrowseComp-Plus / BRIGHT), not {source!r}; "
+                       "0 = off")
+    _int(config, "data.sample_seed", 0)
+
+
 def validate_common(config: Any, num_devices: int | None = None) -> None:
     """The keys every command that builds a model shares: seed, workdir, model, data, rollout, checkpoint,
     mesh."""
@@ -166,6 +191,7 @@ def validate_common(config: Any, num_devices: int | None = None) -> None:
     _float(config, "data.heldout_fraction", 0.0, 0.9)
     _int(config, "data.tasks_per_batch", 1)
     _int(config, "data.shuffle_seed", 0)
+    _validate_data_protocol(config, source)
 
     # rollout
     _int(config, "rollout.group_size", 1)

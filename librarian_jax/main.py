@@ -57,8 +57,34 @@ def maybe_initialize_distributed(env: dict[str, str] | None = None) -> bool:
 # ------------------------------------------------------------------------------------------- building
 
 
+# The loaders' options each data key sets, and the formats that have them (docs/paper-settings.md, Data).
+_DATA_LOADER_KEYS = {"max_docs": ("tasks", "browsecomp_plus"), "questions_per_domain": ("bright",)}
+
+
+def _loader_kwargs(d: Any, fmt: str) -> dict[str, Any]:
+    """`data.load_tasks` options from the data config: the noisy variant's document cap (`max_docs`: support
+    documents plus shuffled negatives, at most that many) and the BRIGHT question sample
+    (`questions_per_domain`), both drawn with `sample_seed`. A key set for a format without it is logged."""
+    kwargs: dict[str, Any] = {}
+    for key, formats in _DATA_LOADER_KEYS.items():
+        value = int(d.get(key, 0))
+        if not value:
+            continue
+        if fmt not in formats:
+            logging.warning("config.data.%s=%d does not apply to the %r format of %s (only %s)",
+                            key, value, fmt, d.path, "/".join(formats))
+            continue
+        kwargs.update({key: value, "seed": int(d.get("sample_seed", 0))})
+        if key == "max_docs":
+            kwargs["shuffle_docs"] = True
+    return kwargs
+
+
 def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
-    """(train tasks, held-out tasks) from the synthetic world or a tasks file."""
+    """(train tasks, held-out tasks) from the synthetic world or a tasks file.
+
+    `data.reuse_questions` (a file) sets the named corpora's reuse questions; `data.split_file` (a task-id
+    file, `data.read_task_ids`) decides train / held-out, else `data.heldout_fraction` by task-id hash."""
     from librarian_jax import data
 
     d = config.data
@@ -68,7 +94,22 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
                                     questions_per_task=d.questions_per_task,
                                     reuse_questions_per_task=d.reuse_questions_per_task)
     else:
-        tasks = data.load_tasks(d.path, format=d.format)
+        fmt = data.sniff_format(d.path) if d.format == "auto" else d.format
+        tasks = data.load_tasks(d.path, format=fmt, **_loader_kwargs(d, fmt))
+    if d.get("reuse_questions", ""):
+        try:
+            tasks = data.attach_reuse_questions(tasks, d.reuse_questions)
+        except data.DataError as e:
+            raise config_validation.ConfigError(f"config.data.reuse_questions: {e}") from e
+    if d.get("split_file", ""):
+        try:
+            train, heldout = data.split_by_ids(tasks, d.split_file)
+        except data.DataError as e:
+            raise config_validation.ConfigError(f"config.data.split_file: {e}") from e
+        if not train:
+            raise config_validation.ConfigError(
+                f"config.data.split_file: {d.split_file} leaves no training task of {len(tasks)}")
+        return train, heldout
     train, heldout = data.split_tasks(tasks, float(d.heldout_fraction)) if d.heldout_fraction else (tasks, [])
     if not train:
         raise config_validation.ConfigError(

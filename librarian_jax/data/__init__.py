@@ -13,6 +13,7 @@ from librarian_jax.data.errors import DataError
 from librarian_jax.data.loaders import (
     FORMATS,
     NOISY_VARIANT,
+    attach_reuse_questions,
     iter_browsecomp_plus,
     iter_corpus_jsonl,
     iter_task_jsonl,
@@ -22,12 +23,14 @@ from librarian_jax.data.loaders import (
     load_browsecomp_plus,
     load_corpus_jsonl,
     load_folder,
+    load_reuse_questions,
     load_task_jsonl,
     load_tasks,
     save_tasks,
     sniff_format,
 )
 from librarian_jax.data.schema import CorpusTask, Document, Question, content_hash
+from librarian_jax.data.splits import read_task_ids, split_by_ids
 from librarian_jax.data.synthetic import WorldConfig, generate_task, generate_world, world_texts
 
 _LAZY = {
@@ -48,8 +51,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FORMATS", "NOISY_VARIANT", "CorpusTask", "DataError", "Document", "Question", "WorldConfig",
-    "content_hash", "generate_task", "generate_world", "iter_browsecomp_plus", "iter_corpus_jsonl",
-    "iter_task_jsonl", "iter_tasks", "load_bright", "load_bright_domain", "load_browsecomp_plus",
-    "load_corpus_jsonl",
-    "load_folder", "load_task_jsonl", "load_tasks", "save_tasks", "sniff_format", "world_texts", *_LAZY,
+    "attach_reuse_questions", "content_hash", "generate_task", "generate_world", "iter_browsecomp_plus",
+    "iter_corpus_jsonl", "iter_task_jsonl", "iter_tasks", "load_bright", "load_bright_domain",
+    "load_browsecomp_plus", "load_corpus_jsonl", "load_folder", "load_reuse_questions", "load_task_jsonl",
+    "load_tasks", "read_task_ids", "save_tasks", "sniff_format", "split_by_ids", "world_texts", *_LAZY,
 ]

@@ -19,10 +19,13 @@ Formats (names accepted by `load_tasks(path, format=...)`):
   negatives are drawn by a seeded shuffle): `NOISY_VARIANT` is the paper's noisy setting.
 - ``"bright"``: BRIGHT-style retrieval domains: a documents file of ``{id, content}`` rows and an examples
   file of ``{id, query, gold_ids, gold_answer?}`` rows; one task per domain holding all documents and all
-  queries. A directory is searched for ``documents/<domain>.jsonl`` + ``examples/<domain>.jsonl`` or
+  queries, or (``questions_per_domain=N``) a seeded sample of N of them (the paper: 50 per domain). A
+  directory is searched for ``documents/<domain>.jsonl`` + ``examples/<domain>.jsonl`` or
   ``<domain>/documents.jsonl`` + ``<domain>/examples.jsonl``.
 - ``"folder"``: a folder of ``.txt`` / ``.md`` files, documents only (for building a user's workspace).
 - ``"corpus"``: this package's own JSONL (`CorpusTask.to_dict()` per row, as written by `save_tasks`).
+
+A reuse question set kept in its own file is attached per corpus by `attach_reuse_questions`.
 
 JSONL files (optionally ``.gz``) are read line by line; the ``iter_*`` functions stream tasks one at a time.
 Any malformed input raises `DataError` naming the file, the line and the field: invalid JSON (nesting too
@@ -269,6 +272,25 @@ class _TaskIds:
 # The paper's task JSONL.
 
 
+def _reuse_question(a: _Fields) -> Question:
+    """One reuse (amortization) question: `{question_id, question, gold_answer, aliases?, question_type?,
+    estimated_difficulty?}`."""
+    meta = {}
+    if a.has("estimated_difficulty"):
+        diff = a.data["estimated_difficulty"]
+        if not isinstance(diff, str | int | float) or isinstance(diff, bool):
+            raise a.fail("estimated_difficulty", f"expected a string or a number, got {json_type_name(diff)}")
+        meta["estimated_difficulty"] = diff
+    return Question(
+        question_id=a.get("question_id", "id"),
+        question=a.get("question", "str"),
+        gold_answer=a.get("gold_answer", "str"),
+        aliases=a.strings("aliases"),
+        question_type=a.get("question_type", "str", required=False, default=""),
+        meta=meta,
+    )
+
+
 def _parse_task_row(path: str, line: int, row: dict[str, Any]) -> CorpusTask:
     f = _Fields(path, line, row)
     qid = f.get("question_id", "id")
@@ -303,29 +325,10 @@ def _parse_task_row(path: str, line: int, row: dict[str, Any]) -> CorpusTask:
         )
     if not docs:
         raise f.fail("docs", "empty corpus (no documents)")
-    reuse = []
-    for a in f.objects("amortization_questions", required=False):
-        meta = {}
-        if a.has("estimated_difficulty"):
-            diff = a.data["estimated_difficulty"]
-            if not isinstance(diff, str | int | float) or isinstance(diff, bool):
-                raise a.fail(
-                    "estimated_difficulty", f"expected a string or a number, got {json_type_name(diff)}"
-                )
-            meta["estimated_difficulty"] = diff
-        reuse.append(
-            (
-                a.name("question_id"),
-                Question(
-                    question_id=a.get("question_id", "id"),
-                    question=a.get("question", "str"),
-                    gold_answer=a.get("gold_answer", "str"),
-                    aliases=a.strings("aliases"),
-                    question_type=a.get("question_type", "str", required=False, default=""),
-                    meta=meta,
-                ),
-            )
-        )
+    reuse = [
+        (a.name("question_id"), _reuse_question(a))
+        for a in f.objects("amortization_questions", required=False)
+    ]
     _check_unique_questions(f, [("question_id", hidden), *reuse])
     return CorpusTask(
         task_id=task_id,
@@ -376,6 +379,69 @@ def _check_caps(max_docs: int | None, max_negatives: int | None) -> None:
 def load_task_jsonl(path: PathLike, **kwargs: Any) -> list[CorpusTask]:
     """All tasks of a task JSONL file (`iter_task_jsonl` options); raises `DataError` on an empty file."""
     return _non_empty(path, list(iter_task_jsonl(path, **kwargs)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# A reuse question set kept apart from the corpora (the paper's 443-question set over 50 corpora).
+
+
+def load_reuse_questions(path: PathLike) -> dict[str, tuple[int, tuple[Question, ...]]]:
+    """`{task_id: (line, reuse questions)}` from a JSONL file, one corpus per row::
+
+        {task_id | question_id | query_id, amortization_questions | reuse_questions: [{question_id, question,
+         gold_answer, aliases?, question_type?, estimated_difficulty?}]}
+
+    The corpus is named as in the formats: `task_id`, else the paper's task row `question_id` (so the
+    paper's reuse-set task JSONL is read as is; its `docs` are ignored), else BrowseComp-Plus `query_id`.
+    """
+    out: dict[str, tuple[int, tuple[Question, ...]]] = {}
+    for line, row in iter_json_rows(path):
+        f = _Fields(str(path), line, row)
+        key = next((k for k in ("task_id", "question_id", "query_id") if k in row), "task_id")
+        task_id = f.get(key, "id")
+        if task_id in out:
+            raise f.fail(key, f"duplicate task id '{task_id}' (first on line {out[task_id][0]})")
+        qkey = "reuse_questions" if "reuse_questions" in row else "amortization_questions"
+        qs = [(a.name("question_id"), _reuse_question(a)) for a in f.objects(qkey)]
+        _check_unique_questions(f, qs)
+        out[task_id] = (line, tuple(q for _, q in qs))
+    if not out:
+        raise DataError(str(path), "no reuse questions (no rows)")
+    return out
+
+
+def attach_reuse_questions(tasks: Iterable[CorpusTask], path: PathLike) -> list[CorpusTask]:
+    """`tasks` with the reuse questions of `path` (`load_reuse_questions`) as each named corpus's
+    `reuse_questions` (replacing any its own row carried); corpora the file does not name are unchanged.
+
+    Raises `DataError` naming the file, line and id when the file names a task not in `tasks`, or gives a
+    corpus a reuse question whose id is one of its hidden questions'.
+    """
+    tasks = list(tasks)
+    sets = load_reuse_questions(path)
+    have = {t.task_id for t in tasks}
+    for task_id, (line, _) in sets.items():
+        if task_id not in have:
+            raise DataError(
+                str(path), f"task id '{task_id}' is not in the data ({len(have)} tasks)", line=line
+            )
+    out = []
+    for t in tasks:
+        if t.task_id not in sets:
+            out.append(t)
+            continue
+        line, reuse = sets[t.task_id]
+        hidden = {q.question_id for q in t.questions}
+        for q in reuse:
+            if q.question_id in hidden:
+                raise DataError(
+                    str(path),
+                    f"reuse question id '{q.question_id}' of task '{t.task_id}' is also one of its hidden "
+                    "questions",
+                    line=line,
+                )
+        out.append(dataclasses.replace(t, reuse_questions=reuse, meta={**t.meta, "reuse_source": str(path)}))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -530,11 +596,23 @@ def load_browsecomp_plus(path: PathLike, **kwargs: Any) -> list[CorpusTask]:
 
 
 def load_bright_domain(
-    documents_path: PathLike, examples_path: PathLike, *, domain: str | None = None
+    documents_path: PathLike,
+    examples_path: PathLike,
+    *,
+    domain: str | None = None,
+    questions_per_domain: int = 0,
+    seed: int = 0,
 ) -> CorpusTask:
     """One task holding a BRIGHT domain: every `{id, content}` document and every `{id, query, gold_ids,
     gold_answer?}` example as a hidden question (`meta["gold_ids"]` keeps the retrieval labels; a missing
-    `gold_answer` becomes "")."""
+    `gold_answer` becomes "").
+
+    `questions_per_domain` > 0 keeps a sample of that many examples (the paper: 50 per domain), drawn by a
+    shuffle seeded by `(seed, "bright/<domain>")` and kept in file order; a domain with fewer keeps them all
+    (with a warning). 0 keeps every example.
+    """
+    if questions_per_domain < 0:
+        raise ValueError(f"questions_per_domain must be >= 0, got {questions_per_domain}")
     dpath, epath = str(documents_path), str(examples_path)
     domain = domain or pathlib.Path(documents_path).name.split(".")[0]
     docs: list[Document] = []
@@ -590,6 +668,17 @@ def load_bright_domain(
         logging.warning(
             "%s: %d of %d examples have no gold_answer (kept as '')", epath, missing_answers, len(questions)
         )
+    total = len(questions)
+    if questions_per_domain:
+        if questions_per_domain >= total:
+            if questions_per_domain > total:
+                logging.warning(
+                    "%s: %d examples, fewer than questions_per_domain=%d; keeping all of them",
+                    epath, total, questions_per_domain,
+                )
+        else:
+            chosen = sorted(_seeded_rng(seed, f"bright/{domain}").sample(range(total), questions_per_domain))
+            questions = [questions[i] for i in chosen]
     gold = {g for q in questions for g in q.meta["gold_ids"]}
     for d in docs:
         d.meta["is_gold"] = d.doc_id in gold
@@ -597,7 +686,8 @@ def load_bright_domain(
         task_id=f"bright/{domain}",
         documents=tuple(docs),
         questions=tuple(questions),
-        meta={"source": dpath, "examples": epath, "format": "bright", "domain": domain},
+        meta={"source": dpath, "examples": epath, "format": "bright", "domain": domain,
+              "num_examples": total},
     )
 
 
@@ -622,8 +712,15 @@ def _bright_pairs(root: pathlib.Path) -> list[tuple[str, pathlib.Path, pathlib.P
     return pairs
 
 
-def load_bright(root: PathLike, *, domains: Iterable[str] | None = None) -> list[CorpusTask]:
-    """One task per BRIGHT domain found under `root` (see the module docstring for the layouts)."""
+def load_bright(
+    root: PathLike,
+    *,
+    domains: Iterable[str] | None = None,
+    questions_per_domain: int = 0,
+    seed: int = 0,
+) -> list[CorpusTask]:
+    """One task per BRIGHT domain found under `root` (see the module docstring for the layouts), each with a
+    seeded sample of `questions_per_domain` examples (0 = all; see `load_bright_domain`)."""
     pairs = _bright_pairs(pathlib.Path(root))
     if domains is not None:
         wanted = list(domains)
@@ -638,7 +735,10 @@ def load_bright(root: PathLike, *, domains: Iterable[str] | None = None) -> list
             "no BRIGHT domains (expected documents/<domain>.jsonl + examples/<domain>.jsonl "
             "or <domain>/documents.jsonl + <domain>/examples.jsonl)",
         )
-    return [load_bright_domain(dp, ep, domain=domain) for domain, dp, ep in pairs]
+    return [
+        load_bright_domain(dp, ep, domain=domain, questions_per_domain=questions_per_domain, seed=seed)
+        for domain, dp, ep in pairs
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -176,17 +176,13 @@ def plan_eval(config: Any) -> Plan:
 
 
 def _read_ids(path: str) -> list[str]:
-    with open(path) as f:
-        text = f.read()
+    """The held-out ids of a task-id file (`data.read_task_ids`, the reader training's split_file uses)."""
+    from librarian_jax import data
+
     try:
-        data = json.loads(text)
-    except ValueError:
-        return [x.strip() for x in text.splitlines() if x.strip()]
-    if isinstance(data, dict):
-        data = data.get("heldout", data.get("test"))
-    if not isinstance(data, list):
-        raise _err("task_ids", f"{path!r}: expected a JSON list of ids or {{'heldout': [...]}}")
-    return [str(x) for x in data]
+        return data.read_task_ids(path)[1]
+    except data.DataError as e:
+        raise _err("task_ids", str(e)) from None
 
 
 def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:

@@ -1,0 +1,176 @@
+"""The paper's data protocol (issue 12, item 8): the split as data, the noisy variant's document cap, the
+reuse question set per corpus, and BRIGHT's N sampled questions per domain, from `configs/grpo.py` keys."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from configs import grpo
+from librarian_jax import config_validation, data, main
+from librarian_jax.config_validation import ConfigError
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _task_rows(n: int) -> list[dict]:
+    """The paper's task JSONL: one hidden question per corpus."""
+    return [
+        {"question_id": f"q{i}", "question": f"What is {i}?", "gold_answer": str(i),
+         "docs": [{"doc_id": f"d{i}-{j}", "text": f"doc {j} of {i}", "is_gold": j == 0} for j in range(3)]}
+        for i in range(n)
+    ]
+
+
+def _file_config(path: str, **data_keys) -> object:
+    c = grpo.get_config("embedded")
+    c.warm_start.enabled = False
+    c.data.update({"source": "file", "path": path, "format": "auto", "heldout_fraction": 0.25, **data_keys})
+    return c
+
+
+def test_config_declares_the_keys_embedded_off_paper_on():
+    base, paper = grpo.get_config("embedded").data, grpo.get_config("qwen3_5_4b").data
+    assert (base.split_file, base.max_docs, base.reuse_questions, base.questions_per_domain) == ("", 0, "", 0)
+    assert (paper.max_docs, paper.questions_per_domain) == (50, 50)
+
+
+def test_split_file_decides_the_split_and_write_split_records_it(tmp_path):
+    path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(8))
+    # the paper's shape: train, held-out, and tasks in neither (excluded); the file's order is kept
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": ["q5", "q0", "q1", "q2"], "heldout": ["q7", "q3"]}))
+    train, held = main.build_tasks(_file_config(path, split_file=str(split)))
+    assert [t.task_id for t in train] == ["q5", "q0", "q1", "q2"]
+    assert [t.task_id for t in held] == ["q7", "q3"]
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(main.write_split(str(out), train, held)) as f:
+        assert json.load(f) == {"train": ["q5", "q0", "q1", "q2"], "heldout": ["q7", "q3"]}
+    # held-out ids only, one a line: every other task trains
+    ids = tmp_path / "heldout.txt"
+    ids.write_text("q6\n\nq1\n")
+    train, held = main.build_tasks(_file_config(path, split_file=str(ids)))
+    assert [t.task_id for t in held] == ["q6", "q1"]
+    assert [t.task_id for t in train] == ["q0", "q2", "q3", "q4", "q5", "q7"]
+
+
+def test_split_file_id_not_in_the_data_names_file_and_id(tmp_path):
+    path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(4))
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"heldout": ["q1", "q99"]}))
+    with pytest.raises(ConfigError, match=rf"config\.data\.split_file: {split}: task id 'q99' is not in"):
+        main.build_tasks(_file_config(path, split_file=str(split)))
+    # the eval side reads task-id files with the same reader
+    assert data.read_task_ids(split) == (None, ["q1", "q99"])
+
+
+def test_max_docs_caps_the_browsecomp_plus_corpora(tmp_path):
+    rows = [{"query_id": f"b{i}", "query": "who?", "answer": "x",
+             "gold_docs": [{"docid": f"g{i}", "text": "gold"}],
+             "evidence_docs": [{"docid": f"e{i}-{k}", "text": "ev"} for k in range(2)],
+             "negative_docs": [{"docid": f"n{i}-{k}", "text": f"neg {k}"} for k in range(70)]}
+            for i in range(3)]
+    path = _write_jsonl(tmp_path / "bcp.jsonl", rows)
+    full, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0))
+    assert [len(t.documents) for t in full] == [73, 73, 73]
+    capped, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    assert [len(t.documents) for t in capped] == [50, 50, 50]
+    for i, t in enumerate(capped):  # every support document kept
+        assert {f"g{i}", f"e{i}-0", f"e{i}-1"} <= {d.doc_id for d in t.documents}
+    again, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    assert [[d.doc_id for d in t.documents] for t in again] == [
+        [d.doc_id for d in t.documents] for t in capped]
+
+
+def test_reuse_questions_load_per_corpus(tmp_path):
+    path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(3))
+    reuse = _write_jsonl(tmp_path / "reuse.jsonl", [
+        # the paper's reuse-set row (question_id names the corpus, docs ignored) and a bare task_id row
+        {"question_id": "q0", "docs": [], "amortization_questions": [
+            {"question_id": "q0/r0", "question": "a?", "gold_answer": "A", "estimated_difficulty": 2},
+            {"question_id": "q0/r1", "question": "b?", "gold_answer": "B"}]},
+        {"task_id": "q2",
+         "reuse_questions": [{"question_id": "q2/r0", "question": "c?", "gold_answer": "C"}]},
+    ])
+    tasks, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=reuse))
+    by_id = {t.task_id: t for t in tasks}
+    assert [q.question_id for q in by_id["q0"].reuse_questions] == ["q0/r0", "q0/r1"]
+    assert by_id["q0"].reuse_questions[0].meta["estimated_difficulty"] == 2
+    assert [q.gold_answer for q in by_id["q2"].reuse_questions] == ["C"]
+    assert by_id["q1"].reuse_questions == ()
+    assert [q.question_id for q in by_id["q0"].questions] == ["q0"]  # hidden questions untouched
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [
+        {"task_id": "q7", "reuse_questions": [{"question_id": "r", "question": "?", "gold_answer": "x"}]}])
+    with pytest.raises(ConfigError, match=rf"config\.data\.reuse_questions: {bad}:1: task id 'q7' is not"):
+        main.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=bad))
+
+
+def _bright(root: pathlib.Path, domains: dict[str, int]) -> str:
+    for domain, n in domains.items():
+        (root / domain).mkdir(parents=True)
+        _write_jsonl(root / domain / "documents.jsonl",
+                     [{"id": f"{domain}-d{j}", "content": "t"} for j in range(5)])
+        _write_jsonl(root / domain / "examples.jsonl", [
+            {"id": f"{domain}-q{k}", "query": f"q {k}", "gold_ids": [f"{domain}-d{k % 5}"],
+             "gold_answer": "a"} for k in range(n)])
+    return str(root)
+
+
+def test_bright_samples_n_questions_per_domain_deterministically(tmp_path):
+    root = _bright(tmp_path / "bright", {"aops": 80, "biology": 120, "stackoverflow": 30})
+    everything, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0))
+    assert [len(t.questions) for t in everything] == [80, 120, 30]
+
+    def sample(seed: int) -> dict[str, list[str]]:
+        tasks, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50,
+                                                 sample_seed=seed))
+        return {t.task_id: [q.question_id for q in t.questions] for t in tasks}
+
+    first = sample(0)
+    assert {k: len(v) for k, v in first.items()} == {"bright/aops": 50, "bright/biology": 50,
+                                                     "bright/stackoverflow": 30}  # fewer than N: all kept
+    assert sample(0) == first
+    other = sample(1)
+    assert other["bright/aops"] != first["bright/aops"] and other["bright/stackoverflow"] == first[
+        "bright/stackoverflow"]
+    order = {q.question_id: i for t in everything for i, q in enumerate(t.questions)}
+    for ids in first.values():  # a subset, in the file's order
+        assert [order[i] for i in ids] == sorted(order[i] for i in ids)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("split_file", "/no/such/split.json", "is not a file"),
+    ("split_file", "/", "is not a file"),
+    ("reuse_questions", "/no/such/reuse.jsonl", "is not a file"),
+    ("max_docs", -1, "must be >= 0"),
+    ("questions_per_domain", -5, "must be >= 0"),
+    ("sample_seed", -1, "must be >= 0"),
+])
+def test_validation_names_the_bad_key(tmp_path, key, value, message):  # (ConfigDict itself refuses types)
+    c = _file_config(_write_jsonl(tmp_path / "tasks.jsonl", _task_rows(2)))
+    c.data[key] = value
+    with pytest.raises(ConfigError, match=rf"config\.data\.{key}: .*{message}"):
+        config_validation.validate_common(c)
+
+
+def test_validation_reads_the_split_and_reuse_files(tmp_path):
+    c = _file_config(_write_jsonl(tmp_path / "tasks.jsonl", _task_rows(2)))
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": ["q0"], "heldout": ["q0"]}))
+    c.data.split_file = str(split)
+    with pytest.raises(ConfigError, match=r"config\.data\.split_file: .*'q0' is in both 'train' and"):
+        config_validation.validate_common(c)
+    c.data.split_file = ""
+    c.data.reuse_questions = _write_jsonl(tmp_path / "reuse.jsonl", [{"task_id": "q0"}])
+    with pytest.raises(ConfigError, match=r"config\.data\.reuse_questions: .*amortization_questions"):
+        config_validation.validate_common(c)
+    synthetic = grpo.get_config("embedded")
+    synthetic.data.max_docs = 50
+    with pytest.raises(ConfigError, match=r"config\.data\.max_docs: applies to data\.source='file'"):
+        config_validation.validate_common(synthetic)
