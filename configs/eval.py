@@ -9,7 +9,7 @@
 The report goes to `<run>/eval/<name>/` (or `out` when set): report.md, results.json, questions.jsonl,
 PNG plots, TensorBoard scalars (`tb/`) and the built workspaces (`workspaces/`).
 Presets: `embedded` (default), `browsecomp_plus` (the paper's 680/50 protocol, one sample per question),
-`bright` (pass@1 and pass@3 from 4 sampled constructions per corpus).
+`bright` (50 sampled questions per domain, pass@1 and pass@3 from 4 sampled constructions per corpus).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.tasks = ""  # a task file (data.load_tasks); "" = the run's data, held-out ids from split.json
     c.task_ids = ""  # a file of task ids to evaluate (one per line, or JSON list / {"heldout": [...]})
     c.num_tasks = 0  # evaluate the first N held-out corpora (0 = all)
+    c.questions_per_domain = 0  # a BRIGHT `tasks` folder: a sample of N questions per domain (0 = all)
+    c.sample_seed = 0  # the seed of that sample (as configs/grpo.py data.sample_seed)
     c.seed = 0
     c.samples = 1  # n samples per question (pass@k); a sample = one construction + one answer
     c.pass_k = "1"  # comma-separated k <= samples
@@ -60,6 +62,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     elif preset == "bright":
         c.train_preset = "qwen3_5_4b"
         c.samples, c.pass_k, c.builder_temperature = 4, "1,3", 1.0
+        c.questions_per_domain = 50  # paper Table 3: 50 questions each from AOPS, Biology, Stack Overflow
         c.methods = "trained,base,raw,bm25"
         c.ablation.enabled = False
         c.engine.update(policy_slots=64, frozen_slots=256)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import types
 
 import pytest
 
@@ -142,6 +143,20 @@ def test_bright_samples_n_questions_per_domain_deterministically(tmp_path):
     order = {q.question_id: i for t in everything for i, q in enumerate(t.questions)}
     for ids in first.values():  # a subset, in the file's order
         assert [order[i] for i in ids] == sorted(order[i] for i in ids)
+
+
+def test_eval_bright_preset_samples_the_same_questions(tmp_path):
+    from configs import eval as eval_config
+    from librarian_jax.eval import cli
+
+    root = _bright(tmp_path / "bright", {"aops": 80, "biology": 60})
+    c = eval_config.get_config("bright")
+    c.tasks = root
+    tasks, _ = cli.heldout_tasks(types.SimpleNamespace(config=c, run_dir="", run_cfg=None))
+    train, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
+    assert [len(t.questions) for t in tasks] == [50, 50]
+    assert [[q.question_id for q in t.questions] for t in tasks] == [
+        [q.question_id for q in t.questions] for t in train]
 
 
 @pytest.mark.parametrize("key,value,message", [

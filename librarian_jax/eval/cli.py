@@ -120,6 +120,10 @@ def plan_eval(config: Any) -> Plan:
     if max(pass_k) > c.samples:
         raise _err("pass_k", f"k={max(pass_k)} needs at least that many samples (config.samples={c.samples})")
     cost_qs = _ints(c, "cost_qs")
+    for k in ("questions_per_domain", "sample_seed"):
+        v = c.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _err(k, f"must be an integer >= 0, got {v!r}")
     for k in ("tasks", "task_ids"):
         if c[k] and not os.path.exists(c[k]):
             raise _err(k, f"{c[k]!r} does not exist")
@@ -193,7 +197,10 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
     c = plan.config
     if c.tasks:
         try:
-            pool = data.load_tasks(c.tasks)
+            n = int(c.get("questions_per_domain", 0))
+            sample = n and data.sniff_format(c.tasks) == "bright"
+            kwargs = {"questions_per_domain": n, "seed": int(c.get("sample_seed", 0))} if sample else {}
+            pool = data.load_tasks(c.tasks, **kwargs)
         except data.DataError as e:
             raise _err("tasks", str(e)) from None
         source = f"tasks file {c.tasks}"
