@@ -91,8 +91,8 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     """Checks every key the GRPO command reads. Raises ConfigError naming the first bad key."""
     for s in SECTIONS:
         _get(config, s)
+    validate_common(config, num_devices)  # the policy's own keys first: roles default to them
     validate_roles(config, num_devices)
-    validate_common(config, num_devices)
     validate_train(config)
     _int(config, "eval.every", 0)
     _int(config, "eval.num_tasks", 1)

@@ -120,3 +120,14 @@ def test_a_preamble_counts_as_read():
     assert stop.value.value.answer in q.answers
     assert navigator._names("About the Thaetrax Collective", "Thaetrax Collective")
     assert not navigator._names("About the Thaetrax Collectives", "Thaetrax Collective")
+
+
+def test_a_summary_is_read_before_the_originals():
+    task = WORLD[2]
+    ws = Workspace.from_documents(list(task.documents))
+    docs = list(task.documents)
+    text = extractive_text("Notes", "", [(d.doc_id, d.text) for d in docs], max_words=600)
+    assert ws.create_file("Notes", [d.doc_id for d in docs], text).ok
+    q = task.questions[0]
+    out = _run(ws, q.question, max_turns=1)
+    assert out.files_read and not out.files_read[0].startswith("raw_docs/")

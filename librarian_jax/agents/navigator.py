@@ -120,6 +120,9 @@ class _Reader:
                 fresh = tool == "read_file" or p not in self.listed
                 if e[p][0] in kinds and _names(e[p][1], entity) and fresh:
                     return tool, p
+        for p in unread:  # then any other synthetic file: a summary before the originals
+            if e[p][0] == "file":
+                return "read_file", p
         if "raw_docs" not in self.listed:
             return "list_files", "raw_docs"
         raw = [p for p in unread if e[p][0] == "raw"]

@@ -6,13 +6,15 @@ through the real `BuilderAgent`, executor, workspace and scheduler by a `rollout
 the transcript is exactly what the protocol produces; the episode is scored by the same probes and terminal
 evaluation as training (with the run's answerer), and that score is kept with each demonstration.
 
-Styles (`STYLES`), from good to poor:
+Styles (`STYLES`); with the embedded answerer (`agents.navigator`, which reads files whose titles name its
+entity first, then other summaries, then originals) the first two organise well, the last two poorly:
 - `entities`: one file per entity named in the listing (people, organisations, projects), each written from
   every document, so the file gathers the entity's facts scattered over the corpus; then stop.
-- `own_doc`: the same entity titles, each written from the entity's own page only (a wrong grouping: facts
-  stated elsewhere are missing, and the file's title promises them).
-- `generic`: files over runs of documents with titles that name no entity ("Notes, part 1").
-- `early_stop`: stop at once.
+- `generic`: files over runs of documents with titles that name no entity ("Notes, part 1"): fewer, denser
+  files, one read covers several documents.
+- `own_doc`: entity titles, each written from the entity's own page only (a wrong grouping: facts stated
+  elsewhere are missing, and the file's title promises them, so a read is wasted).
+- `early_stop`: stop at once (raw navigation).
 The default mixture (`DEFAULT_MIX`) makes the warm-started policy a mixture of these that GRPO can sharpen.
 """
 
