@@ -88,8 +88,8 @@ def _base() -> ml_collections.ConfigDict:
                                                  preload_max_tokens=512)),
     ))
     c.train = ml_collections.ConfigDict(dict(
-        num_steps=30,
-        learning_rate=2e-4,
+        num_steps=15,
+        learning_rate=5e-4,
         warmup_steps=0,
         decay="cosine",         # "cosine" | "linear" | "constant"
         end_lr_ratio=0.1,
@@ -115,9 +115,11 @@ def _base() -> ml_collections.ConfigDict:
         every=5,                # evaluate the policy on held-out tasks every N steps (0 = never)
         num_tasks=6,
         repeats=1,
-        # After the last step: configs/eval.py on this run's held-out split with these methods ("" = none);
-        # the table is printed and the report written to workdir/eval/final/.
+        # After the last step: configs/eval.py on this run's held-out split with these methods ("" = none),
+        # with a greedy builder (workdir/eval/final/) and, when final_samples > 0, also with the builder
+        # sampling at its training temperature, final_samples constructions per corpus (eval/final_sampled/).
         final_methods="trained,base,raw",
+        final_samples=2,
     ))
     c.warm_start = ml_collections.ConfigDict(dict(
         # Before GRPO, supervised fine-tuning on the embedded world's scripted demonstrations
@@ -165,7 +167,7 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
                    eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat="full",
                    logits_chunk=1024, max_seq_len=16384)
-    c.eval.update(every=20, num_tasks=16, repeats=4, final_methods="")
+    c.eval.update(every=20, num_tasks=16, repeats=4, final_methods="", final_samples=0)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
     c.checkpoint.update(every=10, keep=3)
     # The paper's roles (docs/paper-settings.md): the fixed answerer is the builder's base model (Qwen3.5-4B,

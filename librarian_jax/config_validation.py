@@ -97,6 +97,7 @@ def validate(config: Any, num_devices: int | None = None) -> None:
     _int(config, "eval.every", 0)
     _int(config, "eval.num_tasks", 1)
     _int(config, "eval.repeats", 1)
+    _int(config, "eval.final_samples", 0)
     methods = _get(config, "eval.final_methods")
     from librarian_jax.eval.cli import BUILTIN_METHODS
 

@@ -561,6 +561,10 @@ def run(config: Any) -> dict[str, Any]:
     t_eval = time.perf_counter()
     if config.eval.final_methods and state.heldout and primary:
         final = final_evaluation(workdir, config.eval.final_methods)
+        if config.eval.final_samples:
+            final["sampled"] = final_evaluation(
+                workdir, config.eval.final_methods, name="final_sampled", samples=config.eval.final_samples,
+                builder_temperature=float(config.rollout.builder.temperature))
     totals["final_eval_s"] = time.perf_counter() - t_eval
     wall = time.perf_counter() - t_start
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
@@ -609,15 +613,17 @@ def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict
     return out
 
 
-def final_evaluation(workdir: str, methods: str) -> dict[str, Any]:
-    """configs/eval.py on this run's held-out split (`methods`), the table logged; returns the results."""
+def final_evaluation(workdir: str, methods: str, name: str = "final", **overrides: Any) -> dict[str, Any]:
+    """configs/eval.py on this run's held-out split (`methods`; `overrides`: eval keys such as `samples`,
+    `builder_temperature`), the table logged and printed; returns the accuracies and the report's path."""
     from librarian_jax import eval as eval_lib
 
-    results = eval_lib.evaluate_run(workdir, methods=methods, name="final")
+    results = eval_lib.evaluate_run(workdir, methods=methods, name=name, **overrides)
     table = eval_lib.format_table(results)
-    logging.info("held-out evaluation (%s/eval/final/report.md):\n%s", workdir, table)
-    print(table)  # noqa: T201 - the run's closing answer
-    return {"methods": methods, "report": os.path.join(workdir, "eval", "final", "report.md"),
+    how = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "greedy builder"
+    logging.info("held-out evaluation, %s (%s/eval/%s/report.md):\n%s", how, workdir, name, table)
+    print(f"held-out evaluation, {how}:\n{table}")  # noqa: T201 - the run's closing answer
+    return {"methods": methods, "report": os.path.join(workdir, "eval", name, "report.md"),
             "accuracy": results["accuracy"]}
 
 
