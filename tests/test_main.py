@@ -119,7 +119,7 @@ def tiny_run_config(workdir: str, num_steps: int):
                   heldout_fraction=0.2, tasks_per_batch=1)  # 2 train, 2 held-out tasks (by id hash)
     c.rollout.update(group_size=2, policy_slots=2, frozen_slots=4, max_seq_len=2048, round_steps=16,
                      record_snapshots=False)
-    c.rollout.builder.update(max_turns=1, max_new_tokens=16)
+    c.rollout.builder.update(max_turns=1, max_new_tokens=16, compaction_budget=1500)
     c.rollout.answerer.update(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8)
     c.train.update(num_steps=num_steps, max_seq_len=2048)
     return c
