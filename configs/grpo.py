@@ -98,6 +98,7 @@ def _base() -> ml_collections.ConfigDict:
         micro_batches=1,
         remat="none",           # "none" | "full" (whole forward) | "layer" (each decoder layer)
         logits_chunk=1024,      # logits of this many positions at a time (rematerialised); 0 = all at once
+        moe_aux_loss_coef=0.0,  # mixture-of-experts models: weight of the router's load-balancing loss
         loss="ppo",             # rl.losses registry
         eps_low=0.2,
         eps_high=0.28,

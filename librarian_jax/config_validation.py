@@ -233,6 +233,7 @@ def validate_train(config: Any) -> None:
     if not isinstance(remat, bool) and remat not in REMAT_MODES:
         raise _err("train.remat", f"must be one of {sorted(REMAT_MODES)} (or a bool), got {remat!r}")
     _int(config, "train.logits_chunk", 0)
+    _float(config, "train.moe_aux_loss_coef", 0.0)
     _choice(config, "train.loss", LOSSES)
     _float(config, "train.eps_low", 0.0, 1.0, lo_open=True)
     _float(config, "train.eps_high", 0.0, lo_open=True)

@@ -188,7 +188,7 @@ def train_config(config: Any) -> Any:
                                      end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
                                      grad_clip=t.grad_clip),
         micro_batches=t.micro_batches, old_logprobs=t.old_logprobs, remat=t.remat,
-        logits_chunk=t.logits_chunk)
+        logits_chunk=t.logits_chunk, moe_aux_loss_coef=t.moe_aux_loss_coef)
 
 
 # ------------------------------------------------------------------------------------------- metrics
