@@ -26,7 +26,6 @@ transformers 5.x, jax and flax with this repository on PYTHONPATH); otherwise on
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import tempfile
 
@@ -37,6 +36,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import models
+from librarian_jax.bench.cached_lm import ours_decode, ours_prefill
 from librarian_jax.bench.common import best_time, load_average
 from librarian_jax.models import moe as moe_lib
 
@@ -60,56 +60,6 @@ def bench_config() -> models.ModelConfig:
 
 
 # ----------------------------------------------------------------------------------------------- ours
-
-
-@jax.jit
-def _prefill(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: models.Cache):
-    """tokens `[batch, seq]` -> (last-position logits `[batch, vocab]`, max |logit|, filled cache)."""
-    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
-    return logits[:, -1], jnp.max(jnp.abs(logits)), cache
-
-
-@functools.partial(jax.jit, static_argnames=("steps",))
-def _decode(graphdef: nnx.GraphDef, state: nnx.State, token: jax.Array, cache: models.Cache, steps: int):
-    """Greedy decode of `steps` tokens from `token` `[batch, 1]`, on device: -> tokens `[batch, steps]`."""
-    model = nnx.merge(graphdef, state)
-
-    def step(carry, _):
-        tok, cache = carry
-        logits, cache = model(tok, cache=cache)
-        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-        return (nxt, cache), nxt[:, 0]
-
-    (_, cache), toks = jax.lax.scan(step, (token, cache), None, length=steps)
-    return toks.T, cache
-
-
-def ours_prefill(model: models.Transformer, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
-    graphdef, state = nnx.split(model)
-    ids = jnp.asarray(tokens, jnp.int32)
-    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
-
-    def run():
-        last, top, _ = _prefill(graphdef, state, ids, cache)
-        return np.asarray(jax.block_until_ready(last)), float(top)
-
-    seconds, (last, _) = best_time(run, repeats)
-    return seconds, last
-
-
-def ours_decode(model: models.Transformer, prompts: np.ndarray, steps: int, repeats: int
-                ) -> tuple[float, np.ndarray]:
-    graphdef, state = nnx.split(model)
-    ids = jnp.asarray(prompts, jnp.int32)
-    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1] + steps)
-    last, _, cache = _prefill(graphdef, state, ids, cache)
-    first = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
-
-    def run():
-        toks, _ = _decode(graphdef, state, first, cache, steps=steps)
-        return np.asarray(jax.block_until_ready(toks))
-
-    return best_time(run, repeats)
 
 
 @jax.jit
