@@ -24,11 +24,10 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from librarian_jax.agents.answerer import answer_question
-from librarian_jax.agents.judge import judge_answer
 from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, AgentGen, Parallel
 from librarian_jax.rollout import Scheduler, evaluate, run_batch
 from librarian_jax.rollout import rewards as R
+from librarian_jax.rollout.episode import answer_and_judge
 from librarian_jax.rollout.scheduler import fit_to_engines
 
 
@@ -150,41 +149,14 @@ def build_workspaces(
     return sorted(out, key=lambda b: (order[b.task.task_id], b.episode))
 
 
-def _answer_one(
-    ctx: AgentContext, ws: Any, q: Any, repeat: int, phase: str, config: R.RolloutConfig, preamble: str
-) -> AgentGen:
-    """One answerer run with a preamble, judged (`rollout.episode`'s answer dict)."""
-    outcome = yield from answer_question(ctx, ws, q.question, config.answerer, preamble=preamble)
-    correct = yield from judge_answer(
-        ctx,
-        q.question,
-        outcome.answer,
-        q.answers,
-        use_model_judge=config.use_model_judge,
-        max_new_tokens=config.judge_max_new_tokens,
-    )
-    return {
-        "phase": phase,
-        "question_id": q.question_id,
-        "repeat": repeat,
-        "answer": outcome.answer,
-        "correct": float(correct),
-        "turns": outcome.turns,
-        "forced": outcome.forced,
-        "prompt_tokens": outcome.prompt_tokens,
-        "generated_tokens": outcome.generated_tokens,
-        "status": outcome.status,
-        "files_read": list(outcome.files_read),
-    }
-
-
 def _job_gen(ctx: AgentContext, job: Job, config: R.RolloutConfig) -> AgentGen:
     questions = questions_of(job.task, config)
     if job.preambles is None:
         _, answers = yield from evaluate(ctx, job.workspace, questions, job.samples, job.method, config)
         return answers
     gens = [
-        _answer_one(ctx, job.workspace, q, r, job.method, config, job.preambles.get(q.question_id, ""))
+        answer_and_judge(ctx, job.workspace, q, r, job.method, config,
+                         preamble=job.preambles.get(q.question_id, ""))
         for q in questions
         for r in range(job.samples)
     ]

@@ -29,13 +29,15 @@ from librarian_jax.rollout.records import EpisodeRecord
 REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspection
 
 
-def _answer_and_judge(
+def answer_and_judge(
     ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig,
-    temperature: float | None = None,
+    temperature: float | None = None, preamble: str = "",
 ) -> AgentGen:
+    """Generator: one answerer run on `ws` (with `preamble` in its first prompt, e.g. retrieved passages),
+    judged; returns the answer record (correctness, utility, reading fields, tokens)."""
     acfg = config.answerer if temperature is None else dataclasses.replace(config.answerer,
                                                                            temperature=temperature)
-    outcome = yield from answer_question(ctx, ws, question.question, acfg)
+    outcome = yield from answer_question(ctx, ws, question.question, acfg, preamble=preamble)
     correct = yield from judge_answer(
         ctx,
         question.question,
@@ -74,7 +76,7 @@ def evaluate(
     """
     runs, temperature = R.repeat_plan(repeats, config)
     dedupe = runs < repeats
-    gens = [_answer_and_judge(ctx, ws, q, r, phase, config, temperature)
+    gens = [answer_and_judge(ctx, ws, q, r, phase, config, temperature)
             for q in questions for r in range(runs)]
     answers = (yield Parallel(gens)) if gens else []
     if dedupe:
