@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_agents_doubles import ByteChatML, ByteTokenizer
 
 from configs import sft as sft_configs
@@ -173,3 +175,24 @@ def test_nll_loss_is_the_mean_negative_log_likelihood_of_the_loss_tokens():
         lp, lp, jnp.zeros_like(lp), jnp.full_like(lp, 5.0), mask, jnp.ones(1),
         config=losses.LossConfig(name="nll", tis_cap=2.0))
     assert float(total / count) == 1.5 and float(sums["tis"]) == 2.0  # advantages and TIS play no part
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(
+    st.binary(max_size=40),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                 lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
+                     ["messages", "role", "content", "x"]), c, max_size=3), max_leaves=8
+                 ).map(lambda o: json.dumps(o).encode()),
+    st.sampled_from([b"[" * 5000, b"1" * 5000, b"\xff\xfe", b'{"messages": [{"role": "user"}]}']),
+), min_size=1, max_size=4))
+def test_hostile_conversation_files_load_or_raise_conversation_error(tmp_path_factory, lines):
+    p = tmp_path_factory.mktemp("conv") / "c.jsonl"
+    p.write_bytes(b"\n".join(lines))
+    try:
+        convs = sft.load_conversations(str(p))
+    except sft.ConversationError as e:
+        assert str(p) in str(e)
+        return
+    for c in convs:  # what loads encodes
+        sft.encode_conversation(c["messages"], TPL, TOK)

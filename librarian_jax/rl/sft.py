@@ -52,11 +52,15 @@ def load_conversations(path: str) -> list[dict[str, Any]]:
     """The conversations of a JSONL file; a malformed line raises `ConversationError` naming file and line."""
     out = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise ConversationError(f"{path}: cannot read conversations ({e.strerror})") from None
     with f:
-        for i, line in enumerate(f, 1):
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConversationError(f"{path}:{i}: not valid UTF-8") from None
             if not line.strip():
                 continue
             try:
