@@ -65,7 +65,7 @@ def _base() -> ml_collections.ConfigDict:
         group_size=4,
         policy_slots=16,        # builder engine slots
         frozen_slots=16,        # answerer/executor engine slots
-        max_seq_len=4096,       # tokens one session may hold
+        max_seq_len=2048,       # tokens one session may hold (the embedded episodes stay under ~1,400)
         round_steps=32,         # decode steps per engine.step()
         probe_repeats=1,
         probe_min_gap=1,
@@ -78,7 +78,7 @@ def _base() -> ml_collections.ConfigDict:
         record_snapshots=True,
         builder=ml_collections.ConfigDict(dict(
             max_turns=3, max_new_tokens=240, temperature=1.0, executor="extractive",
-            compaction="deterministic", compaction_budget=3600, malformed_penalty=0.05,
+            compaction="deterministic", compaction_budget=1800, malformed_penalty=0.05,
             system_prompt="builder_system_compact")),
         # The embedded answerer is the scripted navigator (agents/navigator.py, kind="scripted"): it reads
         # through the same list/read tools and token accounting as an LLM answerer. A small one: 2 tool calls,
@@ -110,7 +110,7 @@ def _base() -> ml_collections.ConfigDict:
         advantage="paper",         # rl.advantages registry: paper | grpo | drgrpo | rloo
         step_weight=0.0,           # per-step (reward-to-go) advantage weight; 0 = off
         step_gamma=1.0,
-        max_seq_len=4096,          # training rows longer than this are truncated
+        max_seq_len=2048,          # training rows longer than this are truncated
     ))
     c.eval = ml_collections.ConfigDict(dict(
         every=5,                # evaluate the policy on held-out tasks every N steps (0 = never)
