@@ -1,15 +1,22 @@
-"""Writing a workspace to disk without ever leaving the target directory or touching a symlink."""
+"""Export: every readable file of a workspace rendered as agents read it (`files`), a manifest of the raw
+documents and synthetic nodes with their provenance, and writing both to disk (`export`, `write_tree`)
+without ever leaving the target directory or touching a symlink."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from absl import logging
 
 from librarian_jax.workspace import paths as P
+from librarian_jax.workspace.index import E_FILE, E_RAW, E_README, E_SUMMARY
+from librarian_jax.workspace.nodes import FORMAT, MANIFEST
 from librarian_jax.workspace.results import INVALID_ARGUMENT, INVALID_PATH, PATH_ESCAPE, ActionResult
+from librarian_jax.workspace.views import Views
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
 
@@ -76,3 +83,65 @@ def write_tree(root: Path, files: Mapping[str, str]) -> ActionResult:
     return ActionResult.success(
         f"exported {len(files)} files to {root}", directory=str(root), files=len(files), chars=n_chars
     )
+
+
+class Export(Views):
+    """`files()`, `manifest()`, `export(directory)`."""
+
+    def files(self) -> dict[str, str]:
+        """Every readable file of the workspace (README, raw documents, synthetic files and summaries,
+        history) by path, rendered exactly as read_file shows it (without line numbers): the fixed files in
+        corpus order, then the synthetic ones by path."""
+        idx = self._index
+        out = {p: self._text_of(e) for p, e in idx.raw.entries.items() if e.kind in (E_README, E_RAW)}
+        for p, e in sorted(idx.entries.items(), key=lambda pe: pe[0]):
+            if e.kind in (E_FILE, E_SUMMARY):
+                out[p] = self._text_of(e)
+        return out
+
+    def manifest(self) -> dict[str, Any]:
+        idx = self._index
+        return {
+            "format": FORMAT,
+            "stats": self.stats(),
+            "raw_docs": [
+                {
+                    "path": d.path,
+                    "handle": d.handle,
+                    "doc_id": d.doc_id,
+                    "title": d.title,
+                    "url": d.url,
+                    "sha256_16": d.sha,
+                }
+                for d in self._raw
+            ],
+            "synthetic": [
+                {
+                    "node_id": n.node_id,
+                    "kind": n.kind,
+                    "title": n.title,
+                    "path": idx.file_path(n),
+                    "parent": n.parent,
+                    "active": n.active,
+                    "created_turn": n.created_turn,
+                    "deleted_turn": n.deleted_turn,
+                    "delete_reason": n.delete_reason,
+                    "raw_sources": [self._raw_by_handle[h].path for h in n.raw_sources],
+                    "synthetic_sources": [idx.file_path(self._nodes[s]) for s in n.synthetic_sources],
+                    "raw_provenance": [
+                        {"path": self._raw_by_handle[h].path, "sha256_16": self._raw_by_handle[h].sha}
+                        for h in self._raw_provenance(n.node_id)
+                    ],
+                }
+                for _, n in self._node_items()
+            ],
+        }
+
+    def export(self, directory: str | os.PathLike[str]) -> ActionResult:
+        """Write the workspace as a real directory tree: README.md, raw_docs/, the synthetic files (with
+        headers) and directories, history/, and manifest.json. Refuses (writing nothing) if `directory` is a
+        symlink, or if any file would land outside it or pass through a symlink; never follows or writes
+        symlinks."""
+        files = self.files()
+        files[MANIFEST] = json.dumps(self.manifest(), ensure_ascii=False, indent=1) + "\n"
+        return write_tree(Path(directory), files)

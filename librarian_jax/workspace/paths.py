@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from librarian_jax.workspace import render as R
+from librarian_jax.workspace.pmap import PMap
 
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_CHARS = 255
@@ -157,32 +158,42 @@ class NameIndex:
 
     `paths` are normalised names (directories without a trailing slash); `handles` maps short ids (`raw_0001`)
     to a path. An index may sit on a `base` index (the workspace keeps the never-changing raw documents in a
-    base layer shared by every snapshot, and the synthetic nodes in a layer rebuilt or extended on changes);
-    lookups see the union of both.
+    base layer shared by every snapshot, and the synthetic nodes in a layer changed in place); lookups see
+    the union of both. The tables are persistent maps, so `copy()` is O(1) and a change after a copy copies
+    only what it touches (see `pmap.py`).
     """
 
     def __init__(self, paths: Iterable[str], handles: Mapping[str, str], base: NameIndex | None = None):
         self.base = base
-        self._paths: dict[str, None] = {}  # insertion-ordered set
-        self._exact: set[str] = set()
-        self._lower: dict[str, list[str]] = {}  # lowercase form -> paths spelled that way
-        self._base: dict[str, list[str]] = {}
-        self._handles: dict[str, str] = {}
-        self._handle_of: dict[str, str] = {}
+        self._paths: PMap[str, None] = PMap()  # a set
+        self._lower: PMap[str, tuple[str, ...]] = PMap()  # lowercase form -> paths spelled that way
+        self._base: PMap[str, tuple[str, ...]] = PMap()  # lowercase basename (and stem) -> paths
+        self._handles: PMap[str, str] = PMap()
+        self._handle_of: PMap[str, str] = PMap()
         for p in paths:
             self.add(p)
         for k, v in handles.items():
             self._handles[k.lower()] = v
             self._handle_of[v] = k.lower()
 
+    def copy(self) -> NameIndex:
+        """An independent index in O(1) (the tables are shared until either side changes them)."""
+        out = NameIndex.__new__(NameIndex)
+        out.base = self.base
+        out._paths = self._paths.copy()
+        out._lower = self._lower.copy()
+        out._base = self._base.copy()
+        out._handles = self._handles.copy()
+        out._handle_of = self._handle_of.copy()
+        return out
+
     def add(self, path: str, handle: str | None = None) -> None:
         """Add one path (and optionally its short id)."""
         self._paths[path] = None
-        self._exact.add(path)
         low = path.lower()
-        self._lower.setdefault(low, []).append(path)
+        self._lower[low] = self._lower.get(low, ()) + (path,)
         for key in self._base_keys(low):
-            self._base.setdefault(key, []).append(path)
+            self._base[key] = self._base.get(key, ()) + (path,)
         if handle is not None:
             self._handles[handle.lower()] = path
             self._handle_of[path] = handle.lower()
@@ -190,13 +201,13 @@ class NameIndex:
     def remove(self, path: str) -> None:
         """Forget one path (and the short id pointing at it)."""
         del self._paths[path]
-        self._exact.discard(path)
         low = path.lower()
         for table, keys in ((self._lower, (low,)), (self._base, self._base_keys(low))):
             for key in keys:
-                lst = table[key]
-                lst.remove(path)
-                if not lst:
+                rest = tuple(p for p in table[key] if p != path)
+                if rest:
+                    table[key] = rest
+                else:
                     del table[key]
         h = self._handle_of.pop(path, None)
         if h is not None and self._handles.get(h) == path:
@@ -212,7 +223,7 @@ class NameIndex:
         return (self.base.paths if self.base else []) + list(self._paths)
 
     def _has(self, p: str) -> bool:
-        return p in self._exact or (self.base is not None and self.base._has(p))
+        return p in self._paths or (self.base is not None and self.base._has(p))
 
     def _get_lower(self, low: str) -> str | None:
         hits = self._lower.get(low)
@@ -224,7 +235,7 @@ class NameIndex:
         return hit if hit is not None or self.base is None else self.base._get_handle(h)
 
     def _get_base(self, b: str) -> list[str]:
-        return self._base.get(b, []) + (self.base._get_base(b) if self.base else [])
+        return list(self._base.get(b, ())) + (self.base._get_base(b) if self.base else [])
 
     def resolve(self, norm: str) -> Match:
         """Find `norm` (already normalised) by the rules of the module docstring."""
