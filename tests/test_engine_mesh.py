@@ -12,15 +12,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from librarian_jax import models
-from librarian_jax.engine import (
-    Engine,
-    SamplingParams,
-    logical_to_spec,
-    make_mesh,
-    param_shardings,
-    resolve_mesh_shape,
-)
-from librarian_jax.engine.sharding import default_rules
+from librarian_jax.engine import Engine, SamplingParams, make_mesh, resolve_mesh_shape
+from librarian_jax.models.partitioning import logical_to_spec, normalize_rules, state_shardings
 
 CONFIG = models.get_preset(
     "tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
@@ -46,16 +39,16 @@ def test_resolve_mesh_shape():
 @needs8
 def test_logical_to_spec_fallback_to_replication():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    rules = default_rules()
+    rules = normalize_rules(None)
     assert rules["heads"] == "tensor"  # models.DEFAULT_RULES uses the engine's mesh axis names
-    assert logical_to_spec(("embed", "heads"), (32, 64), mesh, rules) == PartitionSpec("fsdp", "tensor")
+    assert logical_to_spec(("embed", "heads"), mesh, rules, (32, 64)) == PartitionSpec("fsdp", "tensor")
     # 3 heads do not divide over 2 devices: replicated
-    assert logical_to_spec(("embed", "heads"), (32, 3), mesh, rules) == PartitionSpec("fsdp", None)
+    assert logical_to_spec(("embed", "heads"), mesh, rules, (32, 3)) == PartitionSpec("fsdp", None)
     # one mesh axis is used at most once per array
-    assert logical_to_spec(("heads", "mlp"), (4, 4), mesh, rules) == PartitionSpec("tensor", None)
-    assert logical_to_spec(None, (4,), mesh, rules) == PartitionSpec()
+    assert logical_to_spec(("heads", "mlp"), mesh, rules, (4, 4)) == PartitionSpec("tensor", None)
+    assert logical_to_spec(None, mesh, rules, (4,)) == PartitionSpec()
     with pytest.raises(ValueError, match="do not match shape"):
-        logical_to_spec(("embed",), (4, 4), mesh, rules)
+        logical_to_spec(("embed",), mesh, rules, (4, 4))
 
 
 def _model(seed: int) -> models.Transformer:
@@ -126,7 +119,7 @@ def test_two_engines_share_a_mesh():
     # A model whose params already live on a mesh: the engine adopts that mesh by default.
     model = _model(1)
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, param_shardings(state, mesh, default_rules())))
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh)))
     inferred = Engine(model, **KW)
     assert inferred.mesh == mesh
     c = inferred.new_session([1, 2, 3])

@@ -143,8 +143,9 @@ def test_mesh_load_shards_params_and_matches():
 def test_logical_to_spec_drops_missing_and_non_dividing_axes():
     P = jax.sharding.PartitionSpec
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
-    assert logical_to_spec(("embed", "heads"), mesh, DEFAULT_RULES) == P(None, "tensor")  # no "fsdp" axis
+    assert logical_to_spec(("embed", "heads"), mesh, DEFAULT_RULES) == P(None, None)  # one device: no split
     fake = type("M", (), {"shape": {"data": 2, "tensor": 4}})()
+    assert logical_to_spec(("embed", "heads"), fake, DEFAULT_RULES) == P(None, "tensor")  # no "fsdp" axis
     assert logical_to_spec(("kv_heads", "head_dim"), fake, shape=(2, 8)) == P(None, None)  # 4 !| 2
     assert logical_to_spec(("cache_batch", "kv_heads"), fake, shape=(4, 8)) == P("data", "tensor")
 

@@ -1,4 +1,6 @@
-"""librarian_jax.engine: mesh and sharding, slot caches, prefill, on-device decode, sampling, sessions.
+"""librarian_jax.engine: meshes, slot caches, prefill, on-device decode, sampling, sessions.
+
+Sharding rules, specs and constraints for params and caches live in one place, `models.partitioning`.
 
 Entry points: ``generate`` (the contract one-shot API), ``Engine`` (continuous batching over cache slots with
 multi-turn ``Session``s), ``SamplingParams``, ``make_mesh``.
@@ -8,7 +10,6 @@ from librarian_jax.engine.engine import DEFAULT_PREFILL_BUCKETS, Engine, StepSta
 from librarian_jax.engine.mesh import MESH_AXES, make_mesh, resolve_mesh_shape
 from librarian_jax.engine.sampling import GREEDY, SamplingParams, sample
 from librarian_jax.engine.session import Request, Session, SessionRecord, TurnResult
-from librarian_jax.engine.sharding import logical_to_spec, param_shardings, tree_shardings
 
 __all__ = [
     "DEFAULT_PREFILL_BUCKETS",
@@ -22,10 +23,7 @@ __all__ = [
     "StepStats",
     "TurnResult",
     "generate",
-    "logical_to_spec",
     "make_mesh",
-    "param_shardings",
     "resolve_mesh_shape",
     "sample",
-    "tree_shardings",
 ]

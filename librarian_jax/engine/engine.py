@@ -30,7 +30,7 @@ from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
-from librarian_jax.engine.sharding import default_rules, normalize_rules, param_shardings, tree_shardings
+from librarian_jax.models.partitioning import normalize_rules, state_shardings, tree_shardings
 
 DEFAULT_PREFILL_BUCKETS: tuple[int, ...] = (32, 128, 512)
 
@@ -159,7 +159,7 @@ class Engine:
         # The model drops padded and out-of-range cache writes (models contract), so a chunk may run past the
         # end of a slot: the cache needs no room beyond max_seq_len.
         self.capacity = self.max_seq_len
-        self.rules = normalize_rules(rules) if rules is not None else default_rules()
+        self.rules = normalize_rules(rules)
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh if mesh is not None else _mesh_of(state)
         if getattr(config, "num_experts", 0):
@@ -168,7 +168,7 @@ class Engine:
 
             if bind_mesh(model, self.mesh, self.rules):
                 self.graphdef, state = nnx.split(model)
-        self._param_shardings = param_shardings(state, self.mesh, self.rules)
+        self._param_shardings = state_shardings(state, self.mesh, self.rules)
         self.params = jax.device_put(state, self._param_shardings)
 
         make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype)

@@ -24,18 +24,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from librarian_jax.engine import sampling
+from librarian_jax.models import partitioning
 
 # Per-slot finish reasons returned by the decode loop.
 RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
 REASONS = {STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
 
 
-def _constrain(cache: Any, cache_sharding: tuple | None) -> Any:
-    if cache_sharding is None:
-        return cache
-    leaves, treedef = jax.tree.flatten(cache)
-    leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, cache_sharding, strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
+_constrain = partitioning.constrain  # the cache keeps the engine's slot sharding through every program
 
 
 def prefill(

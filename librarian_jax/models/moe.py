@@ -51,6 +51,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.layers import INIT_STD, MLP, dense
+from librarian_jax.models.partitioning import logical_to_spec, normalize_rules
 
 GROUPED_MATMUL = "auto"
 """`grouped_matmul` implementation: "auto" (ragged_dot on GPU/TPU, tiles on CPU), "ragged" or "tiled"."""
@@ -265,11 +266,9 @@ class SparseMoE(nnx.Module):
     def _expert_parallel(self, x, top_w, top_i, gate_up, down, lora):
         """`expert_ffn` under shard_map: experts split over `expert`, their hidden dim over `tensor`, tokens
         over the data axes; one psum combines the partial outputs."""
-        from librarian_jax.models.partitioning import logical_to_spec
-
-        mesh, rules = self.mesh, dict(self.rules or ())
-        spec_gu = logical_to_spec(GATE_UP_AXES, mesh, rules or None, gate_up.shape)
-        spec_dn = logical_to_spec(DOWN_AXES, mesh, rules or None, down.shape)
+        mesh, rules = self.mesh, normalize_rules(self.rules or None)
+        spec_gu = logical_to_spec(GATE_UP_AXES, mesh, rules, gate_up.shape)
+        spec_dn = logical_to_spec(DOWN_AXES, mesh, rules, down.shape)
         if spec_gu[3] != spec_dn[1] or spec_gu[0] != spec_dn[0]:  # both need the same split to pair up
             spec_gu = PartitionSpec(spec_dn[0] if spec_gu[0] == spec_dn[0] else None, None, None, None)
             spec_dn = PartitionSpec(spec_gu[0], None, None)
@@ -339,7 +338,7 @@ def bind_mesh(model: nnx.Module, mesh: Mesh | None, rules: Any = None) -> bool:
     if mesh is not None and mesh.size == 1:
         mesh = None
     frozen = None if rules is None else tuple(sorted(
-        (k, tuple(v) if isinstance(v, list) else v) for k, v in dict(rules).items()))
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in normalize_rules(rules).items()))
     changed = False
     for m in moe_layers(model):
         if m.mesh is not mesh or m.rules != frozen:

@@ -1,4 +1,5 @@
-"""Logical axis names -> mesh axes.
+"""The one owner of sharding: logical axis names -> mesh axes, for params, KV cache, recurrent state and the
+trainer's state, and the sharding constraints inside compiled programs.
 
 Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, mlp, norm, conv, lin_heads,
 expert`)
@@ -6,17 +7,25 @@ in its `out_sharding` metadata (set with `nnx.with_partitioning`); the KV cache 
 cache_seq, head_dim, lin_heads` (see `cache_logical_axes`). `DEFAULT_RULES` maps them onto a mesh with axes
 named `data` (batch), `fsdp` (parameter sharding over the embedding dim), `expert` (expert parallelism: the
 routed experts of MoE layers, see `models/moe.py`; meshes without it keep every expert on each device) and
-`tensor` (tensor parallel), the axes of `engine.mesh.MESH_AXES`. Mesh axes a rule names but the mesh lacks,
-and mesh axes that do not divide a dimension, are dropped (that dimension is replicated), so the same rules
-work on 1 device, a CPU test mesh and a pod slice.
+`tensor` (tensor parallel), the axes of `engine.mesh.MESH_AXES`.
+
+One rule, in `logical_to_spec`: the mesh axes a logical name maps to are taken in order, each kept only if the
+mesh has it with more than one device, no earlier dimension of the same array used it, and it divides the
+dimension together with the axes already kept; every other axis is dropped (that share of the dimension is
+replicated). So `embed: ("fsdp", "tensor")` on a `data=1, fsdp=4, tensor=2` mesh splits a dimension of 6 over
+`tensor` alone, and the same rules work on 1 device, a CPU test mesh and a pod slice. Model loading
+(`load_hf`, `init_model`, `shard_model`), the engine (params and slot cache) and the trainer all place their
+arrays with the functions below, so new weights move from trainer to engine without resharding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.nnx as nnx
 import jax
+import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -42,20 +51,46 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def normalize_rules(rules: Rules | Sequence[tuple[str, str | tuple[str, ...] | None]] | None) -> dict[
+        str, str | tuple[str, ...] | None]:
+    """A rules dict from a mapping, a sequence of `(logical, mesh_axes)` pairs (first match wins), or None
+    (a copy of `DEFAULT_RULES`)."""
+    if rules is None:
+        return dict(DEFAULT_RULES)
+    if isinstance(rules, Mapping):
+        return dict(rules)
+    out: dict[str, str | tuple[str, ...] | None] = {}
+    for item in rules:
+        if len(item) != 2:
+            raise ValueError(f"sharding rule {item!r} is not a (logical_name, mesh_axes) pair")
+        name, axes = item
+        out.setdefault(name, tuple(axes) if isinstance(axes, list) else axes)
+    return out
+
+
 def logical_to_spec(
     axes: Sequence[str | None] | None,
     mesh: Mesh,
     rules: Rules | None = None,
     shape: Sequence[int] | None = None,
+    *,
+    what: str = "array",
 ) -> PartitionSpec:
-    """PartitionSpec for an array with logical `axes` on `mesh`.
+    """PartitionSpec for an array with logical `axes` on `mesh` (the rule in the module docstring).
 
-    A mesh axis is used at most once, only if the mesh has it, and (when `shape` is given) only if it divides
-    the dimension; otherwise that dimension stays replicated.
+    Args:
+      axes: one logical name (or None) per dimension; None or () replicates the whole array.
+      mesh: the target mesh (only `mesh.shape`, a name -> size mapping, is read).
+      rules: logical name -> mesh axis / axes / None; default `DEFAULT_RULES`.
+      shape: the array's shape; without it no divisibility check is made.
+      what: a name for log and error messages.
     """
     rules = DEFAULT_RULES if rules is None else rules
     if not axes:
         return PartitionSpec()
+    if shape is not None and len(axes) != len(shape):
+        raise ValueError(f"{what}: logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+    sizes = dict(mesh.shape)
     used: set[str] = set()
     out: list[str | tuple[str, ...] | None] = []
     for dim, name in enumerate(axes):
@@ -64,55 +99,99 @@ def logical_to_spec(
         keep: list[str] = []
         size = 1
         for m in names:
-            if m not in mesh.shape or m in used:
+            if sizes.get(m, 1) == 1 or m in used:
                 continue
-            if shape is not None and shape[dim] % (size * mesh.shape[m]):
+            if shape is not None and shape[dim] % (size * sizes[m]):
                 logging.log_first_n(
                     logging.INFO,
-                    "logical axis %r: mesh axis %r (size %d) does not divide dim %d; replicated",
-                    8, name, m, mesh.shape[m], shape[dim],
+                    "%s: logical axis %r: mesh axis %r (size %d) does not divide dim %d; not split over it",
+                    8, what, name, m, sizes[m], shape[dim],
                 )
                 continue
             keep.append(m)
-            size *= mesh.shape[m]
+            size *= sizes[m]
         used.update(keep)
         out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
     return PartitionSpec(*out)
 
 
 def named_sharding(
-    axes: Sequence[str | None] | None, mesh: Mesh, shape: Sequence[int], rules: Rules | None = None
+    axes: Sequence[str | None] | None, mesh: Mesh, shape: Sequence[int], rules: Rules | None = None,
+    *, what: str = "array",
 ) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes, mesh, rules, shape))
+    return NamedSharding(mesh, logical_to_spec(axes, mesh, rules, shape, what=what))
 
 
 def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     """The logical axis names stored on an `nnx.Variable` (None when it has none)."""
     meta = variable.get_metadata()
     axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    if isinstance(axes, NamedSharding):
+        return None
     return tuple(axes) if axes else None
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """A tree like `state` whose leaves are the NamedSharding of each variable."""
+def state_shardings(state: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """A tree like the `nnx.State` `state` whose leaves are the NamedSharding of each variable (variables
+    without logical axes, and plain array leaves, are replicated). Used for params, LoRA params and the
+    trainer's optimizer state alike."""
 
-    def one(v: nnx.Variable) -> NamedSharding:
-        return named_sharding(variable_axes(v), mesh, v.get_value().shape, rules)
+    def one(path: Any, v: Any) -> Any:
+        if not isinstance(v, nnx.Variable):
+            return NamedSharding(mesh, PartitionSpec())
+        return v.replace(named_sharding(variable_axes(v), mesh, v.get_value().shape, rules,
+                                        what=jax.tree_util.keystr(path)))
 
-    return jax.tree.map(lambda v: v.replace(one(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_state(state: Any, mesh: Mesh | None, rules: Rules | None = None) -> Any:
+    """`state` placed on `mesh` with `state_shardings` (unchanged when `mesh` is None)."""
+    if mesh is None:
+        return state
+    return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
     """Moves every variable of `model` to its NamedSharding (in place) and returns the model."""
-    state = nnx.state(model)
-    shardings = state_shardings(state, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, shard_state(nnx.state(model), mesh, rules))
     from librarian_jax.models.moe import bind_mesh  # local: moe imports this module
 
     bind_mesh(model, mesh, rules)
     return model
 
 
-def tree_shardings(tree, axes_tree, mesh: Mesh, rules: Rules | None = None):
-    """NamedShardings for a pytree of arrays given a matching tree of logical-axis tuples (e.g. the cache)."""
-    return jax.tree.map(lambda x, axes: named_sharding(axes, mesh, x.shape, rules), tree, axes_tree)
+def tree_shardings(tree: Any, axes_tree: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """NamedShardings for every array leaf of `tree` (arrays or ShapeDtypeStructs, e.g. the slot cache) given
+    a parallel tree with a tuple of logical names at each leaf (e.g. `cache_logical_axes(config)`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)  # noqa: E731
+    names, names_def = jax.tree.flatten(axes_tree, is_leaf=is_names)
+    if len(names) != len(leaves):
+        raise ValueError(
+            f"logical axes tree has {len(names)} leaves but the array tree has {len(leaves)}: "
+            f"{names_def} vs {treedef}"
+        )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return jax.tree.unflatten(treedef, [named_sharding(n, mesh, leaf.shape, rules, what=f"cache{p}")
+                                        for n, leaf, p in zip(names, leaves, paths, strict=True)])
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Shardings for `tx.init(params)`: every params-shaped part of the optimizer state (Adam's moments) laid
+    out like `params` (each leaf takes its param's sharding), everything else (step counts) replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(
+        tx, lambda _, s: s, abstract, jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+def constrain(tree: Any, shardings: Sequence[NamedSharding] | None) -> Any:
+    """`with_sharding_constraint` on each leaf of `tree` (inside jit), given one sharding per leaf in
+    `jax.tree.leaves` order; `tree` unchanged when `shardings` is None."""
+    if shardings is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
+                                        for x, s in zip(leaves, shardings, strict=True)])

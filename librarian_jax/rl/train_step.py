@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from librarian_jax.models import moe as moe_lib
+from librarian_jax.models import partitioning
 from librarian_jax.rl import losses as losses_lib
 from librarian_jax.rl.rows import TrainBatch
 
@@ -207,14 +208,10 @@ def data_parallel_size(mesh: Mesh | None) -> int:
 
 
 def shard_state(state: Any, mesh: Mesh | None, rules: Any = None) -> Any:
-    """Places an nnx.State on `mesh` with the engine's logical-axis rules (`engine.sharding`): the same
-    shardings the policy engine gives these params, so new weights reach it without resharding."""
-    if mesh is None:
-        return state
-    from librarian_jax.engine import sharding as engine_sharding
-
-    rules = engine_sharding.normalize_rules(rules) if rules is not None else engine_sharding.default_rules()
-    return jax.device_put(state, engine_sharding.param_shardings(state, mesh, rules))
+    """Places an nnx.State on `mesh` with the logical-axis rules of `models.partitioning` (the one sharding
+    owner): the same shardings the policy engine gives these params, so new weights reach it without
+    resharding."""
+    return partitioning.shard_state(state, mesh, partitioning.normalize_rules(rules))
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -234,12 +231,7 @@ def _tree_where(cond: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(cond, n, o), new, old)
 
 
-def _constrain(tree: Any, shardings: tuple | None) -> Any:
-    if shardings is None:
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
-                                        for x, s in zip(leaves, shardings, strict=True)])
+_constrain = partitioning.constrain
 
 
 class Trainer:
@@ -277,7 +269,9 @@ class Trainer:
         self.rest = shard_state(rest, mesh, rules)
         self.tx = make_optimizer(config.optim)
         self._schedule = make_schedule(config.optim)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Adam's moments laid out like the params (XLA alone would replicate them on every device)
+        init_shardings = partitioning.opt_state_shardings(self.tx, self.params, mesh) if mesh else None
+        self.opt_state = jax.jit(self.tx.init, out_shardings=init_shardings)(self.params)
         # The step's outputs are pinned to these shardings (XLA would otherwise pick its own), so params keep
         # the policy engine's layout step after step and `update_params` moves nothing.
         self._out_shardings = None
