@@ -88,10 +88,6 @@ class AnswerOutcome:
     files_preloaded: list[str] = dataclasses.field(default_factory=list)  # root files in its first prompt
 
     @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.generated_tokens
-
-    @property
     def tokens_read(self) -> int:
         """Every token the answerer read: its prompt (preloaded files included) and observations."""
         return self.prompt_tokens

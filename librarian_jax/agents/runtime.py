@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -80,26 +80,6 @@ class Parallel:
 
 
 AgentGen = Generator[Any, Any, Any]
-
-
-class TurnResultLike(Protocol):
-    tokens: Sequence[int]
-    logprobs: Sequence[float]
-    status: str
-
-
-class TokenizerLike(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class TemplateLike(Protocol):
-    stop_ids: tuple[int, ...]
-
-    def start(self, system: str | None = None) -> list[int]: ...
-    def turn(self, role: str, content: str) -> list[int]: ...
-    def open_turn(self, role: str) -> list[int]: ...
-    def close_turn(self) -> list[int]: ...
 
 
 @dataclasses.dataclass
@@ -263,12 +243,3 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.shape[0], b.shape[0])
     diff = np.nonzero(a[:n] != b[:n])[0]
     return int(diff[0]) if diff.size else n
-
-
-def run_sync(gen: AgentGen) -> Any:
-    """Runs a generator that never yields (e.g. an extractive executor) and returns its value."""
-    try:
-        req = next(gen)
-    except StopIteration as e:
-        return e.value
-    raise RuntimeError(f"generator yielded {type(req).__name__}; run it under rollout.scheduler")

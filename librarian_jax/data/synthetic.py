@@ -20,7 +20,7 @@ import dataclasses
 import math
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from absl import logging
@@ -772,15 +772,6 @@ def world_texts(tasks: Iterable[CorpusTask]) -> list[str]:
             out.append(q.question)
             out.extend(q.answers)
     return out
-
-
-def answer_in_corpus(
-    task: CorpusTask, question: Question, documents: Sequence[Document] | None = None
-) -> bool:
-    """Whether the question's gold answer appears verbatim in one of the task's documents."""
-    return any(
-        question.gold_answer in d.text for d in (documents if documents is not None else task.documents)
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------

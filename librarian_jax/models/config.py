@@ -143,17 +143,6 @@ class ModelConfig:
             changes["layer_types"] = (self.layer_types[0],) * changes["num_layers"]
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        import flax.nnx as nnx
-        import jax
-
-        from librarian_jax.models.transformer import Transformer  # local import: config has no deps
-
-        abstract = nnx.eval_shape(lambda: Transformer(self, rngs=nnx.Rngs(0)))
-        leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
-        return int(sum(int(jnp.prod(jnp.array(x.shape))) for x in leaves))
-
 
 def _pattern(n: int, every: int, other: str, last: str) -> tuple[str, ...]:
     """`other` everywhere except each `every`-th layer (1-based), which is `last` (HF's interval rule)."""

@@ -15,7 +15,6 @@ either (`expert_layout`).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -604,9 +603,3 @@ def save_hf(model: Transformer, directory: str, *, max_shard_bytes: int = 2 * 10
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     logging.info("save_hf: %d tensors (%.1f MB) in %d file(s) to %s", len(tensors),
                  sum(t.nbytes for t in tensors.values()) / 1e6, len(shards), directory)
-
-
-def num_bytes(model: Transformer) -> int:
-    """Bytes of all parameters."""
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves))
