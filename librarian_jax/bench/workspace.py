@@ -3,8 +3,12 @@
     python -m librarian_jax.bench.workspace [--docs 500] [--synthetic 200] [--ops 2000] [--seed 0]
 
 Prints one line per measurement (create / merge / delete / list / read / a realistic mix / snapshot copy /
-to_json / from_json / readme / source_excerpts), each as operations per second and microseconds per operation.
-Host-only: no jax, no model.
+snapshot + one write at the given size and 4x larger / to_json / from_json / readme / source_excerpts), each
+as operations per second and microseconds per operation. Host-only: no jax, no model.
+
+"probe snap + create (N=...)" is what a rollout does at every probe: snapshot the workspace (the
+probe reads the snapshot) and go on writing to the workspace. Snapshots share the path index (a persistent
+map, `workspace/pmap.py`), so its cost should not grow with N.
 """
 
 from __future__ import annotations
@@ -133,6 +137,18 @@ def main(argv: list[str]) -> None:
         n // 4,
         lambda i: base.copy().create_file(f"Snap {i}", rng.sample(raw_paths, 2), "x", turn=i),
     )
+    for scale in (1, 4):
+        big = base if scale == 1 else build(docs, scale * _SYN.value, rng)
+        n_syn = len(big.nodes)
+        ws = big.copy()
+        ws.list_dir(".")  # the index exists, as in a rollout
+
+        def probe_then_write(i: int, ws: Workspace = ws) -> None:
+            snap = ws.copy()
+            snap.read_file(raw_paths[i % len(raw_paths)])  # the probe reads the snapshot
+            ws.create_file(f"Probe {i}", rng.sample(raw_paths, 2), "x", turn=i)
+
+        timed(f"probe snap + create (N={n_syn})", max(2, n // 4), probe_then_write)
     s = base.to_json()
     print(f"snapshot JSON: {len(s) / 1e6:.2f} MB")
     timed("to_json", max(10, n // 50), lambda i: base.to_json())

@@ -203,7 +203,9 @@ class Index:
             self._drop(nid)
         for r in roots:
             parent = nodes[r].parent
-            self.children[parent] = tuple(c for c in self.children[parent] if c != r)
+            kids = list(self.children[parent])
+            kids.remove(r)
+            self.children[parent] = tuple(kids)
         return order
 
     def on_merge(self, nodes: Mapping[str, SyntheticNode], new_id: str, moved: list[str]) -> None:

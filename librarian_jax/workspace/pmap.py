@@ -138,33 +138,32 @@ class PMap(Mapping[K, V], Generic[K, V]):
         self._owner = object()
         return out
 
-    def _own(self, node: _Node) -> _Node:
-        if node.owner is self._owner:
-            return node
-        return _Node(self._owner, node.leaf, dict(node.table))
-
-    def _leaf_for(self, h: int) -> tuple[_Node, int]:
-        """The leaf that holds (or would hold) hash `h`, made owned (copied where shared) on the way down,
-        and its depth in bits."""
-        node = self._root = self._own(self._root)
+    def _leaf_for(self, key: object) -> tuple[_Node, int]:
+        """The leaf that holds (or would hold) `key`, made owned (copied where shared) on the way down, and
+        its depth in bits."""
+        owner = self._owner
+        node = self._root
+        if node.owner is not owner:
+            node = self._root = _Node(owner, node.leaf, dict(node.table))
+        if node.leaf:
+            return node, 0
+        h = hash(key) & _HASH_MASK
         shift = 0
-        while not node.leaf:
+        while True:
+            table = node.table
             chunk = (h >> shift) & _CHUNK
-            child = node.table.get(chunk)
-            if child is None:
-                child = node.table[chunk] = _Node(self._owner, True, {})
-            elif child.owner is not self._owner:
-                child = node.table[chunk] = self._own(child)
-            node, shift = child, shift + BITS
-        return node, shift
+            node = table.get(chunk)
+            if node is None:
+                node = table[chunk] = _Node(owner, True, {})
+            elif node.owner is not owner:
+                node = table[chunk] = _Node(owner, node.leaf, dict(node.table))
+            shift += BITS
+            if node.leaf:
+                return node, shift
 
     # ---------------------------------------------------------------------------------------------- writing
     def __setitem__(self, key: K, value: V) -> None:
-        root = self._root
-        if root.leaf and root.owner is self._owner:  # a small map that no copy shares
-            leaf, shift = root, 0
-        else:
-            leaf, shift = self._leaf_for(hash(key) & _HASH_MASK)
+        leaf, shift = self._leaf_for(key)
         table = leaf.table
         if key not in table:
             self._len += 1
@@ -189,13 +188,14 @@ class PMap(Mapping[K, V], Generic[K, V]):
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
         """Remove `key` and return its value (`default` when absent; KeyError without a default)."""
-        if key not in self:
+        leaf, _ = self._leaf_for(key)  # (when `key` is absent this may copy a path for nothing: harmless)
+        value = leaf.table.pop(key, _MISSING)
+        if value is _MISSING:
             if default is _MISSING:
                 raise KeyError(key)
             return default
-        leaf, _ = self._leaf_for(hash(key) & _HASH_MASK)
         self._len -= 1
-        return leaf.table.pop(key)
+        return value
 
     def update(self, items: Mapping[K, V] | Iterable[tuple[K, V]]) -> None:
         for k, v in items.items() if isinstance(items, Mapping) else items:
