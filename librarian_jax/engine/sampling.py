@@ -20,6 +20,7 @@ batch, or how the decode was split into rounds.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,45 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 ``[...]`` -> uint32 ``[...]`` keys in the floats' order (``a < b`` iff ``key(a) < key(b)``).
+
+    Negative floats have all their bits flipped, the others their sign bit set (NaN-free inputs); -0.0 is
+    first made +0.0, as the two compare equal.
+    """
+    x = x.astype(jnp.float32)
+    i = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.where(i < 0, ~i, i ^ jnp.int32(-(2**31))), jnp.uint32)
+
+
+def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row the smallest uint32 ``t`` in ``(lo, hi]`` with ``pred(t)``, by 32 exact halvings.
+
+    Args:
+      pred: uint32 ``[slots]`` -> bool ``[slots]``, monotone in ``t`` (False, then True); ``pred(hi)`` True.
+      lo, hi: uint32 ``[slots]``. Where ``pred(lo)`` is True too, the answer is ``lo + 1``.
+    Returns:
+      uint32 ``[slots]``.
+    """
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks ``scaled`` logits outside each row's top-k / top-p set to a large negative value.
+
+    The kept set is the one a full descending sort gives (top-k: every logit >= the k-th largest; top-p over
+    the top-k-renormalised distribution: every logit >= the smallest one whose mass of strictly larger logits
+    is < p, so ties at the boundary are kept), found without sorting: each threshold is a bisection over the
+    logits' order-preserving uint32 keys (32 passes of a compare and a count / masked sum over ``[slots,
+    vocab]``), run only when some row of the batch uses it. The only difference from the sorted version is
+    float rounding of the boundary mass (a masked sum instead of a cumulative sum).
 
     Args:
       scaled: float32 ``[slots, vocab]`` temperature-scaled logits.
@@ -73,20 +111,29 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
       float32 ``[slots, vocab]``; at least the most likely token of each row is always kept.
     """
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [slots, vocab]
-    # top-k: threshold at the k-th largest logit.
+    keys = _ordered_keys(scaled)  # [slots, vocab]
+    lo = jnp.min(keys, axis=-1) - jnp.uint32(1)  # every key is > lo (the key of -inf is > 0)
+    hi = jnp.max(keys, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [slots, 1]
-    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, _NEG_INF)
-    # top-p over the top-k-truncated distribution: keep the smallest prefix whose mass reaches p.
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) & (sorted_desc > _NEG_INF / 2)
-    keep = keep.at[:, 0].set(True)
-    num_keep = keep.sum(-1)
-    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(threshold, kth)
-    return jnp.where(scaled >= threshold, scaled, _NEG_INF)
+
+    def kth_key(_: jax.Array) -> jax.Array:
+        # The k-th largest key: the smallest t with fewer than k keys above it.
+        return _smallest_true(lambda t: jnp.sum(keys > t[:, None], axis=-1) < k, lo, hi)
+
+    kth = jax.lax.cond(jnp.any(top_k > 0), kth_key, lambda _: lo + jnp.uint32(1), keys)
+    in_k = keys >= kth[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, scaled, _NEG_INF), axis=-1)
+
+    def nucleus_key(_: jax.Array) -> jax.Array:
+        # The smallest kept key: the smallest t whose strictly larger tokens hold less than p of the mass.
+        def below_p(t: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p
+
+        return jnp.where(top_p < 1.0, _smallest_true(below_p, lo, hi), lo + jnp.uint32(1))
+
+    smallest = jax.lax.cond(jnp.any(top_p < 1.0), nucleus_key, lambda _: lo + jnp.uint32(1), keys)
+    keep = in_k & (keys >= smallest[:, None])
+    return jnp.where(keep, scaled, _NEG_INF)
 
 
 def _logp_at(x: jax.Array, tokens: jax.Array) -> jax.Array:
