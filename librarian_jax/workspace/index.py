@@ -7,8 +7,9 @@ is built once and shared by every copy and snapshot. `Index` covers the syntheti
 from the node table (`Index.build`), then kept up to date by each action (`add_file`, `detach` + `on_merge`,
 `detach` + `on_delete`), touching only the paths that change. Its tables are persistent maps (`pmap.PMap`),
 so `Index.copy()` (taken with every workspace snapshot) is O(1) and a write on either side afterwards copies
-only the trie nodes on the changed paths, never the whole index. A directory's children are an immutable
-tuple: a change to one directory's children copies that tuple alone.
+only the trie nodes on the changed paths, never the whole index. A directory's children are a persistent map
+too (child id -> None), nested in `children`: `_kids` hands out one this index may change, adopting a shared
+one under the index's current edit token (which changes at every copy).
 """
 
 from __future__ import annotations
@@ -75,30 +76,30 @@ class Index:
     module docstring). `nodes` arguments are the workspace's node table after (or, for `detach`, before)
     the change being recorded."""
 
-    __slots__ = ("raw", "entries", "dir_path", "children", "titles", "has_history", "names")
+    __slots__ = ("raw", "entries", "dir_path", "children", "titles", "has_history", "names", "_edit")
 
     def __init__(self, raw: RawLayer):
         """An empty index (no synthetic nodes); use `build` for a populated one."""
         self.raw = raw
         self.entries: PMap[str, Entry] = PMap()
         self.dir_path: PMap[str, str] = PMap()  # node id -> directory path (directories) or file path
-        self.children: PMap[str | None, tuple[str, ...]] = PMap()  # parent node id (None: root) -> children
+        # parent node id (None: the root) -> its active children (a set: child id -> None)
+        self.children: PMap[str | None, PMap[str, None]] = PMap()
         self.titles: PMap[str, str] = PMap()  # normalised title of an active node -> node id
         self.has_history = False
         self.names = P.NameIndex((), {}, base=raw.names)
+        self._edit = object()  # owns the child maps this index made since its last copy
 
     @classmethod
     def build(cls, nodes: Mapping[str, SyntheticNode], raw: RawLayer) -> Index:
         """The index of `nodes` (in creation order). Raises RuntimeError on a parent cycle."""
         idx = cls(raw)
-        children: dict[str | None, list[str]] = {}
         for nid, node in nodes.items():
             if node.active:
-                children.setdefault(node.parent, []).append(nid)
+                idx._add_child(node.parent, (nid,))
                 idx.titles[norm_title(node.title)] = nid
             else:
                 idx.has_history = True
-        idx.children.update((k, tuple(v)) for k, v in children.items())
         if idx.has_history:
             idx.entries[HISTORY_DIR] = Entry(E_HISTORY_DIR)
             idx.names.add(HISTORY_DIR)
@@ -135,6 +136,8 @@ class Index:
         out.titles = self.titles.copy()
         out.has_history = self.has_history
         out.names = self.names.copy()
+        out._edit = object()
+        self._edit = object()  # the child maps both now share are neither's to change in place
         return out
 
     def tables(self) -> tuple[PMap[Any, Any], ...]:
@@ -153,8 +156,17 @@ class Index:
         )
 
     # ------------------------------------------------------------------------------------------ changes
+    def _kids(self, parent: str | None) -> PMap[str, None]:
+        """The children of `parent` as a map this index may change in place."""
+        kids = self.children.get(parent)
+        if kids is None or kids._owner is not self._edit:
+            kids = self.children[parent] = (kids or PMap()).adopted(self._edit)
+        return kids
+
     def _add_child(self, parent: str | None, kids: Iterable[str]) -> None:
-        self.children[parent] = self.children.get(parent, ()) + tuple(kids)
+        mine = self._kids(parent)
+        for k in kids:
+            mine[k] = None
 
     def add_file(self, node: SyntheticNode) -> None:
         """Record a newly created active file (nothing else moves on a create)."""
@@ -198,21 +210,18 @@ class Index:
             nid = stack.pop()
             order.append(nid)
             if nodes[nid].kind == DIRECTORY:
-                stack.extend(reversed(self.children.get(nid, ())))
+                stack.extend(self.children.get(nid, ()))
         for nid in order:
             self._drop(nid)
         for r in roots:
-            parent = nodes[r].parent
-            kids = list(self.children[parent])
-            kids.remove(r)
-            self.children[parent] = tuple(kids)
+            del self._kids(nodes[r].parent)[r]
         return order
 
     def on_merge(self, nodes: Mapping[str, SyntheticNode], new_id: str, moved: list[str]) -> None:
         """After a merge made `new_id` (children already re-parented in `nodes`)."""
         node = nodes[new_id]
         self._add_child(node.parent, (new_id,))
-        self.children[new_id] = tuple(node.synthetic_sources)
+        self._add_child(new_id, node.synthetic_sources)
         self.titles[norm_title(node.title)] = new_id
         self._put(node)
         for nid in moved:
@@ -221,9 +230,9 @@ class Index:
     def on_delete(self, nodes: Mapping[str, SyntheticNode], gone: str, moved: list[str]) -> None:
         """After `gone` was deleted (children already re-parented in `nodes`); `moved` is from `detach`."""
         node = nodes[gone]
-        kids = self.children.pop(gone, ())
+        kids = self.children.pop(gone, None)
         if kids:
-            self._add_child(nodes[kids[0]].parent, kids)
+            self._add_child(nodes[next(iter(kids))].parent, kids)
         self.titles.pop(norm_title(node.title), None)
         if not self.has_history:
             self.has_history = True

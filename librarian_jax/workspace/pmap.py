@@ -161,15 +161,33 @@ class PMap(Mapping[K, V], Generic[K, V]):
             if node.leaf:
                 return node, shift
 
+    def adopted(self, owner: object) -> PMap[K, V]:
+        """This map as one whose writes belong to `owner`: itself when it already does, else a new map that
+        shares every node (and copies them on write). For maps nested as values in another persistent
+        structure, whose holder changes `owner` at every copy (see `index.Index.children`); `copy()` is the
+        right call everywhere else."""
+        if self._owner is owner:
+            return self
+        out = PMap.__new__(PMap)
+        out._root = self._root
+        out._len = self._len
+        out._owner = owner
+        return out
+
     # ---------------------------------------------------------------------------------------------- writing
     def __setitem__(self, key: K, value: V) -> None:
-        leaf, shift = self._leaf_for(key)
+        leaf = self._root
+        if leaf.leaf and leaf.owner is self._owner:  # a small map no copy shares: skip the walk
+            shift = 0
+        else:
+            leaf, shift = self._leaf_for(key)
         table = leaf.table
-        if key not in table:
-            self._len += 1
+        n = len(table)
         table[key] = value
-        if len(table) > LEAF_MAX and shift < _MAX_SHIFT:
-            self._split(leaf, shift)
+        if len(table) > n:
+            self._len += 1
+            if n >= LEAF_MAX and shift < _MAX_SHIFT:
+                self._split(leaf, shift)
 
     def _split(self, node: _Node, shift: int) -> None:
         """Turn an owned, overfull leaf into an internal node (recursively while a part is still overfull)."""
