@@ -11,13 +11,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_agents_doubles import ByteChatML, ByteTokenizer
 
 from librarian_jax.agents import navigator
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.executor import extractive_text
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import synthetic
+from librarian_jax.testing import ByteChatML, ByteTokenizer
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()

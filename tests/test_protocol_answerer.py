@@ -5,7 +5,6 @@ utility of the paper's section 2.3; every frozen role asks for its own engine.""
 from __future__ import annotations
 
 import pytest
-from test_agents_doubles import ByteChatML, ByteTokenizer, ScriptedEngine
 
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.judge import judge_answer
@@ -15,6 +14,7 @@ from librarian_jax.data.schema import Document, Question
 from librarian_jax.rollout import RolloutConfig, Scheduler
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.episode import evaluate
+from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()

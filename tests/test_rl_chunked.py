@@ -145,7 +145,9 @@ def test_grpo_config_validation_of_train_keys():
 
     for preset in grpo.PRESETS:
         c = grpo.get_config(preset)
-        assert c.train.logits_chunk > 0 and ts.remat_mode(c.train.remat)
+        # no preset holds [rows, seq, vocab] logits; a real model's run also rematerialises its activations
+        assert c.train.logits_chunk > 0, preset
+        assert preset == "embedded" or ts.remat_mode(c.train.remat) != "none", preset
     c = grpo.get_config()
     for key, bad, msg in [("logits_chunk", -4, "must be >= 0"), ("remat", "layers", "must be one of")]:
         c2 = grpo.get_config()

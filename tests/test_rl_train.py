@@ -74,8 +74,8 @@ def test_micro_batched_gradients_equal_full_batch(one_layer):
     assert norm > 0
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
-    if mesh is None:
-        return
+    if mesh is None:  # the unsharded part above ran; say that the sharded part did not
+        pytest.skip("sharded half needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     assert micro.row_multiple() == 2 * 4
     with pytest.raises(ValueError, match="must be a multiple of 8"):
         micro.update(random_batch(rows=4))

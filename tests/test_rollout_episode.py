@@ -9,7 +9,6 @@ import re
 
 import numpy as np
 import pytest
-from test_agents_doubles import IM_END, ByteChatML, ByteTokenizer, ScriptedEngine
 
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.builder import BuilderConfig
@@ -19,6 +18,7 @@ from librarian_jax.data.schema import CorpusTask, Document, Question
 from librarian_jax.rollout import EpisodeRecord, RolloutConfig, Scheduler, read_jsonl, run_batch, write_jsonl
 from librarian_jax.rollout.rewards import probe_reward, should_probe
 from librarian_jax.rollout.scheduler import fit_to_engines
+from librarian_jax.testing import IM_END, ByteChatML, ByteTokenizer, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()

@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_agents_doubles import ByteChatML, ByteTokenizer
 
 from configs import sft as sft_configs
 from librarian_jax import models, supervised
@@ -21,6 +20,7 @@ from librarian_jax.agents.builder import BuilderConfig
 from librarian_jax.data import demos, synthetic
 from librarian_jax.rl import sft
 from librarian_jax.rollout import RolloutConfig
+from librarian_jax.testing import ByteChatML, ByteTokenizer
 
 TOK = ByteTokenizer()
 TPL = ByteChatML(TOK)

@@ -1,5 +1,8 @@
-"""Test doubles for agent/rollout unit tests: a byte-level ChatML tokenizer, and the library's scripted engine
-(`librarian_jax.rollout.scripted.ScriptedEngine`) ending turns with its end-of-turn id by default."""
+"""Test doubles shipped with the library (as gemma ships `gm.testing`): a byte-level ChatML tokenizer and chat
+template that need no tokenizer file, and the library's scripted engine
+(`librarian_jax.rollout.scripted.ScriptedEngine`) ending turns with its end-of-turn id by default. The unit
+tests of agents, rollout, SFT and the navigator use them; so can a user's own tests of a protocol change.
+"""
 
 from __future__ import annotations
 
@@ -65,12 +68,12 @@ class ByteChatML:
         return self.tok.encode("<|im_end|>\n")
 
 
+FakeSession = scripted.FakeSession
+
+
 class ScriptedEngine(scripted.ScriptedEngine):
     """The library's scripted engine over the byte tokenizer, ending each scripted reply with `<|im_end|>`."""
 
     def __init__(self, tok: ByteTokenizer, policy: Callable[[FakeSession], str | list[int]],
                  num_slots: int = 64, max_seq_len: int = 1_000_000, end_id: int = IM_END):
         super().__init__(tok, policy, num_slots, max_seq_len, end_id)
-
-
-FakeSession = scripted.FakeSession
