@@ -339,7 +339,7 @@ class Views(Provenance):
         """The active synthetic hierarchy, one indented line per node (directories with a trailing `/`)."""
         idx = self._index
         out: list[str] = []
-        total = len(self.active_nodes())
+        total = sum(1 for n in self._nodes.values() if n.active)
 
         def walk(parent: str | None, depth: int) -> None:
             nodes = sorted(
@@ -410,12 +410,13 @@ class Views(Provenance):
         """Counts for rewards and logging: raw docs, active files / directories, deleted nodes, deepest
         nesting of active nodes (root level = 1), characters of active synthetic bodies and raw texts,
         entries at the root."""
-        active = self.active_nodes()
+        table = dict(self._nodes.items())  # one pass over the node map; counts need no order
+        active = [n for n in table.values() if n.active]
         depth_memo: dict[str, int] = {}
 
         def depth(nid: str) -> int:
             if nid not in depth_memo:
-                p = self._nodes[nid].parent
+                p = table[nid].parent
                 depth_memo[nid] = 1 if p is None else 1 + depth(p)
             return depth_memo[nid]
 
@@ -424,7 +425,7 @@ class Views(Provenance):
             "active_files": sum(1 for n in active if n.kind == FILE),
             "active_dirs": sum(1 for n in active if n.kind == DIRECTORY),
             "active_synthetic": len(active),
-            "deleted": len(self._nodes) - len(active),
+            "deleted": len(table) - len(active),
             "max_depth": max((depth(n.node_id) for n in active), default=0),
             "synthetic_chars": sum(len(n.body) for n in active),
             "raw_chars": sum(len(d.text) for d in self._raw),
