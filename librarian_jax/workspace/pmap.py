@@ -16,6 +16,7 @@ Pure Python, no dependencies; keys must be hashable and their hash stable within
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -100,16 +101,19 @@ class PMap(Mapping[K, V], Generic[K, V]):
         return self._len
 
     def __iter__(self) -> Iterator[K]:
-        for table in self._leaves(self._root):
-            yield from table
+        if self._root.leaf:
+            return iter(self._root.table)
+        return itertools.chain.from_iterable(self._leaves(self._root))
 
     def items(self) -> Iterator[tuple[K, V]]:  # type: ignore[override]
-        for table in self._leaves(self._root):
-            yield from table.items()
+        if self._root.leaf:
+            return iter(self._root.table.items())
+        return itertools.chain.from_iterable(t.items() for t in self._leaves(self._root))
 
     def values(self) -> Iterator[V]:  # type: ignore[override]
-        for table in self._leaves(self._root):
-            yield from table.values()
+        if self._root.leaf:
+            return iter(self._root.table.values())
+        return itertools.chain.from_iterable(t.values() for t in self._leaves(self._root))
 
     @staticmethod
     def _leaves(node: _Node) -> Iterator[dict[Any, Any]]:

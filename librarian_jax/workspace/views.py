@@ -339,11 +339,12 @@ class Views(Provenance):
         """The active synthetic hierarchy, one indented line per node (directories with a trailing `/`)."""
         idx = self._index
         out: list[str] = []
-        total = sum(1 for n in self._nodes.values() if n.active)
+        table = dict(self._nodes.items())  # one pass over the node map
+        total = sum(1 for n in table.values() if n.active)
 
         def walk(parent: str | None, depth: int) -> None:
             nodes = sorted(
-                (self._nodes[c] for c in idx.children.get(parent, [])),
+                (table[c] for c in idx.children.get(parent, [])),
                 key=lambda n: (n.kind != DIRECTORY, n.name),
             )
             for n in nodes:
