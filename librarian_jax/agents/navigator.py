@@ -29,8 +29,10 @@ import json
 import re
 from typing import Any
 
+from librarian_jax.agents.answerer import ANSWERER, ANSWERER_TOOLS, AnswerOutcome, cut_words, first_prompt
 from librarian_jax.agents.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_response
 from librarian_jax.agents.runtime import AgentContext, AgentGen
+from librarian_jax.data.synthetic import extract_facts, parse_question
 
 _ENTRY = re.compile(r'^(?P<name>[^\s]+?)(?P<dir>/?)\s+\[(?P<kind>[a-z ]+)\]\s+"(?P<title>[^"]*)"', re.M)
 _DIR_HEAD = re.compile(r"^Directory (?P<path>\S+?)/?: \d+ entries", re.M)
@@ -45,8 +47,6 @@ class _Reader:
     """The navigator's state: what it has seen (listings, facts) and what it has spent."""
 
     def __init__(self, ctx: AgentContext, workspace: Any, config: Any):
-        from librarian_jax.agents.answerer import ANSWERER, ANSWERER_TOOLS
-
         self.ctx, self.ws, self.cfg = ctx, workspace, config
         template_for = getattr(ctx, "template_for", None)
         self.template = template_for(ANSWERER) if template_for is not None else ctx.template
@@ -62,8 +62,6 @@ class _Reader:
 
     # -- what it sees -------------------------------------------------------------------------------------
     def see(self, text: str) -> None:
-        from librarian_jax.data.synthetic import extract_facts
-
         for s, rel, o in extract_facts(text):
             self.facts.setdefault((s.lower(), rel), o)
         head = _DIR_HEAD.search(text)
@@ -135,9 +133,6 @@ def navigate(
 ) -> AgentGen:
     """Generator (it never yields: no engine is involved): one scripted answerer run; returns an
     `AnswerOutcome` like `answer_question`."""
-    from librarian_jax.agents.answerer import AnswerOutcome, cut_words, first_prompt
-    from librarian_jax.data.synthetic import parse_question
-
     if False:  # pragma: no cover - makes this a generator, like every agent
         yield None
     reader = _Reader(ctx, workspace, config)

@@ -10,6 +10,8 @@ import functools
 import importlib.resources
 import string
 
+from librarian_jax.agents.protocol import format_call, render_tools
+
 
 @functools.cache
 def load(name: str) -> str:
@@ -40,7 +42,6 @@ def all_texts() -> list[str]:
     trained on (e.g. the tiny preset's) so the agents' own prompts encode compactly."""
     from librarian_jax.agents.answerer import ANSWERER_TOOLS
     from librarian_jax.agents.builder import BUILDER_TOOLS
-    from librarian_jax.agents.protocol import format_call, render_tools
 
     texts = [load(n) for n in PROMPT_NAMES]
     texts += [render_tools(BUILDER_TOOLS), render_tools(ANSWERER_TOOLS)]

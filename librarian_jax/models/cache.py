@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from librarian_jax.models.config import ModelConfig
+from librarian_jax.models.gated_deltanet import GatedDeltaNet
 
 K_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
 V_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
@@ -35,12 +36,6 @@ class Cache:
         raise ValueError("Cache has no attention layer, so no max_len")
 
 
-def _gated_deltanet():
-    from librarian_jax.models.gated_deltanet import GatedDeltaNet  # lazy: only hybrid configs need it
-
-    return GatedDeltaNet
-
-
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
     """An empty cache (all lengths 0) for `batch_size` rows of up to `max_len` tokens.
 
@@ -50,7 +45,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
     layers: list[dict[str, jax.Array]] = []
     for t in config.layer_types:
         if t == "linear_attention":
-            shapes = _gated_deltanet().cache_shapes(config, batch_size)
+            shapes = GatedDeltaNet.cache_shapes(config, batch_size)
             layers.append({name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()})
         else:
             kvh, d = config.num_kv_heads, config.head_dim
@@ -64,7 +59,7 @@ def cache_logical_axes(config: ModelConfig) -> Cache:
     layers: list[dict[str, tuple[str, ...]]] = []
     for t in config.layer_types:
         if t == "linear_attention":
-            layers.append(dict(_gated_deltanet().cache_axes()))
+            layers.append(dict(GatedDeltaNet.cache_axes()))
         else:
             layers.append({"k": K_AXES, "v": V_AXES})
     return Cache(lengths=("cache_batch",), layers=tuple(layers))

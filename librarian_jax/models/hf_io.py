@@ -29,6 +29,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from librarian_jax.models.config import ModelConfig
+from librarian_jax.models.gated_deltanet import HF_PARAMS
+from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import Rules, named_sharding, variable_axes
 from librarian_jax.models.transformer import Transformer
 
@@ -322,8 +324,6 @@ def hf_param_names(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, bool
             for p in ("gate_proj", "up_proj", "down_proj"):
                 names[("layers", i, "mlp", p, "kernel")] = (f"{pre}mlp.{p}.weight", True)
         if layer_type == "linear_attention":
-            from librarian_jax.models.gated_deltanet import HF_PARAMS
-
             for suffix, (attr, transpose) in HF_PARAMS.items():
                 path = ("layers", i, "linear_attn", *attr.split("."))
                 names[path] = (f"{pre}linear_attn.{suffix}", transpose)
@@ -514,8 +514,6 @@ def load_hf(
     state = nnx.from_flat_state(new_leaves)
     model = nnx.merge(graphdef, state)
     if mesh is not None and config.num_experts:
-        from librarian_jax.models.moe import bind_mesh
-
         bind_mesh(model, mesh, rules)
     logging.info("load_hf: %s (%s, %d layers) from %s", config.model_type, config.param_dtype,
                  config.num_layers, directory)

@@ -17,7 +17,9 @@ from jax.sharding import Mesh
 
 from librarian_jax.models.cache import Cache
 from librarian_jax.models.config import ModelConfig
+from librarian_jax.models.gated_deltanet import GatedDeltaNet
 from librarian_jax.models.layers import INIT_STD, MLP, Attention, RMSNorm, dense, rope_inv_freq, rope_tables
+from librarian_jax.models.moe import SparseMoE, bind_mesh
 from librarian_jax.models.partitioning import Rules, state_shardings
 
 
@@ -36,8 +38,6 @@ class DecoderLayer(nnx.Module):
                     param_dtype=config.jnp_param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         if self.layer_type == "linear_attention":
-            from librarian_jax.models.gated_deltanet import GatedDeltaNet  # lazy: written by another area
-
             self.linear_attn = GatedDeltaNet(config, rngs=rngs)
         else:
             self.self_attn = Attention(config, self.layer_type, rngs=rngs)
@@ -48,8 +48,6 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
         self.moe = config.num_experts > 0
         if self.moe:
-            from librarian_jax.models.moe import SparseMoE
-
             self.mlp = SparseMoE(config, rngs=rngs)
         else:
             self.mlp = MLP(config, rngs=rngs)
@@ -196,7 +194,5 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
     model = nnx.merge(graphdef, state)
     if mesh is not None and config.num_experts:
-        from librarian_jax.models.moe import bind_mesh
-
         bind_mesh(model, mesh, rules)
     return model

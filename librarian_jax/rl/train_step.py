@@ -172,10 +172,8 @@ def apply_lora(model: nnx.Module, rank: int, alpha: float, module_path: str = LO
     method = "hidden" if callable(getattr(model, "hidden", None)) else "__call__"
     lora_model = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(seed), methods=(method,))
     # qwix does not intercept the grouped matmuls of MoE experts: their adapters come from models.moe
-    from librarian_jax.models import moe
-
-    if moe.moe_layers(lora_model) and re.fullmatch(module_path, "layers/0/mlp/experts"):
-        moe.add_expert_lora(lora_model, rank, alpha, seed=seed)
+    if moe_lib.moe_layers(lora_model) and re.fullmatch(module_path, "layers/0/mlp/experts"):
+        moe_lib.add_expert_lora(lora_model, rank, alpha, seed=seed)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
     if n == 0:
         raise ValueError(f"apply_lora: module_path {module_path!r} matched no matmul of the model")

@@ -25,6 +25,7 @@ from librarian_jax.agents.judge import judge_answer
 from librarian_jax.agents.runtime import AgentContext, AgentGen, Parallel
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.records import EpisodeRecord
+from librarian_jax.workspace import Workspace
 
 REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspection
 
@@ -113,8 +114,6 @@ def run_episode(
       workspace: the initial workspace (default: `Workspace.from_documents(task.documents)`).
     """
     if workspace is None:
-        from librarian_jax.workspace import Workspace
-
         workspace = Workspace.from_documents(list(task.documents))
     ws = workspace
     rec = EpisodeRecord(

@@ -39,6 +39,7 @@ from typing import Any
 
 from librarian_jax.agents.answerer import AnswererConfig
 from librarian_jax.agents.builder import BuilderConfig
+from librarian_jax.agents.prompt_text import PROMPT_NAMES
 
 TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
 REPEAT_MODES = ("greedy_once", "sample")
@@ -91,7 +92,6 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.builder.max_turns < 1:
             raise ValueError(f"RolloutConfig.builder.max_turns must be >= 1, got {self.builder.max_turns}")
-        from librarian_jax.agents.prompt_text import PROMPT_NAMES
 
         if not self.builder.system_prompt.startswith("builder_system") or \
                 self.builder.system_prompt not in PROMPT_NAMES:

@@ -32,9 +32,11 @@ from librarian_jax.agents.runtime import (
     Parallel,
     engine_for_role,
 )
+from librarian_jax.engine import Engine, SamplingParams
 from librarian_jax.rollout.episode import run_episode
 from librarian_jax.rollout.records import EpisodeRecord
 from librarian_jax.rollout.rewards import RolloutConfig
+from librarian_jax.tokenizers import chat_template
 
 
 @dataclasses.dataclass
@@ -64,8 +66,6 @@ class _Task:
 
 def _to_engine_sampling(engine: Any, sampling: Any) -> Any:
     """The engine's own sampling type (librarian_jax.engine.SamplingParams) for the real engine."""
-    from librarian_jax.engine import Engine, SamplingParams
-
     if isinstance(engine, Engine):
         return SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed
@@ -259,8 +259,6 @@ def run_batch(
         raise ValueError(f"run_batch: group_size must be >= 1, got {group_size}")
     by_role = _engines_by_role(engines)
     if template is None:
-        from librarian_jax.tokenizers import chat_template
-
         template = chat_template(tokenizer)
     config = fit_to_engines(config, by_role)
     max_len = getattr(by_role[POLICY], "max_seq_len", None)

@@ -1,0 +1,165 @@
+"""The layer order of DESIGN.md, checked on the source: each layer imports only the layers below it, the
+import-time graph has no cycle, and an import hidden inside a function is either hoisted or listed in
+`FUNCTION_LEVEL` with its reason. Reads the code with `ast` (nothing is imported), so it takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
+
+# Lowest first (DESIGN.md "Layers" and "Where the code refines this map"). A module belongs to the layer of
+# its longest matching prefix. `segment` (the rollout -> rl record) and `data` (schema, loaders, the
+# synthetic world, grain pipelines) import nothing above them, so every layer may read them; `data.demos`
+# runs scripted builders through rollout, so it sits at the top with the commands.
+LAYERS: list[tuple[str, ...]] = [
+    ("segment", "data"),
+    ("models",),
+    ("tokenizers",),
+    ("engine",),
+    ("workspace",),
+    ("agents",),
+    ("rollout",),
+    ("rl",),
+    ("", "data.demos", "checkpoint", "distributed", "config_schema", "config_validation", "eval", "main",
+     "supervised", "testing", "bench"),
+]
+
+# Imports inside functions that stay there, by (importing module, imported module), with the reason.
+_CLI = "CLI start-up: config errors and --dry_run answer before the model/engine/rollout stack is imported"
+_CYCLE = "import cycle: the imported module imports this one at module level"
+FUNCTION_LEVEL: dict[tuple[str, str], str] = {
+    ("models.partitioning", "models.moe"): _CYCLE + " (moe places its experts with partitioning's specs)",
+    ("agents.answerer", "agents.navigator"): _CYCLE + " (the scripted navigator reads with answerer's tools)",
+    ("agents.prompt_text", "agents.answerer"): _CYCLE + " (the agents render their prompts with prompt_text)",
+    ("agents.prompt_text", "agents.builder"): _CYCLE + " (the agents render their prompts with prompt_text)",
+    ("data.pipeline", "data.loaders"): "keeps the grain pipeline's import light when given tasks in memory",
+}
+# The commands (and the config checks they run first) import their heavy layers on first use: _CLI
+_COMMANDS = ("main", "eval", "supervised", "distributed", "config_validation", "config_schema", "data.demos",
+             "bench")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (p == "" and module == "") or module == p or (p and module.startswith(p + ".")):
+                if len(p) > best:
+                    best, rank = len(p), i
+    if rank is None:
+        raise AssertionError(f"librarian_jax.{module} is in no layer: add it to LAYERS in {__file__}")
+    return rank
+
+
+def _resolve(name: str) -> str | None:
+    """The package module an imported dotted name refers to (a module, or the package holding a name)."""
+    if not name.startswith("librarian_jax"):
+        return None
+    name = name.removeprefix("librarian_jax").lstrip(".")
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def imports() -> list[tuple[str, str, bool, int]]:
+    """(importer, imported, inside a function, line) for every import of a librarian_jax module."""
+    out = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = _type_checking_nodes(tree)
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                       for n in ast.walk(f)}
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".") if package else []
+                    up = up[: len(up) - node.level + 1]
+                    base = ".".join(["librarian_jax", *up, *([base] if base else [])])
+                names = [f"{base}.{a.name}" for a in node.names]
+            for n in names:
+                target = _resolve(n)
+                if target is not None and target != module:
+                    out.append((module, target, id(node) in in_function, node.lineno))
+    return out
+
+
+IMPORTS = imports()
+
+
+def test_every_layer_imports_only_layers_below():
+    bad = [f"librarian_jax.{a}:{line} imports librarian_jax.{b} (layer {layer_of(b)} > {layer_of(a)})"
+           for a, b, _, line in IMPORTS if layer_of(b) > layer_of(a)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_at_import_time():
+    """Module-level imports between modules, a package's own `__init__` excluded (a submodule importing a
+    name its package re-exports is how packages are written)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for a, b, local, _ in IMPORTS:
+        if not local and not (a.startswith(b + ".") or b == ""):
+            graph[a].add(b)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_function_level_imports_are_hoisted_or_have_a_reason():
+    local = {(a, b) for a, b, inside, _ in IMPORTS if inside}
+    unlisted = sorted(f"{a} -> {b}" for a, b in local
+                      if (a, b) not in FUNCTION_LEVEL and not any(
+                          a == c or a.startswith(c + ".") for c in _COMMANDS))
+    assert not unlisted, ("imports inside functions: hoist them, or list them in FUNCTION_LEVEL with the "
+                          "reason:\n" + "\n".join(unlisted))
+    stale = sorted(f"{a} -> {b}" for a, b in FUNCTION_LEVEL if (a, b) not in local)
+    assert not stale, "no longer imported inside a function: remove from FUNCTION_LEVEL:\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize("module,layer", [("models.moe", 1), ("engine.engine", 3), ("data.demos", 8),
+                                          ("data.synthetic", 0), ("segment", 0), ("", 8)])
+def test_layer_table(module, layer):
+    assert layer_of(module) == layer
