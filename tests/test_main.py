@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from librarian_jax import config_validation as cv
@@ -125,29 +126,62 @@ def tiny_run_config(workdir: str, num_steps: int):
                      record_snapshots=False)
     c.rollout.builder.update(max_turns=1, max_new_tokens=16, compaction_budget=1500)
     c.rollout.answerer.update(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8)
-    c.train.update(num_steps=num_steps, max_seq_len=2048)
+    # no warmup and some weight decay: every step moves the weights (the hand-off test relies on it)
+    c.train.update(num_steps=num_steps, max_seq_len=2048, warmup_steps=0, weight_decay=0.1)
     return c
 
 
-@pytest.mark.slow
-def test_main_end_to_end_writes_events_episodes_checkpoint_and_resumes(tmp_path):
-    from librarian_jax import main
+def _checkpoint_arrays(step_dir: str, item: str = "params") -> dict[str, np.ndarray]:
+    """One item (`params`, `opt_state`) of a checkpoint step, by path (read with Orbax, no target tree)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(os.path.join(step_dir, item))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _episodes(workdir: str, step: int) -> list[tuple[list[int], list[float]]]:
+    """(tokens, sampler log-probs) of every segment of one step's episodes file."""
     from librarian_jax.rollout import read_jsonl
 
-    workdir = str(tmp_path / "run")
-    first = main.run(tiny_run_config(workdir, num_steps=1))
+    records = read_jsonl(os.path.join(workdir, "episodes", f"step_{step}.jsonl"))
+    return [(seg.tokens.tolist(), seg.logprobs.tolist()) for r in records for seg in r.segments]
+
+
+@pytest.mark.slow
+def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tmp_path):
+    """Through `main.run` itself: a run of 2 steps in one invocation ("straight"), and one "killed" after
+    step 1, then resumed by a second invocation. Step 2's rollouts are sampled by the step-1 weights only if
+    main hands the trainer's weights to the policy engine after each update (straight) and after a resume
+    (resumed): without either hand-off one run samples step 2 with the initial weights, and the two differ.
+    With both, the runs are identical: same step-2 tokens and sampler log-probs, same step-2 checkpoint."""
+    from librarian_jax import main
+
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    main.run(tiny_run_config(straight, num_steps=2))
+    first = main.run(tiny_run_config(killed, num_steps=1))
     assert (first["start_step"], first["last_step"]) == (0, 1)
-    assert glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
-    records = list(read_jsonl(os.path.join(workdir, "episodes", "step_1.jsonl")))
-    assert len(records) == 2 and all(r.segments for r in records)
-    assert os.path.exists(os.path.join(workdir, "checkpoints", "1", "commit_success.txt"))
-    assert "reward/mean" in first["metrics"] and first["rollout_s"] > 0
+    # step 1 updated the weights (weight decay alone moves each one), so a missed hand-off cannot pass unseen
+    assert "train/loss" in first["metrics"] and first["metrics"].get("train/skipped", 0.0) == 0.0
+    assert glob.glob(os.path.join(killed, "tb", "events.out.tfevents.*"))
+    assert os.path.exists(os.path.join(killed, "checkpoints", "1", "commit_success.txt"))
+    # step 1 is the same in both runs (same config, seed and data)
+    assert _episodes(killed, 1) == _episodes(straight, 1)
     # a second invocation with more steps resumes after step 1 (and evaluates on a held-out task)
-    config = tiny_run_config(workdir, num_steps=2)
+    config = tiny_run_config(killed, num_steps=2)
     config.eval.update(every=1, num_tasks=1, repeats=1)
     second = main.run(config)
     assert (second["start_step"], second["last_step"]) == (1, 2)
-    assert 0.0 <= second["metrics"]["eval/accuracy"] <= 1.0 and second["eval_s"] > 0
-    assert os.path.exists(os.path.join(workdir, "checkpoints", "2", "commit_success.txt"))
-    with open(os.path.join(workdir, "summary.json")) as f:
+    assert "eval/accuracy" in second["metrics"] and second["eval_s"] > 0
+    with open(os.path.join(killed, "summary.json")) as f:
         assert json.load(f)["last_step"] == 2
+    assert _episodes(killed, 2) == _episodes(straight, 2)
+    for item in ("params", "opt_state"):
+        a, b = (_checkpoint_arrays(os.path.join(d, "checkpoints", "2"), item) for d in (straight, killed))
+        assert a.keys() == b.keys() and a
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{item}{k}")
+    a = _checkpoint_arrays(os.path.join(straight, "checkpoints", "2"))
+    c = _checkpoint_arrays(os.path.join(straight, "checkpoints", "1"))
+    assert any(not np.array_equal(a[k], c[k]) for k in a)  # and step 2 moved them again
