@@ -5,6 +5,8 @@ Compile cost dominates, so every test shares a few module-level engines over tin
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,11 +191,12 @@ def test_more_sessions_than_slots_and_lru_eviction(engine, qwen):
     # LRU: a newcomer takes the slot of the resident idle session used least recently.
     resident = [s for s in engine._owner if s is not None]
     resident[0].append([1])  # now the most recently used
-    lru = min(resident[1:], key=lambda s: s.last_used)
+    lru = min(resident[1:], key=lambda s: engine._lanes[s.id].last_used)
     newcomer = engine.new_session([1, 2])
     engine.submit(newcomer, 1)
     engine.run_until_done()
-    assert lru.slot is None and newcomer.slot is not None and resident[0].slot is not None
+    assert engine.slot_of(lru) is None and engine.slot_of(newcomer) is not None
+    assert engine.slot_of(resident[0]) is not None
     newcomer.close()
     before = [s.record().tokens.copy() for s in sessions]
     reqs = [engine.submit(s, 5) for s in reversed(sessions)]
@@ -362,3 +365,82 @@ def test_sample_argmax_and_draw_match_jax():
         ]
         want = [int(jax.random.categorical(k, r)) for k, r in zip(keys, logits, strict=True)]
         np.testing.assert_array_equal(np.asarray(_draw(logits, seeds, streams, positions)), want)
+
+
+# ------------------------------------------------------------------------------------ one token record
+
+
+def test_turn_results_and_training_rows_are_the_session_record(engine, qwen):
+    # A session's record is the only copy of its tokens: each TurnResult is exactly the slice of it tagged
+    # with its turn (across evictions and re-prefills), and the training row built from it (Segment -> rl
+    # rows) holds exactly its tokens, log-probs and loss mask, with each turn's advantage on its own tokens.
+    from librarian_jax.rl import rows as rows_lib
+    from librarian_jax.rollout.records import EpisodeRecord
+    from librarian_jax.segment import Segment
+
+    rng = np.random.default_rng(5)
+    s = engine.new_session(rng.integers(0, 128, size=7).tolist())
+    others = [engine.new_session(rng.integers(0, 128, size=4).tolist()) for _ in range(3)]
+    evictions = sum(st.evictions for st in engine.stats)
+    results = []
+    for turn in range(3):
+        req = s.submit(4 + turn, SamplingParams(temperature=1.0, seed=3, stream=turn), tag=turn)
+        for o in others:  # more sessions than slots: `s` is evicted and re-prefilled between its turns
+            engine.submit(o, 2)
+        engine.run_until_done()
+        assert req.result.processed_logprobs is None  # not asked for
+        results.append(req.result)
+        s.append(rng.integers(0, 128, size=3).tolist())
+    assert sum(st.evictions for st in engine.stats) > evictions
+    rec = s.record()
+    for t, res in enumerate(results):
+        idx = np.nonzero(rec.tags == t)[0]
+        assert res.status == "length" and len(res.tokens) == 4 + t
+        assert rec.tokens[idx].tolist() == res.tokens
+        np.testing.assert_array_equal(rec.logprobs[idx], res.logprobs)
+    np.testing.assert_array_equal(rec.loss_mask, rec.tags >= 0)
+    # the log-probs are the model's at exactly these ids (one forward pass over the whole record)
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(_full_logits(qwen, rec.tokens)), axis=-1))
+    idx = np.nonzero(rec.loss_mask)[0]
+    np.testing.assert_allclose(rec.logprobs[idx], logp[idx - 1, rec.tokens[idx]], atol=2e-4)
+
+    seg = Segment(rec.tokens, rec.logprobs, rec.loss_mask, rec.tags)
+    ep = EpisodeRecord("t", 0, 0, [seg], turn_rewards=[0.0, 1.0, 0.0], terminal_reward=0.0, total_reward=1.0,
+                       num_turns=3, tool_calls=[[]] * 3, tool_errors=[[]] * 3, replies=[""] * 3)
+    other = dataclasses.replace(ep, episode_index=1, turn_rewards=[0.0] * 3, total_reward=0.0)
+    cfg = rows_lib.RowsConfig(advantage="grpo", step_weight=1.0, seq_buckets=(64,), max_seq_len=96)
+    batch, _ = rows_lib.build_rows([ep, other], cfg)
+    n = len(rec.tokens)
+    np.testing.assert_array_equal(batch.tokens[0, :n], rec.tokens)
+    np.testing.assert_array_equal(batch.loss_mask[0, :n], rec.loss_mask)
+    np.testing.assert_array_equal(batch.sampler_logprobs[0, :n], rec.logprobs)
+    assert not batch.valid[0, n:].any() and batch.valid[0, :n].all()
+    # per-step credit: turns 0 and 1 (reward-to-go 1) get more than turn 2 (0), each on its own tokens only
+    adv = batch.advantages[0, :n]
+    assert len(set(adv[rec.tags == 0])) == len(set(adv[rec.tags == 1])) == 1
+    assert adv[rec.tags == 1][0] > adv[rec.tags == 2][0] > 0 and np.all(adv[rec.tags < 0] == 0)
+    s.close()
+    for o in others:
+        o.close()
+    assert s.status == "closed" and engine.slot_of(s) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        s.append([1])
+
+
+def test_processed_logprobs_only_when_asked(qwen):
+    # the module engine's layout: only the decode round compiles again (prefill programs are shared)
+    eng = Engine(qwen, num_slots=3, max_seq_len=96, round_steps=8, prefill_buckets=(8, 32),
+                 processed_logprobs=True)
+    prompt = [4, 5, 6, 7]
+    s = eng.new_session(prompt)
+    req = s.submit(6, SamplingParams(temperature=1.0, top_k=5, seed=1))
+    eng.run_until_done()
+    res = req.result
+    assert res.processed_logprobs is not None and res.processed_logprobs.shape == (6,)
+    # processed = the log-prob renormalised over the 5 most likely ids the draw was restricted to
+    logits = _full_logits(qwen, prompt + res.tokens)[len(prompt) - 1 : -1]
+    top5 = np.sort(logits, axis=-1)[:, -5:]
+    want = logits[np.arange(6), res.tokens] - np.log(np.exp(top5).sum(-1))
+    np.testing.assert_allclose(res.processed_logprobs, want, atol=2e-4)
+    full = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[np.arange(6), res.tokens]
+    np.testing.assert_allclose(res.logprobs, full, atol=2e-4)

@@ -94,7 +94,7 @@ def test_build_rows_weights_advantages_padding():
 def test_build_rows_rejects_mismatched_segment():
     bad = _seg(2, [1])
     bad.logprobs = bad.logprobs[:-1]
-    with pytest.raises(ValueError, match="segment 0: logprobs has length 2, tokens has 3"):
+    with pytest.raises(ValueError, match="segment 0: segment field 'logprobs' has shape \\(2,\\)"):
         rows_lib.build_rows([_Rec("t", 0, [bad], [0.0], 0.0)], rows_lib.RowsConfig())
 
 

@@ -16,7 +16,8 @@ from librarian_jax.agents.protocol import (
     format_call,
     parse_tool_calls,
 )
-from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, Generate, Parallel, Sampling, Segment
+from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, Generate, Parallel, Sampling
+from librarian_jax.segment import Segment
 
 __all__ = [
     "ANSWERER_TOOLS",

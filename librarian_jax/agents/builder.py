@@ -55,9 +55,9 @@ from librarian_jax.agents.runtime import (
     AgentGen,
     Parallel,
     Sampling,
-    Segment,
     SessionLog,
 )
+from librarian_jax.segment import Segment
 from librarian_jax.workspace import ActionResult
 
 WRITE_TOOLS = ("create_file", "merge_files")

@@ -4,8 +4,9 @@ Every agent episode (builder, answerer, executor write, model judge) is a Python
 engine sessions directly (`ctx.new_session(role, prompt_ids)`: host-only, no device work), appends observation
 ids directly (`log.append(ids)`), and *yields* the two things that need the scheduler:
 
-- `Generate(role, session, max_new_tokens, sampling, stop_ids)`: submit one turn; the generator is resumed
-  with the engine's `TurnResult` (`tokens, logprobs, status`) once the turn finished.
+- `Generate(role, session, max_new_tokens, sampling, stop_ids, tag)`: submit one turn (its sampled ids enter
+  the session's record tagged `tag`); the generator is resumed with the engine's `TurnResult` (`tokens,
+  logprobs, status`) once the turn finished.
 - `Parallel(generators)`: run sub-episodes concurrently (several executor writes of one builder turn, the
   R x Q answerer runs of a probe); resumed with the list of their return values, in order.
 
@@ -13,9 +14,9 @@ ids directly (`log.append(ids)`), and *yields* the two things that need the sche
 shares the engines' decode loops. A test double engine with the same session API can stand in for unit tests;
 the real path always uses `librarian_jax.engine.Engine`.
 
-`SessionLog` keeps, next to the engine's own record, which turn produced each token, so a training
-`Segment` (tokens, sampler log-probs, loss mask, turn index) comes out exactly as the sampler saw and produced
-it; at the end it is checked against the engine's `session.record()` when the engine offers one.
+`SessionLog` is an agent's handle on one engine session. It keeps no copy of the tokens: the session's record
+(`engine.session.TokenRecord`: ids, sampler log-probs, loss mask, a tag per token) is the only one, the turn
+index rides in as the tag of each sampled id, and a training `Segment` is that record as it stands.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 
 import numpy as np
 from absl import logging
+
+from librarian_jax.segment import Segment
 
 POLICY = "policy"  # the engine of the trained builder
 FROZEN = "frozen"  # the default engine of every frozen role (and the name older callers pass)
@@ -70,6 +73,7 @@ class Generate:
     max_new_tokens: int
     sampling: Sampling
     stop_ids: tuple[int, ...]
+    tag: int = -1  # written with each sampled id into the session's record (the builder's turn index)
 
 
 @dataclasses.dataclass
@@ -131,65 +135,47 @@ class AgentContext:
             return "".join(parts)
 
 
-@dataclasses.dataclass
-class Segment:
-    """One training row's worth of one session (see rollout.records for the contract)."""
-
-    tokens: np.ndarray  # int32 [L]
-    logprobs: np.ndarray  # float32 [L]; 0 on non-sampled tokens
-    loss_mask: np.ndarray  # float32 [L]; 1 exactly on sampled tokens
-    turn_index: np.ndarray  # int32 [L]; builder turn that produced the token, -1 for prompt/observation
-
-
 class SessionLog:
-    """An engine session plus an exact log of its tokens: prompt, sampled turns, appended observations."""
+    """An agent's handle on one engine session, whose record is the only copy of its tokens."""
 
     def __init__(self, ctx: AgentContext, role: str, prompt_ids: Sequence[int]):
         self.ctx = ctx
         self.role = role
         self.session = ctx.new_session(role, prompt_ids)
-        self.tokens: list[int] = [int(t) for t in prompt_ids]
-        self.logprobs: list[float] = [0.0] * len(self.tokens)
-        self.mask: list[float] = [0.0] * len(self.tokens)
-        self.turn_index: list[int] = [-1] * len(self.tokens)
-        self.num_prompt = len(self.tokens)
+        self.num_prompt = len(self.session)
         self.closed = False
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.session)
+
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of the session's ids."""
+        return self.session.tokens
 
     @property
     def num_generated(self) -> int:
-        return int(sum(self.mask))
+        return self.session.num_sampled
 
     @property
     def num_observed(self) -> int:
-        return len(self.tokens) - self.num_generated
+        return len(self.session) - self.session.num_sampled
 
     def append(self, ids: Sequence[int]) -> None:
         ids = [int(t) for t in ids]
-        if not ids:
-            return
-        self.session.append(ids)
-        self.tokens += ids
-        self.logprobs += [0.0] * len(ids)
-        self.mask += [0.0] * len(ids)
-        self.turn_index += [-1] * len(ids)
+        if ids:
+            self.session.append(ids)
 
     def generate(
         self, max_new_tokens: int, sampling: Sampling, turn: int = -1
     ) -> Generator[Generate, Any, Any]:
-        """Yields one `Generate`; logs and returns the engine's TurnResult."""
+        """Yields one `Generate` whose sampled ids are tagged `turn`; returns the engine's TurnResult."""
         stops = tuple(self.ctx.template_for(self.role).stop_ids)
-        result = yield Generate(self.role, self.session, int(max_new_tokens), sampling, stops)
-        toks = [int(t) for t in result.tokens]
-        lps = [float(x) for x in result.logprobs]
-        if len(toks) != len(lps):
-            raise RuntimeError(f"engine returned {len(toks)} tokens but {len(lps)} logprobs")
-        self.tokens += toks
-        self.logprobs += lps
-        self.mask += [1.0] * len(toks)
-        self.turn_index += [turn] * len(toks)
+        result = yield Generate(self.role, self.session, int(max_new_tokens), sampling, stops, int(turn))
+        if len(result.tokens) != len(result.logprobs):
+            raise RuntimeError(
+                f"engine returned {len(result.tokens)} tokens but {len(result.logprobs)} logprobs"
+            )
         return result
 
     def close_turn_ids(self, generated: Sequence[int]) -> list[int]:
@@ -200,46 +186,15 @@ class SessionLog:
             return close[1:]
         return close
 
-    def segment(self, check: bool = True) -> Segment:
-        """The session as a training segment; cross-checked against `session.record()` when available."""
-        seg = Segment(
-            np.asarray(self.tokens, np.int32),
-            np.asarray(self.logprobs, np.float32),
-            np.asarray(self.mask, np.float32),
-            np.asarray(self.turn_index, np.int32),
-        )
-        record = getattr(self.session, "record", None)
-        if check and record is not None:
-            rec = record()
-            rt = np.asarray(rec.tokens, np.int32)
-            if rt.shape != seg.tokens.shape or not np.array_equal(rt, seg.tokens):
-                raise RuntimeError(
-                    f"session record ({rt.shape[0]} tokens) differs from the agent's log "
-                    f"({seg.tokens.shape[0]} tokens); first mismatch at "
-                    f"{_first_mismatch(rt, seg.tokens)}"
-                )
-            rm = np.asarray(rec.loss_mask, np.float32)
-            if not np.array_equal(rm, seg.loss_mask):
-                raise RuntimeError(
-                    f"session loss_mask differs from the agent's log at {_first_mismatch(rm, seg.loss_mask)}"
-                )
-            seg.logprobs = np.where(seg.loss_mask > 0, np.asarray(rec.logprobs, np.float32), 0.0).astype(
-                np.float32
-            )
-        return seg
+    def segment(self) -> Segment:
+        """The session's record as a training segment (turn index = the tag of each sampled id)."""
+        rec = self.session.record()
+        return Segment(rec.tokens, rec.logprobs, rec.loss_mask, rec.tags)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            close = getattr(self.session, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except RuntimeError as e:  # only when unwinding after another error (a turn still in flight)
-                    logging.warning("could not close a %s session: %s", self.role, e)
-
-
-def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.nonzero(a[:n] != b[:n])[0]
-    return int(diff[0]) if diff.size else n
+            try:
+                self.session.close()
+            except RuntimeError as e:  # only when unwinding after another error (a turn still in flight)
+                logging.warning("could not close a %s session: %s", self.role, e)

@@ -9,6 +9,10 @@ that finish early free their decode lane for the next admitted turn at the next 
 Token accounting: a session may hold at most ``max_seq_len`` tokens (prompt, generated and appended). A turn
 that would exceed it ends with status ``"cache_full"``; a session already too long to generate one more token
 ends its next turn immediately with ``"cache_full"`` and no tokens.
+
+Ownership: a ``Session`` is a plain token record (``engine/session.py``); the engine alone keeps each live
+session's ``_Lane`` (slot, cached length, turn in flight, status, LRU clock) and is the only writer of its
+record (sampled tokens in ``step()``, observations in ``append()``).
 """
 
 from __future__ import annotations
@@ -26,15 +30,19 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from librarian_jax import models
 from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
-from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import normalize_rules, state_shardings, tree_shardings
 
 DEFAULT_PREFILL_BUCKETS: tuple[int, ...] = (32, 128, 512)
+
+
+def _models() -> Any:
+    from librarian_jax import models
+
+    return models
 
 
 @dataclasses.dataclass
@@ -64,10 +72,31 @@ class StepStats:
     finished: int = 0
 
 
+@dataclasses.dataclass
+class _Lane:
+    """The engine's bookkeeping for one live (not closed) session.
+
+    Attributes:
+      slot: the slot holding the session's cache, if any.
+      cached: leading record tokens in that slot's cache.
+      needs_reset: the slot must be zeroed before this session's first prefill into it.
+      request: the turn in flight, if any.
+      status: ``"idle" | "waiting" | "running" | "cache_full"``.
+      last_used: the engine clock at the session's last use (LRU eviction picks the smallest).
+    """
+
+    slot: int | None = None
+    cached: int = 0
+    needs_reset: bool = False
+    request: Request | None = None
+    status: str = "idle"
+    last_used: int = 0
+
+
 def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any) -> Any:
     if dtype is None:
-        return models.init_cache(config, num_slots, capacity)
-    return models.init_cache(config, num_slots, capacity, dtype)
+        return _models().init_cache(config, num_slots, capacity)
+    return _models().init_cache(config, num_slots, capacity, dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,6 +145,9 @@ class Engine:
       cache_dtype: dtype of the K/V cache (default: the model's choice in ``init_cache``).
       stats_window: how many of the latest ``StepStats`` ``engine.stats`` keeps (oldest dropped first), so a
         long run's stats stay bounded; ``engine.total_steps`` counts every step.
+      processed_logprobs: also return each turn's log-probs under the truncated (top-k / top-p) distribution
+        it was sampled from (``TurnResult.processed_logprobs``); off by default, so decode neither computes
+        nor transfers them.
     """
 
     def __init__(
@@ -131,6 +163,7 @@ class Engine:
         max_stop_ids: int = 8,
         cache_dtype: Any = None,
         stats_window: int = 10_000,
+        processed_logprobs: bool = False,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
@@ -145,6 +178,7 @@ class Engine:
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError(f"Engine: model {type(model).__name__} has no `config` attribute")
+        models = _models()
         self.config = config
         self.num_slots = int(num_slots)
         self.max_seq_len = int(max_seq_len)
@@ -159,6 +193,8 @@ class Engine:
         self.mesh = mesh if mesh is not None else _mesh_of(state)
         if getattr(config, "num_experts", 0):
             # MoE layers run their experts expert-parallel on this mesh (models/moe.py); a graph-only change
+            from librarian_jax.models.moe import bind_mesh
+
             if bind_mesh(model, self.mesh, self.rules):
                 self.graphdef, state = nnx.split(model)
         self._param_shardings = state_shardings(state, self.mesh, self.rules)
@@ -173,11 +209,13 @@ class Engine:
             config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef
         )()
 
+        self.processed_logprobs = bool(processed_logprobs)
         self._programs = slot_programs.programs(
-            self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps
+            self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps, self.processed_logprobs
         )
 
         self._owner: list[Session | None] = [None] * self.num_slots
+        self._lanes: dict[int, _Lane] = {}  # session id -> bookkeeping, for sessions not closed
         self._waiting: collections.deque[Session] = collections.deque()
         self._running: list[Session] = []
         self._ready: list[TurnResult] = []
@@ -195,8 +233,27 @@ class Engine:
         """A new session whose record starts with ``prompt_ids`` (loss mask 0); no slot until submitted."""
         self._sessions += 1
         s = Session(self, self._sessions, prompt_ids)
-        s.last_used = self._tick()
+        self._lanes[s.id] = _Lane(last_used=self._tick())
         return s
+
+    def status(self, session: Session) -> str:
+        """``"idle" | "waiting" | "running" | "cache_full" | "closed"``."""
+        lane = self._lanes.get(session.id) if session.engine is self else None
+        return "closed" if lane is None else lane.status
+
+    def slot_of(self, session: Session) -> int | None:
+        """The slot holding ``session``'s cache, or None (not admitted yet, evicted or closed)."""
+        lane = self._lanes.get(session.id) if session.engine is self else None
+        return None if lane is None else lane.slot
+
+    def append(self, session: Session, ids: Sequence[int]) -> None:
+        """Appends observation (or any host-written) tokens to ``session``'s record, loss mask 0; only
+        between turns."""
+        lane = self._lane(session, "append")
+        if lane.status in ("waiting", "running"):
+            raise RuntimeError(f"Session {session.id}: append() while a turn is in flight ({lane.status})")
+        session.extend(ids)
+        lane.last_used = self._tick()
 
     def submit(
         self,
@@ -204,33 +261,49 @@ class Engine:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         stop_ids: Iterable[int] = (),
+        *,
+        tag: int = -1,
     ) -> Request:
         """Queues one turn of ``session``: up to ``max_new_tokens`` sampled tokens, ending at a stop id.
 
-        Returns the ``Request``; its ``result`` is set (and the ``TurnResult`` returned by ``step()``) when
-        the turn finishes.
+        The sampled tokens enter the session's record tagged ``tag`` (e.g. the agent's turn index). Returns
+        the ``Request``; its ``result`` is set (and the ``TurnResult`` returned by ``step()``) when the turn
+        finishes.
         """
-        if session.engine is not self:
-            raise ValueError(f"submit: session {session.id} belongs to another engine")
-        if session.status in ("waiting", "running"):
+        lane = self._lane(session, "submit")
+        if lane.status in ("waiting", "running"):
             raise RuntimeError(f"submit: session {session.id} already has a turn in flight")
-        if session.status == "closed":
-            raise RuntimeError(f"submit: session {session.id} is closed")
         if max_new_tokens < 0:
             raise ValueError(f"submit: max_new_tokens must be >= 0, got {max_new_tokens}")
         stops = tuple(int(t) for t in stop_ids)
         if len(stops) > self.max_stop_ids:
             raise ValueError(f"submit: {len(stops)} stop ids given; engine max_stop_ids={self.max_stop_ids}")
-        req = Request(session, int(max_new_tokens), sampling or GREEDY, stops)
-        session.request = req
-        if session.status == "cache_full" or len(session) + 1 > self.max_seq_len:
+        req = Request(
+            session, int(max_new_tokens), sampling or GREEDY, stops, start=len(session), tag=int(tag),
+            processed_logprobs=[] if self.processed_logprobs else None,
+        )
+        lane.request = req
+        if lane.status == "cache_full" or len(session) + 1 > self.max_seq_len:
             self._finish(session, "cache_full")
         elif max_new_tokens == 0:
             self._finish(session, "length")
         else:
-            session.status = "waiting"
+            lane.status = "waiting"
             self._waiting.append(session)
         return req
+
+    def close(self, session: Session) -> None:
+        """Frees ``session``'s slot and forgets its bookkeeping; its record stays readable. Closing a closed
+        session does nothing."""
+        if session.engine is not self:
+            raise ValueError(f"close: session {session.id} belongs to another engine")
+        lane = self._lanes.get(session.id)
+        if lane is None:
+            return
+        if lane.status in ("waiting", "running"):
+            raise RuntimeError(f"close: session {session.id} has a turn in flight")
+        self._release(session)
+        del self._lanes[session.id]
 
     def step(self) -> list[TurnResult]:
         """Admits waiting turns, prefills them, runs one decode round; returns the turns that finished."""
@@ -323,42 +396,49 @@ class Engine:
         self._clock += 1
         return self._clock
 
-    def _close(self, session: Session) -> None:
-        if session.status in ("waiting", "running"):
-            raise RuntimeError(f"close: session {session.id} has a turn in flight")
-        self._release(session)
-        session.status = "closed"
+    def _lane(self, session: Session, what: str) -> _Lane:
+        if session.engine is not self:
+            raise ValueError(f"{what}: session {session.id} belongs to another engine")
+        lane = self._lanes.get(session.id)
+        if lane is None:
+            raise RuntimeError(f"{what}: session {session.id} is closed")
+        return lane
 
     def _release(self, session: Session) -> None:
-        if session.slot is not None:
-            self._owner[session.slot] = None
-        session.slot = None
-        session.cached = 0
+        lane = self._lanes[session.id]
+        if lane.slot is not None:
+            self._owner[lane.slot] = None
+        lane.slot = None
+        lane.cached = 0
 
     def _finish(self, session: Session, status: str) -> None:
-        req = session.request
+        lane = self._lanes[session.id]
+        req = lane.request
         assert req is not None
+        turn = session.record(req.start)
+        plp = req.processed_logprobs
         req.result = TurnResult(
             session=session,
-            tokens=list(req.tokens),
-            logprobs=np.asarray(req.logprobs, np.float32),
+            tokens=turn.tokens.tolist(),
+            logprobs=turn.logprobs,
             status=status,
-            processed_logprobs=np.asarray(req.processed_logprobs, np.float32),
+            processed_logprobs=None if plp is None else np.asarray(plp, np.float32),
         )
-        session.request = None
-        session.status = "cache_full" if status == "cache_full" else "idle"
-        session.last_used = self._tick()
+        lane.request = None
+        lane.status = "cache_full" if status == "cache_full" else "idle"
+        lane.last_used = self._tick()
         self._ready.append(req.result)
 
     def _take_slot(self, st: StepStats) -> int | None:
         for i, owner in enumerate(self._owner):
             if owner is None:
                 return i
-        idle = [s for s in self._owner if s is not None and s.status in ("idle", "cache_full")]
+        lanes = self._lanes
+        idle = [s for s in self._owner if s is not None and lanes[s.id].status in ("idle", "cache_full")]
         if not idle:
             return None
-        victim = min(idle, key=lambda s: s.last_used)
-        slot = victim.slot
+        victim = min(idle, key=lambda s: self._lanes[s.id].last_used)
+        slot = self._lanes[victim.id].slot
         logging.debug("evicting idle session %d from slot %s", victim.id, slot)
         self._release(victim)
         st.evictions += 1
@@ -367,27 +447,28 @@ class Engine:
     def _admit(self, st: StepStats) -> None:
         still: collections.deque[Session] = collections.deque()
         for s in self._waiting:
-            if s.slot is None:
+            lane = self._lanes[s.id]
+            if lane.slot is None:
                 slot = self._take_slot(st)
                 if slot is None:
                     still.append(s)
                     continue
-                s.slot, s.cached = slot, 0
-                s._needs_reset = True
+                lane.slot, lane.cached, lane.needs_reset = slot, 0, True
                 self._owner[slot] = s
-            s.status = "running"
+            lane.status = "running"
             self._running.append(s)
         self._waiting = still
 
     def _bucket_for(self, session: Session) -> int:
-        remaining = len(session) - 1 - session.cached
+        remaining = len(session) - 1 - self._lanes[session.id].cached
         for b in self.prefill_buckets:
             if b >= remaining:
                 return b
         return self.prefill_buckets[-1]
 
     def _prefill(self, st: StepStats) -> None:
-        work = [s for s in self._running if s._needs_reset or s.cached < len(s) - 1]
+        lanes = self._lanes
+        work = [s for s in self._running if lanes[s.id].needs_reset or lanes[s.id].cached < len(s) - 1]
         calls = []
         while work:
             groups: dict[int, list[Session]] = collections.defaultdict(list)
@@ -405,14 +486,15 @@ class Engine:
                     mask = np.zeros((rows, chunk), bool)
                     reset = np.zeros((rows,), bool)
                     for row, s in enumerate(part):
-                        new = s._tokens[s.cached : min(len(s) - 1, s.cached + chunk)]
-                        r = s.slot if full else row
-                        slots[r] = s.slot
+                        lane = lanes[s.id]
+                        new = s.token_slice(lane.cached, min(len(s) - 1, lane.cached + chunk))
+                        r = lane.slot if full else row
+                        slots[r] = lane.slot
                         tokens[r, : len(new)] = new
                         mask[r, : len(new)] = True
-                        reset[r] = s._needs_reset
-                        s._needs_reset = False
-                        s.cached += len(new)
+                        reset[r] = lane.needs_reset
+                        lane.needs_reset = False
+                        lane.cached += len(new)
                         st.prefill_tokens += len(new)
                     if full:
                         self.cache = self._programs.prefill_all(self.params, self.cache, tokens, mask, reset)
@@ -420,7 +502,7 @@ class Engine:
                         args = (slots, tokens, mask, reset)
                         self.cache = self._programs.prefill(self.params, self.cache, *args)
                     calls.append(chunk)
-            work = [s for s in work if s.cached < len(s) - 1]
+            work = [s for s in work if lanes[s.id].cached < len(s) - 1]
         st.prefill_calls = len(calls)
         if calls:
             jax.block_until_ready(self.cache.lengths)
@@ -437,12 +519,13 @@ class Engine:
         seeds = np.zeros((n,), np.int32)
         streams = np.zeros((n,), np.int32)
         for s in self._running:
-            req = s.request
-            assert req is not None and s.slot is not None and s.cached == len(s) - 1
-            i = s.slot
-            tokens[i] = s._tokens[-1]
+            lane = self._lanes[s.id]
+            req = lane.request
+            assert req is not None and lane.slot is not None and lane.cached == len(s) - 1
+            i = lane.slot
+            tokens[i] = s.last_token
             active[i] = True
-            budget[i] = req.max_new_tokens - len(req.tokens)
+            budget[i] = req.max_new_tokens - req.generated
             stops[i, : len(req.stop_ids)] = req.stop_ids
             sp = req.sampling
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
@@ -457,16 +540,14 @@ class Engine:
         st.tokens_decoded = int(out["count"].sum())
         still = []
         for s in self._running:
-            i = s.slot
+            lane = self._lanes[s.id]
+            i = lane.slot
             count = int(out["count"][i])
-            req = s.request
-            new = out["tokens"][i, :count].tolist()
-            lp = out["logprobs"][i, :count]
-            req.tokens.extend(new)
-            req.logprobs.extend(lp.tolist())
-            req.processed_logprobs.extend(out["processed_logprobs"][i, :count].tolist())
-            s._add_generated(new, lp)
-            s.cached += count
+            req = lane.request
+            s.extend(out["tokens"][i, :count].tolist(), out["logprobs"][i, :count].tolist(), tag=req.tag)
+            if req.processed_logprobs is not None:
+                req.processed_logprobs.extend(out["processed_logprobs"][i, :count].tolist())
+            lane.cached += count
             reason = int(out["reason"][i])
             if reason == slot_programs.RUNNING:
                 still.append(s)

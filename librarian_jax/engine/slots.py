@@ -114,6 +114,7 @@ def decode(
     max_len: int,
     num_steps: int,
     cache_sharding: tuple | None = None,
+    processed_logprobs: bool = False,
 ) -> tuple[Any, dict[str, jax.Array]]:
     """Advances every active slot, one token per step, inside one ``lax.while_loop``.
 
@@ -130,10 +131,13 @@ def decode(
       temperature, top_p, top_k, seeds, streams: per-slot sampling parameters, see ``sampling.sample``.
       max_len: the most tokens a session may hold (static).
       num_steps: the most steps of this round (static); also the width of the output buffers.
+      processed_logprobs: also return the log-probs under the truncated distribution sampled from (static;
+        when False they are neither carried nor returned, and XLA drops their computation).
     Returns:
       ``(cache, out)`` with ``out["tokens"]`` int32 ``[slots, num_steps]`` (slot ``s`` produced
-      ``out["tokens"][s, :out["count"][s]]``), ``out["logprobs"]`` and ``out["processed_logprobs"]`` float32
-      ``[slots, num_steps]``, ``out["count"]`` int32 ``[slots]``, ``out["reason"]`` int32 ``[slots]``.
+      ``out["tokens"][s, :out["count"][s]]``), ``out["logprobs"]`` (and, when asked for,
+      ``out["processed_logprobs"]``) float32 ``[slots, num_steps]``, ``out["count"]`` int32 ``[slots]``,
+      ``out["reason"]`` int32 ``[slots]``.
     """
     model = nnx.merge(graphdef, params)
     num_slots = tokens.shape[0]
@@ -147,8 +151,9 @@ def decode(
         reason=jnp.zeros((num_slots,), jnp.int32),
         out_tok=jnp.zeros((num_slots, num_steps), jnp.int32),
         out_lp=zeros_f,
-        out_plp=zeros_f,
     )
+    if processed_logprobs:
+        carry["out_plp"] = zeros_f
 
     def cond(c: dict) -> jax.Array:
         return (c["step"] < num_steps) & jnp.any(c["active"])
@@ -171,7 +176,6 @@ def decode(
         step = c["step"]
         out_tok = jax.lax.dynamic_update_slice(c["out_tok"], tok[:, None], (0, step))
         out_lp = jax.lax.dynamic_update_slice(c["out_lp"], lp[:, None], (0, step))
-        out_plp = jax.lax.dynamic_update_slice(c["out_plp"], plp[:, None], (0, step))
         count = c["count"] + act.astype(jnp.int32)
         is_stop = jnp.any(tok[:, None] == stop_ids, axis=-1)
         reason = jnp.where(
@@ -182,7 +186,7 @@ def decode(
             ),
         )
         finished = act & (reason != RUNNING)
-        return dict(
+        new = dict(
             step=step + 1,
             cache=new_cache,
             tok=tok,
@@ -191,17 +195,15 @@ def decode(
             reason=jnp.where(finished, reason, c["reason"]),
             out_tok=out_tok,
             out_lp=out_lp,
-            out_plp=out_plp,
         )
+        if processed_logprobs:
+            new["out_plp"] = jax.lax.dynamic_update_slice(c["out_plp"], plp[:, None], (0, step))
+        return new
 
     c = jax.lax.while_loop(cond, body, carry)
-    out = dict(
-        tokens=c["out_tok"],
-        logprobs=c["out_lp"],
-        processed_logprobs=c["out_plp"],
-        count=c["count"],
-        reason=c["reason"],
-    )
+    out = dict(tokens=c["out_tok"], logprobs=c["out_lp"], count=c["count"], reason=c["reason"])
+    if processed_logprobs:
+        out["processed_logprobs"] = c["out_plp"]
     return _constrain(c["cache"], cache_sharding), out
 
 
@@ -217,23 +219,34 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None, max_len: int, num_steps: int) -> Programs:
-    """The jitted prefill and decode programs for one model structure and slot layout."""
-
+def _prefill_programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None) -> tuple[Callable, Callable]:
+    # Prefill does not depend on max_len or the decode settings: engines that differ only in those share it.
     def prefill_fn(params, cache, slots, tokens, mask, reset):
         return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding)
 
     def prefill_all_fn(params, cache, tokens, mask, reset):
         return prefill_all(graphdef, params, cache, tokens, mask, reset, cache_sharding=cache_sharding)
 
+    return jax.jit(prefill_fn, donate_argnums=(1,)), jax.jit(prefill_all_fn, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=64)
+def programs(
+    graphdef: nnx.GraphDef,
+    cache_sharding: tuple | None,
+    max_len: int,
+    num_steps: int,
+    processed_logprobs: bool = False,
+) -> Programs:
+    """The jitted prefill and decode programs for one model structure and slot layout."""
+
     def decode_fn(params, cache, *args):
         return decode(
             graphdef, params, cache, *args,
             max_len=max_len, num_steps=num_steps, cache_sharding=cache_sharding,
+            processed_logprobs=processed_logprobs,
         )
 
-    return Programs(
-        prefill=jax.jit(prefill_fn, donate_argnums=(1,)),
-        prefill_all=jax.jit(prefill_all_fn, donate_argnums=(1,)),
-        decode=jax.jit(decode_fn, donate_argnums=(1,)),
-    )
+    prefill_fn, prefill_all_fn = _prefill_programs(graphdef, cache_sharding)
+    decode_jit = jax.jit(decode_fn, donate_argnums=(1,))
+    return Programs(prefill=prefill_fn, prefill_all=prefill_all_fn, decode=decode_jit)

@@ -9,8 +9,9 @@ Per-row weights make each episode weigh the same however many rows it has: `1 / 
 (padding rows 0). Per-token advantages are the episode's advantage on every generated token, plus
 `step_weight * A_step[turn]` for the builder turn that produced the token when per-step credit is on.
 
-Records are duck-typed on the contract of `librarian_jax/rollout/records.py`: `EpisodeRecord.group_id,
-.segments, .turn_rewards, .total_reward` and `Segment.tokens, .logprobs, .loss_mask, .turn_index`.
+Records are duck-typed on the contract of `librarian_jax/rollout/records.py` (`EpisodeRecord.group_id,
+.segments, .turn_rewards, .total_reward`); segments are `librarian_jax.segment.Segment`s, the contract both
+layers import, validated when they were made (anything else with the same fields is made into one here).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from absl import logging
 
 from librarian_jax.rl import advantages as adv_lib
+from librarian_jax.segment import Segment
 
 # Powers of two and the midpoints above 512: a row is padded by at most 1.5x (attention cost grows with the
 # square of the padded length), at the price of a few more compiled shapes.
@@ -126,15 +128,16 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
     if not records:
         raise ValueError("build_rows: no episode records")
     ep_adv, step_adv, metrics = episode_advantages(records, config)
-    rows: list[tuple[int, Any]] = []
+    rows: list[tuple[int, Segment]] = []
     for i, rec in enumerate(records):
         for j, seg in enumerate(rec.segments):
-            n = len(seg.tokens)
-            for name in ("logprobs", "loss_mask", "turn_index"):
-                if len(getattr(seg, name)) != n:
-                    raise ValueError(f"episode {i} (task {getattr(rec, 'task_id', '?')}) segment {j}: "
-                                     f"{name} has length {len(getattr(seg, name))}, tokens has {n}")
-            if float(np.sum(seg.loss_mask)) > 0:
+            if not isinstance(seg, Segment):
+                try:
+                    seg = Segment(seg.tokens, seg.logprobs, seg.loss_mask, seg.turn_index)
+                except ValueError as e:
+                    where = f"episode {i} (task {getattr(rec, 'task_id', '?')}) segment {j}"
+                    raise ValueError(f"{where}: {e}") from None
+            if seg.num_sampled:
                 rows.append((i, seg))
     if not rows:
         raise NoTrainableTokens("build_rows: no segment holds a generated token (every loss_mask is zero)")
@@ -151,17 +154,17 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
     for r, (i, seg) in enumerate(rows):
         n = min(len(seg.tokens), seq)
         truncated += len(seg.tokens) > seq
-        mask = np.asarray(seg.loss_mask[:n], np.float32)
-        turn = np.asarray(seg.turn_index[:n], np.int64)
+        mask = seg.loss_mask[:n]
+        turn = seg.turn_index[:n].astype(np.int64)
         steps = step_adv[i]
         per_tok = np.full((n,), ep_adv[i], np.float32)
         if config.step_weight and steps.size:
             ok = (turn >= 0) & (turn < steps.size)
             per_tok[ok] += config.step_weight * steps[turn[ok]]
-        batch.tokens[r, :n] = np.asarray(seg.tokens[:n], np.int32)
+        batch.tokens[r, :n] = seg.tokens[:n]
         batch.valid[r, :n] = True
         batch.loss_mask[r, :n] = mask
-        batch.sampler_logprobs[r, :n] = np.asarray(seg.logprobs[:n], np.float32) * mask
+        batch.sampler_logprobs[r, :n] = seg.logprobs[:n]
         batch.advantages[r, :n] = per_tok * mask
         batch.row_weights[r] = 1.0 / per_episode[i]
         batch.episode_ids[r] = i

@@ -4,11 +4,11 @@ records = run_batch(tasks, group_size, {"policy": policy_engine, "frozen": froze
                     RolloutConfig(), rng=0)
 """
 
-from librarian_jax.agents.runtime import Segment
 from librarian_jax.rollout.episode import evaluate, run_episode
 from librarian_jax.rollout.records import EpisodeRecord, read_jsonl, write_jsonl
 from librarian_jax.rollout.rewards import RolloutConfig, probe_reward, should_probe
 from librarian_jax.rollout.scheduler import Scheduler, SchedulerStats, run_batch
+from librarian_jax.segment import Segment
 
 __all__ = [
     "EpisodeRecord",

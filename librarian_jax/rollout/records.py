@@ -1,15 +1,8 @@
 """Episode records: what a builder episode produced, for training (`rl/`) and for inspection (JSONL).
 
-`Segment` (the training-row contract, docs/contracts.md): for one context segment of the builder's session,
-exactly the ids the sampler saw and produced, in order:
-
-    tokens     int32   [L]  prompt ids, sampled ids, appended observation ids
-    logprobs   float32 [L]  the sampler's log-prob of each sampled id (full temperature-scaled
-                            distribution), 0 elsewhere
-    loss_mask  float32 [L]  1 exactly on sampled ids
-    turn_index int32   [L]  the 0-based builder turn that sampled the id; -1 on prompt/observation ids
-
-History compaction starts a new segment whose prompt is exactly the ids the model then saw.
+`Segment` (the training-row contract, docs/contracts.md) lives in `librarian_jax/segment.py`, which both this
+layer and `rl/` import; it is validated once, when made. History compaction starts a new segment whose prompt
+is exactly the ids the model then saw.
 
 `EpisodeRecord`: one builder episode: its segments, per-turn rewards (`turn_rewards[t]` for turn t: probe
 delta + malformed-call penalties, and the turn-limit penalty on the last turn), the terminal reward, the total
@@ -28,36 +21,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
-from librarian_jax.agents.runtime import Segment
-
-_ARRAYS = {"tokens": np.int32, "logprobs": np.float32, "loss_mask": np.float32, "turn_index": np.int32}
-
-
-def segment_to_dict(seg: Segment) -> dict[str, Any]:
-    return {k: np.asarray(getattr(seg, k)).tolist() for k in _ARRAYS}
-
-
-def segment_from_dict(d: dict[str, Any]) -> Segment:
-    try:
-        return Segment(**{k: np.asarray(d[k], dtype) for k, dtype in _ARRAYS.items()})
-    except KeyError as e:
-        raise KeyError(f"segment record misses field {e.args[0]!r}") from None
-
-
-def check_segment(seg: Segment) -> None:
-    """Raises ValueError naming the field when a segment breaks the contract."""
-    n = seg.tokens.shape[0]
-    for k in _ARRAYS:
-        a = getattr(seg, k)
-        if a.ndim != 1 or a.shape[0] != n:
-            raise ValueError(f"segment field {k!r} has shape {a.shape}; tokens has shape {seg.tokens.shape}")
-    sampled = seg.loss_mask > 0
-    if np.any((seg.turn_index >= 0) != sampled):
-        raise ValueError("segment turn_index must be >= 0 exactly where loss_mask is 1")
-    if np.any(seg.logprobs[~sampled] != 0):
-        raise ValueError("segment logprobs must be 0 on tokens that were not sampled")
+from librarian_jax.segment import Segment
 
 
 @dataclasses.dataclass
@@ -108,13 +72,13 @@ class EpisodeRecord:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "segments"}
-        d["segments"] = [segment_to_dict(s) for s in self.segments]
+        d["segments"] = [s.to_dict() for s in self.segments]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpisodeRecord:
         d = dict(d)
-        segs = [segment_from_dict(s) for s in d.pop("segments", [])]
+        segs = [Segment.from_dict(s) for s in d.pop("segments", [])]
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -123,11 +87,10 @@ class EpisodeRecord:
 
     def check(self) -> None:
         """Raises ValueError naming what is inconsistent (segments, reward sums, per-turn list lengths)."""
-        for i, s in enumerate(self.segments):
-            try:
-                check_segment(s)
-            except ValueError as e:
-                raise ValueError(f"episode {self.task_id}/{self.episode_index} segment {i}: {e}") from None
+        for i, s in enumerate(self.segments):  # each was validated when made; a record holds nothing else
+            if not isinstance(s, Segment):
+                raise ValueError(f"episode {self.task_id}/{self.episode_index} segment {i} is a "
+                                 f"{type(s).__name__}, not a Segment")
         if len(self.turn_rewards) != self.num_turns:
             raise ValueError(f"turn_rewards has {len(self.turn_rewards)} entries for {self.num_turns} turns")
         if any(len(x) != self.num_turns for x in (self.tool_calls, self.tool_errors, self.replies)):

@@ -96,7 +96,11 @@ class Scheduler:
                 role = _resolve_role(self.engines, req.role)
                 engine = self.engines[role]
                 engine.submit(
-                    req.session, req.max_new_tokens, _to_engine_sampling(engine, req.sampling), req.stop_ids
+                    req.session,
+                    req.max_new_tokens,
+                    _to_engine_sampling(engine, req.sampling),
+                    req.stop_ids,
+                    tag=req.tag,
                 )
                 self._waiting[id(req.session)] = (task, role)
                 self._inflight[role] = self._inflight.get(role, 0) + 1

@@ -3,8 +3,10 @@
 It replays scripted behaviour through the real agents and scheduler: the embedded world's demonstration
 builders (`data.demos`) run through it, so their transcripts are exactly what the tool protocol produces, and
 unit tests use it to script exact actions. `policy(session) -> str | list[int]`: text is encoded with the
-engine's tokenizer and ends with `end_id`; ids are used as they are. Sampled ids get log-prob -0.5. It records
-the batch size of every `step()`. Training and evaluation of models always use `librarian_jax.engine.Engine`.
+engine's tokenizer and ends with `end_id`; ids are used as they are. Sampled ids get log-prob -0.5 and the
+tag their turn was submitted with. Its sessions keep the real engine's token record
+(`engine.session.TokenRecord`), so agents read the same record either way. It records the batch size of every
+`step()`. Training and evaluation of models always use `librarian_jax.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,7 @@ from typing import Any
 
 import numpy as np
 
-
-@dataclasses.dataclass
-class Record:
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    loss_mask: np.ndarray
+from librarian_jax.engine.session import TokenRecord
 
 
 @dataclasses.dataclass
@@ -31,28 +28,24 @@ class Result:
     status: str
 
 
-class FakeSession:
+class FakeSession(TokenRecord):
+    """A session of the scripted engine: the engine's token record plus a turn counter."""
+
     def __init__(self, engine: ScriptedEngine, prompt: Sequence[int]):
+        super().__init__(prompt)
         self.engine = engine
-        self.tokens = [int(t) for t in prompt]
-        self.logprobs = [0.0] * len(self.tokens)
-        self.mask = [0.0] * len(self.tokens)
         self.closed = False
         self.turns = 0
         self.inflight = False
 
+    @property
+    def mask(self) -> list[float]:
+        """The loss mask as a list (1.0 on sampled ids)."""
+        return self.record().loss_mask.tolist()
+
     def append(self, ids: Sequence[int]) -> None:
         assert not self.inflight and not self.closed
-        self.tokens += [int(t) for t in ids]
-        self.logprobs += [0.0] * len(ids)
-        self.mask += [0.0] * len(ids)
-
-    def record(self) -> Record:
-        return Record(
-            np.asarray(self.tokens, np.int32),
-            np.asarray(self.logprobs, np.float32),
-            np.asarray(self.mask, np.float32),
-        )
+        self.extend(ids)
 
     def close(self) -> None:
         self.closed = True
@@ -78,7 +71,7 @@ class ScriptedEngine:
         self.end_id = end_id
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        self.queue: list[tuple[FakeSession, int, tuple[int, ...]]] = []
+        self.queue: list[tuple[FakeSession, int, tuple[int, ...], int]] = []
         self.batch_sizes: list[int] = []
         self.sessions: list[FakeSession] = []
         self.samplings: list[object] = []
@@ -89,18 +82,19 @@ class ScriptedEngine:
         return s
 
     def submit(
-        self, session: FakeSession, max_new_tokens: int, sampling: object, stop_ids: Sequence[int]
+        self, session: FakeSession, max_new_tokens: int, sampling: object, stop_ids: Sequence[int],
+        *, tag: int = -1,
     ) -> None:
         assert not session.inflight and not session.closed
         session.inflight = True
         self.samplings.append(sampling)
-        self.queue.append((session, max_new_tokens, tuple(stop_ids)))
+        self.queue.append((session, max_new_tokens, tuple(stop_ids), int(tag)))
 
     def step(self) -> list[Result]:
         batch, self.queue = self.queue[: self.num_slots], self.queue[self.num_slots :]
         self.batch_sizes.append(len(batch))
         out = []
-        for s, max_new, stops in batch:
+        for s, max_new, stops, tag in batch:
             reply = self.policy(s)
             ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.end_id]
             status = "length"
@@ -111,12 +105,10 @@ class ScriptedEngine:
                     break
             if len(ids) > max_new:
                 ids, status = ids[:max_new], "length"
-            room = self.max_seq_len - len(s.tokens)
+            room = self.max_seq_len - len(s)
             if len(ids) > room:
                 ids, status = ids[: max(room, 0)], "cache_full"
-            s.tokens += ids
-            s.logprobs += [-0.5] * len(ids)
-            s.mask += [1.0] * len(ids)
+            s.extend(ids, [-0.5] * len(ids), tag=tag)
             s.turns += 1
             s.inflight = False
             out.append(Result(s, ids, np.full(len(ids), -0.5, np.float32), status))
