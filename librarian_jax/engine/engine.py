@@ -30,19 +30,15 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from librarian_jax import models
 from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
+from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import normalize_rules, state_shardings, tree_shardings
 
 DEFAULT_PREFILL_BUCKETS: tuple[int, ...] = (32, 128, 512)
-
-
-def _models() -> Any:
-    from librarian_jax import models
-
-    return models
 
 
 @dataclasses.dataclass
@@ -95,8 +91,8 @@ class _Lane:
 
 def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any) -> Any:
     if dtype is None:
-        return _models().init_cache(config, num_slots, capacity)
-    return _models().init_cache(config, num_slots, capacity, dtype)
+        return models.init_cache(config, num_slots, capacity)
+    return models.init_cache(config, num_slots, capacity, dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,7 +174,6 @@ class Engine:
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError(f"Engine: model {type(model).__name__} has no `config` attribute")
-        models = _models()
         self.config = config
         self.num_slots = int(num_slots)
         self.max_seq_len = int(max_seq_len)
@@ -193,8 +188,6 @@ class Engine:
         self.mesh = mesh if mesh is not None else _mesh_of(state)
         if getattr(config, "num_experts", 0):
             # MoE layers run their experts expert-parallel on this mesh (models/moe.py); a graph-only change
-            from librarian_jax.models.moe import bind_mesh
-
             if bind_mesh(model, self.mesh, self.rules):
                 self.graphdef, state = nnx.split(model)
         self._param_shardings = state_shardings(state, self.mesh, self.rules)
