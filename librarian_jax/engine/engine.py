@@ -35,6 +35,7 @@ from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
+from librarian_jax.models.cache import live_len, live_lens
 from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import normalize_rules, state_shardings, tree_shardings
 
@@ -357,26 +358,28 @@ class Engine:
         inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
         t = time.perf_counter()
         n = self.num_slots
-        for chunk in self.prefill_buckets:
-            self.cache = self._programs.prefill_all(
-                self.params, self.cache, np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
-                np.zeros((n,), bool),
-            )
-            for k in self._slot_buckets[:-1]:
-                self.cache = self._programs.prefill(
-                    self.params,
-                    self.cache,
-                    np.full((k,), self.num_slots, np.int32),
-                    np.zeros((k, chunk), np.int32),
-                    np.zeros((k, chunk), bool),
-                    np.zeros((k,), bool),
+        for live in live_lens(self.capacity):  # each program is compiled per attended cache length
+            for chunk in self.prefill_buckets:
+                self.cache = self._programs.prefill_all(
+                    self.params, self.cache, np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
+                    np.zeros((n,), bool), attend_len=live,
                 )
-        zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
-        self.cache, out = self._programs.decode(
-            self.params, self.cache, zi, np.zeros((n,), bool), zi,
-            np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi,
-        )
-        jax.block_until_ready(out)
+                for k in self._slot_buckets[:-1]:
+                    self.cache = self._programs.prefill(
+                        self.params,
+                        self.cache,
+                        np.full((k,), self.num_slots, np.int32),
+                        np.zeros((k, chunk), np.int32),
+                        np.zeros((k, chunk), bool),
+                        np.zeros((k,), bool),
+                        attend_len=live,
+                    )
+            zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
+            self.cache, out = self._programs.decode(
+                self.params, self.cache, zi, np.zeros((n,), bool), zi,
+                np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi, attend_len=live,
+            )
+            jax.block_until_ready(out)
         return time.perf_counter() - t
 
     def reset_stats(self) -> None:
@@ -478,6 +481,7 @@ class Engine:
                     tokens = np.zeros((rows, chunk), np.int32)
                     mask = np.zeros((rows, chunk), bool)
                     reset = np.zeros((rows,), bool)
+                    reach = 0  # the most cache positions a row holds after this chunk
                     for row, s in enumerate(part):
                         lane = lanes[s.id]
                         new = s.token_slice(lane.cached, min(len(s) - 1, lane.cached + chunk))
@@ -488,12 +492,16 @@ class Engine:
                         reset[r] = lane.needs_reset
                         lane.needs_reset = False
                         lane.cached += len(new)
+                        reach = max(reach, lane.cached)
                         st.prefill_tokens += len(new)
+                    live = live_len(reach, self.capacity)  # attention reads only the live positions
                     if full:
-                        self.cache = self._programs.prefill_all(self.params, self.cache, tokens, mask, reset)
+                        self.cache = self._programs.prefill_all(
+                            self.params, self.cache, tokens, mask, reset, attend_len=live
+                        )
                     else:
                         args = (slots, tokens, mask, reset)
-                        self.cache = self._programs.prefill(self.params, self.cache, *args)
+                        self.cache = self._programs.prefill(self.params, self.cache, *args, attend_len=live)
                     calls.append(chunk)
             work = [s for s in work if lanes[s.id].cached < len(s) - 1]
         st.prefill_calls = len(calls)
@@ -511,6 +519,7 @@ class Engine:
         top_k = np.zeros((n,), np.int32)
         seeds = np.zeros((n,), np.int32)
         streams = np.zeros((n,), np.int32)
+        reach = 0  # the most cache positions an active slot can hold by the end of the round
         for s in self._running:
             lane = self._lanes[s.id]
             req = lane.request
@@ -519,13 +528,15 @@ class Engine:
             tokens[i] = s.last_token
             active[i] = True
             budget[i] = req.max_new_tokens - req.generated
+            reach = max(reach, lane.cached + min(int(budget[i]), self.round_steps))
             stops[i, : len(req.stop_ids)] = req.stop_ids
             sp = req.sampling
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
             seeds[i] = np.uint32(sp.seed & 0xFFFFFFFF).view(np.int32)
             streams[i] = np.uint32(sp.stream & 0xFFFFFFFF).view(np.int32)
         self.cache, out = self._programs.decode(
-            self.params, self.cache, tokens, active, budget, stops, temperature, top_p, top_k, seeds, streams
+            self.params, self.cache, tokens, active, budget, stops, temperature, top_p, top_k, seeds, streams,
+            attend_len=live_len(reach, self.capacity),  # attention reads only the live positions
         )
         out = jax.device_get(out)
         st.active_slots = int(active.sum())

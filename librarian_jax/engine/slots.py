@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from librarian_jax.engine import sampling
+from librarian_jax.models import cache as cache_lib
 from librarian_jax.models import partitioning
 
 # Per-slot finish reasons returned by the decode loop.
@@ -44,6 +45,7 @@ def prefill(
     reset: jax.Array,
     *,
     cache_sharding: tuple | None = None,
+    attend_len: int | None = None,
 ) -> Any:
     """Writes a chunk of new tokens into several slots at their current lengths.
 
@@ -55,11 +57,14 @@ def prefill(
       mask: bool ``[k, chunk]``, True on real tokens (a prefix of each row).
       reset: bool ``[k]``: zero the slot's state (``lengths`` included) before writing, for a slot that a new
         or re-admitted session takes over.
+      attend_len: static; the rows' cache positions the model reads and writes (``models.cache.live_len``:
+        at least every row's length + chunk); None = the whole cache.
     Returns:
       The updated slot cache (rows not in ``slots`` unchanged).
     """
     model = nnx.merge(graphdef, params)
-    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), cache)
+    view = cache_lib.live_view(cache, attend_len)
+    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), view)
     keep = ~reset
 
     def zero(x: jax.Array) -> jax.Array:
@@ -67,7 +72,9 @@ def prefill(
 
     rows = jax.tree.map(zero, rows)
     _, rows = model(tokens, cache=rows, mask=mask)
-    cache = jax.tree.map(lambda full, r: full.at[slots].set(r.astype(full.dtype), mode="drop"), cache, rows)
+    # With attend_len, a reset row's positions beyond it keep the previous session's K/V: attention never
+    # reads them (only indices < the row's length), and later writes overwrite them.
+    cache = cache_lib.merge_live(cache, rows, slots)
     return _constrain(cache, cache_sharding)
 
 
@@ -80,6 +87,7 @@ def prefill_all(
     reset: jax.Array,
     *,
     cache_sharding: tuple | None = None,
+    attend_len: int | None = None,
 ) -> Any:
     """``prefill`` for (nearly) every slot at once: row ``i`` is slot ``i``, no gather/scatter of cache rows.
 
@@ -93,8 +101,8 @@ def prefill_all(
     n = tokens.shape[0]
     rows = jnp.where(reset, jnp.arange(n), n)  # out of range for slots not reset: dropped
     cache = jax.tree.map(lambda x: x.at[rows].set(jnp.zeros((), x.dtype), mode="drop"), cache)
-    _, cache = model(tokens, cache=cache, mask=mask)
-    return _constrain(cache, cache_sharding)
+    _, view = model(tokens, cache=cache_lib.live_view(cache, attend_len), mask=mask)
+    return _constrain(cache_lib.merge_live(cache, view), cache_sharding)
 
 
 def decode(
@@ -115,6 +123,7 @@ def decode(
     num_steps: int,
     cache_sharding: tuple | None = None,
     processed_logprobs: bool = False,
+    attend_len: int | None = None,
 ) -> tuple[Any, dict[str, jax.Array]]:
     """Advances every active slot, one token per step, inside one ``lax.while_loop``.
 
@@ -133,6 +142,9 @@ def decode(
       num_steps: the most steps of this round (static); also the width of the output buffers.
       processed_logprobs: also return the log-probs under the truncated distribution sampled from (static;
         when False they are neither carried nor returned, and XLA drops their computation).
+      attend_len: static; the cache positions the loop reads and writes (``models.cache.live_len``: at least
+        every active slot's length + its steps this round); None = the whole cache. The loop carries only
+        this view and writes it back once at the end.
     Returns:
       ``(cache, out)`` with ``out["tokens"]`` int32 ``[slots, num_steps]`` (slot ``s`` produced
       ``out["tokens"][s, :out["count"][s]]``), ``out["logprobs"]`` (and, when asked for,
@@ -142,6 +154,7 @@ def decode(
     model = nnx.merge(graphdef, params)
     num_slots = tokens.shape[0]
     zeros_f = jnp.zeros((num_slots, num_steps), jnp.float32)
+    full_cache, cache = cache, cache_lib.live_view(cache, attend_len)
     carry = dict(
         step=jnp.int32(0),
         cache=cache,
@@ -204,14 +217,15 @@ def decode(
     out = dict(tokens=c["out_tok"], logprobs=c["out_lp"], count=c["count"], reason=c["reason"])
     if processed_logprobs:
         out["processed_logprobs"] = c["out_plp"]
-    return _constrain(c["cache"], cache_sharding), out
+    return _constrain(cache_lib.merge_live(full_cache, c["cache"]), cache_sharding), out
 
 
 class Programs(NamedTuple):
     """``prefill(params, cache, slots, tokens, mask, reset) -> cache``,
     ``prefill_all(params, cache, tokens, mask, reset) -> cache`` and
     ``decode(params, cache, tokens, active, budget, stop_ids, temperature, top_p, top_k, seeds, streams)
-    -> (cache, out)``, jitted with the cache donated."""
+    -> (cache, out)``, jitted with the cache donated; each also takes a static ``attend_len=`` (see
+    ``models.cache.live_len``), one compiled program per length used."""
 
     prefill: Callable[..., Any]
     prefill_all: Callable[..., Any]
@@ -221,13 +235,16 @@ class Programs(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _prefill_programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None) -> tuple[Callable, Callable]:
     # Prefill does not depend on max_len or the decode settings: engines that differ only in those share it.
-    def prefill_fn(params, cache, slots, tokens, mask, reset):
-        return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding)
+    def prefill_fn(params, cache, slots, tokens, mask, reset, attend_len=None):
+        return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding,
+                       attend_len=attend_len)
 
-    def prefill_all_fn(params, cache, tokens, mask, reset):
-        return prefill_all(graphdef, params, cache, tokens, mask, reset, cache_sharding=cache_sharding)
+    def prefill_all_fn(params, cache, tokens, mask, reset, attend_len=None):
+        return prefill_all(graphdef, params, cache, tokens, mask, reset, cache_sharding=cache_sharding,
+                           attend_len=attend_len)
 
-    return jax.jit(prefill_fn, donate_argnums=(1,)), jax.jit(prefill_all_fn, donate_argnums=(1,))
+    static = dict(donate_argnums=(1,), static_argnames=("attend_len",))
+    return jax.jit(prefill_fn, **static), jax.jit(prefill_all_fn, **static)
 
 
 @functools.lru_cache(maxsize=64)
@@ -240,13 +257,13 @@ def programs(
 ) -> Programs:
     """The jitted prefill and decode programs for one model structure and slot layout."""
 
-    def decode_fn(params, cache, *args):
+    def decode_fn(params, cache, *args, attend_len=None):
         return decode(
             graphdef, params, cache, *args,
             max_len=max_len, num_steps=num_steps, cache_sharding=cache_sharding,
-            processed_logprobs=processed_logprobs,
+            processed_logprobs=processed_logprobs, attend_len=attend_len,
         )
 
     prefill_fn, prefill_all_fn = _prefill_programs(graphdef, cache_sharding)
-    decode_jit = jax.jit(decode_fn, donate_argnums=(1,))
+    decode_jit = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("attend_len",))
     return Programs(prefill=prefill_fn, prefill_all=prefill_all_fn, decode=decode_jit)

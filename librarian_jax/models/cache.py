@@ -63,3 +63,87 @@ def cache_logical_axes(config: ModelConfig) -> Cache:
         else:
             layers.append({"k": K_AXES, "v": V_AXES})
     return Cache(lengths=("cache_batch",), layers=tuple(layers))
+
+
+# ------------------------------------------------------------------------------------------- live length
+
+MIN_LIVE_LEN = 512  # the shortest attended length a program is compiled for (fewer, larger buckets)
+
+
+def live_len(needed: int, capacity: int) -> int | None:
+    """The cache length a call attends to when its rows reach at most `needed` positions; None = all.
+
+    `capacity >> k` for the largest k in 1..3 with `capacity >> k >= max(needed, MIN_LIVE_LEN)` (and a
+    multiple of 8), else None (the whole cache): an engine compiles each program for at most 4 lengths.
+    """
+    best = None
+    for k in (1, 2, 3):
+        length = capacity >> k
+        if length < max(needed, MIN_LIVE_LEN) or length % 8:
+            break
+        best = length
+    return best
+
+
+def live_lens(capacity: int) -> list[int | None]:
+    """Every value `live_len(., capacity)` can return, the whole cache (None) first."""
+    out: list[int | None] = [None]
+    for k in (1, 2, 3):
+        length = capacity >> k
+        if length < MIN_LIVE_LEN or length % 8:
+            break
+        out.append(length)
+    return out
+
+
+def _is_kv(path: tuple) -> str | None:
+    name = getattr(path[-1], "key", None)
+    return name if name in ("k", "v") else None
+
+
+def live_view(cache: Cache, length: int | None) -> Cache:
+    """`cache` with its K/V cut to the first `length` positions (static; None = all): what attention reads.
+
+    Decode and prefill programs run the model on this view so attention reads only the live part of the
+    cache (`Attention` takes the cache's length as its `max_len` and drops writes beyond it); `merge_live`
+    writes it back. Lengths and linear-attention state are carried whole.
+    """
+    if length is None or length >= cache.max_len:
+        return cache
+
+    def cut(path: tuple, x: jax.Array) -> jax.Array:
+        kind = _is_kv(path)
+        if kind == "k":
+            return x[..., :length]  # [batch, kv_heads, head_dim, length]
+        if kind == "v":
+            return x[:, :, :length]  # [batch, kv_heads, length, head_dim]
+        return x
+
+    return jax.tree_util.tree_map_with_path(cut, cache)
+
+
+def merge_live(full: Cache, part: Cache, slots: jax.Array | None = None) -> Cache:
+    """Writes `part` (a `live_view` of some rows) back into `full`.
+
+    Args:
+      full: the whole cache, batch `num_slots`, K/V of `max_len` positions.
+      part: a view with K/V of `length <= max_len` positions; batch `num_slots` when `slots` is None, else
+        `[k]` rows going to `slots` (int32 `[k]`; an index >= num_slots is dropped).
+    Returns:
+      `full` with positions `[:length]` of K/V and every other leaf replaced by `part`'s (for the rows given).
+    """
+
+    def put(path: tuple, f: jax.Array, p: jax.Array) -> jax.Array:
+        p = p.astype(f.dtype)
+        kind = _is_kv(path)
+        if slots is None:
+            if kind is None or p.shape == f.shape:
+                return p
+            return jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
+        if kind == "k":
+            return f.at[slots, :, :, : p.shape[-1]].set(p, mode="drop")
+        if kind == "v":
+            return f.at[slots, :, : p.shape[2]].set(p, mode="drop")
+        return f.at[slots].set(p, mode="drop")
+
+    return jax.tree_util.tree_map_with_path(put, full, part)
