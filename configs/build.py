@@ -5,19 +5,21 @@
 
 The export is a plain directory tree: README.md, raw_docs/ (the documents, unchanged), the synthetic files
 (each with its title, direct sources and transitive raw sources with content hashes), history/ and
-manifest.json; any agent can browse it.
+manifest.json; any agent can browse it. The keys are declared in `librarian_jax.config_schema.BuildConfig`.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from librarian_jax import config_schema
+
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     if preset not in (None, "", "default"):
         raise ValueError(f"configs/build.py: unknown preset {preset!r}; known: ['default']")
-    c = ml_collections.ConfigDict()
-    c.command = "build"
+    c = config_schema.BuildConfig().to_config_dict()
+    c.lock()  # only the schema's keys: setting another is a KeyError here
     c.run = ""  # the training workdir whose builder to use
     c.step = -1  # -1 = newest committed checkpoint
     c.builder = ""  # "" = the run's checkpoint; "hf:/path" for a Hugging Face model
@@ -25,7 +27,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.out = ""  # the export directory (must not hold a previous export's files)
     c.seed = 0
     c.builder_temperature = 0.0
-    c.data = ml_collections.ConfigDict(dict(path="", extensions=".txt,.md"))
-    c.engine = ml_collections.ConfigDict(dict(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0))
-    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    c.data.update(path="", extensions=".txt,.md")
+    c.engine.update(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0)  # 0 = the run's
+    c.mesh.shape.update(data=1, fsdp=1, tensor=1)
+    c.unlock()
     return c

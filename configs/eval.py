@@ -10,11 +10,14 @@ The report goes to `<run>/eval/<name>/` (or `out` when set): report.md, results.
 PNG plots, TensorBoard scalars (`tb/`) and the built workspaces (`workspaces/`).
 Presets: `embedded` (default), `browsecomp_plus` (the paper's 680/50 protocol, one sample per question),
 `bright` (50 sampled questions per domain, pass@1 and pass@3 from 4 sampled constructions per corpus).
+The keys are declared in `librarian_jax.config_schema.EvalConfig`; this file sets values.
 """
 
 from __future__ import annotations
 
 import ml_collections
+
+from librarian_jax import config_schema
 
 PRESETS = ("embedded", "browsecomp_plus", "bright")
 
@@ -23,8 +26,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     preset = preset or "embedded"
     if preset not in PRESETS:
         raise ValueError(f"configs/eval.py: unknown preset {preset!r}; known: {list(PRESETS)}")
-    c = ml_collections.ConfigDict()
-    c.command = "eval"
+    c = config_schema.EvalConfig().to_config_dict()
+    c.lock()  # only the schema's keys: setting another is a KeyError here
     c.preset = preset
     c.run = ""  # the training workdir (config.json, split.json, checkpoints/, tokenizer/)
     c.step = -1  # checkpoint step; -1 = the newest committed one
@@ -43,15 +46,15 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.samples = 1  # n samples per question (pass@k); a sample = one construction + one answer
     c.pass_k = "1"  # comma-separated k <= samples
     c.builder_temperature = 0.0  # 0 = greedy builder (the default for evaluation)
-    c.answerer = ml_collections.ConfigDict(dict(kind="", temperature=-1.0))  # "" / -1 = the run's
-    c.bm25 = ml_collections.ConfigDict(dict(top_k=3, passage_words=120))
-    c.ablation = ml_collections.ConfigDict(dict(enabled=True, shuffle_seed=0))
-    c.bootstrap = ml_collections.ConfigDict(dict(draws=2000, seed=0))
+    c.answerer.update(kind="", temperature=-1.0)  # "" / -1 = the run's
+    c.bm25.update(top_k=3, passage_words=120)
+    c.ablation.update(enabled=True, shuffle_seed=0)
+    c.bootstrap.update(draws=2000, seed=0)
     c.cost_qs = "1,10,20,50"
     c.batch_tasks = 8  # corpora per scheduler batch (one progress-bar tick)
     c.export_workspaces = True
-    c.engine = ml_collections.ConfigDict(dict(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0))
-    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    c.engine.update(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0)  # 0 = the run's
+    c.mesh.shape.update(data=1, fsdp=1, tensor=1)
     if preset == "browsecomp_plus":
         # 680 train / 50 held-out tasks: the held-out ids come from task_ids when given, else the run's split
         c.train_preset = "qwen3_5_4b"
@@ -68,4 +71,5 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         c.engine.update(policy_slots=64, frozen_slots=256)
         c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
         c.bootstrap.draws = 10000
+    c.unlock()
     return c

@@ -8,27 +8,31 @@ Presets: `embedded` (default: tiny model, SentencePiece tokenizer trained on the
 under the workdir, a synthetic corpus, a few minutes on 2 CPU cores), `qwen3_5_4b` and `gemma3_4b` (the
 paper's main-run settings: LoRA rank 32, lr 2e-5 (the paper sweeps 1e-5..4e-5), 16 tasks x group 4, <= 4096
 new tokens per builder turn, PPO clip 0.8/1.2, H = 32 builder turns, 4 probe repeats).
-Every key is read by `librarian_jax.main` and checked by `librarian_jax.config_validation` at start.
+Every key, its type, bounds and choices are declared once, in `librarian_jax.config_schema.GRPOConfig`; this
+file only sets values (on a ConfigDict built from the schema's defaults, locked while it is set, so a key the
+schema does not declare is an error here). `librarian_jax.config_validation` checks the whole config at start.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from librarian_jax import config_schema
 from librarian_jax.rl.train_step import LORA_ALL_LINEAR
 
 PRESETS = ("embedded", "qwen3_5_4b", "gemma3_4b")
 
 
 def _base() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = config_schema.GRPOConfig().to_config_dict()
+    c.lock()  # only the schema's keys: setting another is a KeyError here
     c.preset = "embedded"
     c.workdir = "/tmp/librarian_jax/grpo"
     c.seed = 0
 
-    c.model = ml_collections.ConfigDict(dict(
+    c.model.update(dict(
         preset="tiny_8k",       # models.PRESETS name (architecture)
-        init="random",          # "random" | "hf" (safetensors folder) | "orbax" (checkpoint dir or step dir)
+        init="random",          # the choices of every key: librarian_jax/config_schema.py
         path="",                # weights for init="hf" / "orbax"
         tokenizer="",           # file/folder; "" = model.path (hf) or a SentencePiece trained on data
         tokenizer_vocab_size=8192,
@@ -38,8 +42,8 @@ def _base() -> ml_collections.ConfigDict:
         lora_module_path=LORA_ALL_LINEAR,  # every linear projection of every layer type (rl.train_step)
         frozen_path="",         # answerer/executor weights (HF folder); "" = the policy's initial weights
     ))
-    c.data = ml_collections.ConfigDict(dict(
-        source="synthetic",     # "synthetic" | "file"
+    c.data.update(dict(
+        source="synthetic",     # a generated world ("file": data.path)
         path="",                # tasks file/folder for source="file" (data.load_tasks)
         format="auto",
         num_tasks=48,           # synthetic world size
@@ -61,7 +65,7 @@ def _base() -> ml_collections.ConfigDict:
         tasks_per_batch=4,
         shuffle_seed=0,
     ))
-    c.rollout = ml_collections.ConfigDict(dict(
+    c.rollout.update(dict(
         group_size=4,
         policy_slots=16,        # builder engine slots
         frozen_slots=16,        # answerer/executor engine slots
@@ -76,27 +80,26 @@ def _base() -> ml_collections.ConfigDict:
         no_stop_penalty=0.1,
         use_model_judge=False,
         record_snapshots=True,
-        builder=ml_collections.ConfigDict(dict(
+        builder=dict(
             max_turns=3, max_new_tokens=240, temperature=1.0, executor="extractive",
             compaction="deterministic", compaction_budget=1800, malformed_penalty=0.05,
-            system_prompt="builder_system_compact")),
+            system_prompt="builder_system_compact"),
         # The embedded answerer is the scripted navigator (agents/navigator.py, kind="scripted"): it reads
         # through the same list/read tools and token accounting as an LLM answerer. A small one: 2 tool calls,
         # root files preloaded up to 512 tokens (a good builder's entity files do not all fit: it chooses).
-        answerer=ml_collections.ConfigDict(dict(kind="scripted", max_turns=2, max_new_tokens=64,
-                                                 forced_max_new_tokens=16, context_budget=4096,
-                                                 preload_max_tokens=512)),
+        answerer=dict(kind="scripted", max_turns=2, max_new_tokens=64, forced_max_new_tokens=16,
+                      context_budget=4096, preload_max_tokens=512),
     ))
-    c.train = ml_collections.ConfigDict(dict(
+    c.train.update(dict(
         num_steps=15,
         learning_rate=2e-4,     # 5e-4 collapsed one run into malformed calls by step 6
         warmup_steps=0,
-        decay="cosine",         # "cosine" | "linear" | "constant"
+        decay="cosine",
         end_lr_ratio=0.1,
         weight_decay=0.0,
         grad_clip=1.0,
         micro_batches=1,
-        remat="none",           # "none" | "full" (whole forward) | "layer" (each decoder layer)
+        remat="none",           # no rematerialisation ("full": whole forward, "layer": each decoder layer)
         logits_chunk=1024,      # logits of this many positions at a time (rematerialised); 0 = all at once
         moe_aux_loss_coef=0.0,  # mixture-of-experts models: weight of the router's load-balancing loss
         loss="ppo",             # rl.losses registry
@@ -105,14 +108,14 @@ def _base() -> ml_collections.ConfigDict:
         dual_clip=3.0,
         tis_cap=2.0,
         kl_beta=0.0,
-        aggregation="token_mean",  # "token_mean" | "sequence_mean" | "drgrpo"
-        old_logprobs="trainer",    # "trainer" | "sampler"
-        advantage="paper",         # rl.advantages registry: paper | grpo | drgrpo | rloo
+        aggregation="token_mean",  # rl.losses.AGGREGATIONS
+        old_logprobs="trainer",    # the ratio against the trainer's log-probs ("sampler": the sampler's)
+        advantage="paper",         # rl.advantages registry
         step_weight=0.0,           # per-step (reward-to-go) advantage weight; 0 = off
         step_gamma=1.0,
         max_seq_len=2048,          # training rows longer than this are truncated
     ))
-    c.eval = ml_collections.ConfigDict(dict(
+    c.eval.update(dict(
         every=5,                # evaluate the policy on held-out tasks every N steps (0 = never)
         num_tasks=6,
         repeats=1,
@@ -122,24 +125,16 @@ def _base() -> ml_collections.ConfigDict:
         final_methods="trained,base,raw",
         final_samples=2,
     ))
-    c.warm_start = ml_collections.ConfigDict(dict(
+    c.warm_start.update(dict(
         # Before GRPO, supervised fine-tuning on the embedded world's scripted demonstrations
         # (configs/sft.py:<sft_preset>, run in workdir/warm_start, cached), and GRPO starts from it.
         enabled=True,
         sft_preset="embedded",
     ))
-    # One model per frozen role (the paper: answerer, Create/Merge executor, history compaction, judge). Each
-    # names its weights: init "policy" (the builder's initial weights, frozen) | "hf" | "orbax" | "random",
-    # with path / preset / dtype ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
-    # rollout.max_seq_len); mesh ("" = the run's mesh, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the
-    # Qwen3.5 template's switch: off = the role's budget is never spent inside <think>). Roles naming the same
-    # weights share one engine and one copy of them; `--dry_run` prints the table.
-    c.roles = ml_collections.ConfigDict({
-        role: ml_collections.ConfigDict(dict(init="policy", path="", preset="", dtype="", slots=0,
-                                             max_seq_len=0, mesh="", thinking=False))
-        for role in ("answerer", "executor", "compaction", "judge")})
-    c.mesh = ml_collections.ConfigDict(dict(shape=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))))
-    c.checkpoint = ml_collections.ConfigDict(dict(
+    # Every frozen role (answerer, executor, compaction, judge) on the builder's initial weights, frozen: the
+    # schema's defaults (`config_schema.RoleSection`); `--dry_run` prints the role table.
+    c.mesh.shape.update(dict(data=1, fsdp=1, tensor=1))
+    c.checkpoint.update(dict(
         every=1,                # save every N steps (and at the end)
         keep=2,
         async_save=True,
@@ -196,4 +191,5 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     if preset != "embedded":
         c = _paper(c, preset)
     c.preset = preset
+    c.unlock()
     return c

@@ -7,7 +7,8 @@
 
 The `model`, `data`, `rollout`, `mesh` and `checkpoint` sections are the GRPO config's (`configs/grpo.py`,
 same preset), so a warm start and the GRPO run that follows it agree on the model, tokenizer, world and
-protocol; `train` is SFT's own, `data.packing` and `demos` are added. With `data.path` empty and the synthetic
+protocol; `train` is SFT's own, `data.packing` and `demos` are added. The keys are declared in
+`librarian_jax.config_schema.SFTConfig`; this file sets values. With `data.path` empty and the synthetic
 world, the conversations are the embedded world's demonstrations (`librarian_jax.data.demos`), made once and
 cached as `workdir/demos.jsonl`. The checkpoint (`workdir/checkpoints`) is a valid `model.init="orbax"` for
 GRPO.
@@ -18,20 +19,24 @@ from __future__ import annotations
 import ml_collections
 
 from configs import grpo
+from librarian_jax import config_schema
 
 PRESETS = grpo.PRESETS
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     """The SFT config for `preset` (None = "embedded"); see the module doc."""
-    c = grpo.get_config(preset)
-    c.command = "sft"
-    c.workdir = c.workdir.rstrip("/") + "_sft"
-    for key in ("eval", "warm_start"):
-        del c[key]
+    g = grpo.get_config(preset)
+    c = config_schema.SFTConfig().to_config_dict()
+    c.lock()  # only the schema's keys: setting another is a KeyError here
+    for key in ("preset", "seed", "builder_thinking"):
+        c[key] = g[key]
+    for key in ("model", "data", "rollout", "roles", "mesh", "checkpoint"):  # GRPO's sections
+        c[key].update(g[key].to_dict())
+    c.workdir = g.workdir.rstrip("/") + "_sft"
     c.data.path = ""  # JSONL conversations; "" = the embedded demonstrations (synthetic world only)
-    c.data.packing = "none"  # "none" (one conversation per row) | "concat" (several per row, see rl.sft)
-    c.train = ml_collections.ConfigDict(dict(
+    c.data.packing = "none"  # one conversation per row ("concat": several per row, see rl.sft)
+    c.train.update(dict(
         num_steps=200,          # the tiny model writes valid tool calls from ~100 steps on
         batch_rows=8,
         learning_rate=4e-3,
@@ -46,14 +51,15 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         max_seq_len=c.rollout.max_seq_len,
         log_every=10,
     ))
-    c.demos = ml_collections.ConfigDict(dict(
+    c.demos.update(dict(
         num_tasks=256,          # worlds to demonstrate on (seeded apart from the run's train/held-out tasks)
         per_task=1,             # demonstrations per world
         calls_per_turn=2,       # tool calls per scripted reply (must fit rollout.builder.max_new_tokens)
-        mix=ml_collections.ConfigDict(dict(entities=0.4, own_doc=0.3, generic=0.15, early_stop=0.15)),
+        mix=dict(entities=0.4, own_doc=0.3, generic=0.15, early_stop=0.15),
     ))
     c.checkpoint.update(every=50, keep=1)
     if c.preset != "embedded":
         c.train.update(num_steps=500, batch_rows=32, learning_rate=1e-5, warmup_steps=20, micro_batches=8,
                        remat="full", logits_chunk=1024, log_every=10)
+    c.unlock()
     return c

@@ -175,20 +175,10 @@ def make_mesh(config: Any) -> Any:
 
 
 def train_config(config: Any) -> Any:
-    from librarian_jax.rl import losses, train_step
-
-    t = config.train
-    return train_step.TrainConfig(
-        loss=losses.LossConfig(name=t.loss, eps_low=t.eps_low, eps_high=t.eps_high, dual_clip=t.dual_clip,
-                               tis_cap=t.tis_cap, kl_beta=t.kl_beta,
-                               temperature=config.rollout.builder.get("temperature", 1.0) or 1.0,
-                               aggregation=t.aggregation),
-        optim=train_step.OptimConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
-                                     decay=t.decay, total_steps=max(t.num_steps, 1),
-                                     end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
-                                     grad_clip=t.grad_clip),
-        micro_batches=t.micro_batches, old_logprobs=t.old_logprobs, remat=t.remat,
-        logits_chunk=t.logits_chunk, moe_aux_loss_coef=t.moe_aux_loss_coef)
+    """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`); the
+    loss's temperature is the builder's sampling temperature (0, greedy, counts as 1)."""
+    temperature = config_validation.rollout_config(config).builder.temperature or 1.0
+    return config_validation.validate_train(config).trainer_config(temperature)
 
 
 # ------------------------------------------------------------------------------------------- metrics

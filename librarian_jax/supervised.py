@@ -20,8 +20,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from librarian_jax import checkpoint, config_validation
-from librarian_jax.rl import losses, sft, train_step
+from librarian_jax import checkpoint, config_schema, config_validation
+from librarian_jax.rl import sft, train_step
 
 
 def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], config: Any, *,
@@ -39,13 +39,7 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
                  len(examples), counts["rows"], tokens.shape[1], counts["loss_tokens"],
                  counts["cut_loss_tokens"])
-    tcfg = train_step.TrainConfig(
-        loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
-        optim=train_step.OptimConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
-                                     decay=t.decay, total_steps=max(t.num_steps, 1),
-                                     end_lr_ratio=t.end_lr_ratio, weight_decay=t.weight_decay,
-                                     grad_clip=t.grad_clip),
-        micro_batches=t.micro_batches, old_logprobs="trainer", remat=t.remat, logits_chunk=t.logits_chunk)
+    tcfg = config_schema.SFTTrainSection.parse(t, "train").trainer_config()
     trainer = train_step.Trainer(model, tcfg, mesh=mesh)
     batch_rows = -(-t.batch_rows // trainer.row_multiple()) * trainer.row_multiple()
     stream = sft.RowStream(counts["rows"], batch_rows, config.seed)
@@ -169,26 +163,10 @@ def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
     return sft.load_conversations(path), tokenizer
 
 
-def validate(config: Any) -> None:
-    """Checks the SFT config's own keys (the model/data/mesh keys it shares with GRPO are checked there)."""
-    from librarian_jax import config_validation as cv
-
-    for section in ("model", "data", "rollout", "train", "mesh", "checkpoint", "demos"):
-        if section not in config:
-            raise cv.ConfigError(f"config.{section}: missing")
-    cv.validate_common(config)
-    t = config.train
-    for key, lo in (("num_steps", 1), ("batch_rows", 1), ("micro_batches", 1), ("max_seq_len", 16),
-                    ("log_every", 1)):
-        if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < lo:
-            raise cv.ConfigError(f"config.train.{key}: must be an integer >= {lo}, got {t[key]!r}")
-    if not isinstance(t.learning_rate, int | float) or t.learning_rate <= 0:
-        raise cv.ConfigError(f"config.train.learning_rate: must be > 0, got {t.learning_rate!r}")
-    if config.data.packing not in sft.PACKING:
-        raise cv.ConfigError(
-            f"config.data.packing: must be one of {list(sft.PACKING)}, got {config.data.packing!r}")
-    if config.data.path and not os.path.isfile(config.data.path):
-        raise cv.ConfigError(f"config.data.path: {config.data.path} is not a file")
-    if not config.data.path and config.data.source != "synthetic":
-        raise cv.ConfigError("config.data.path: a JSONL conversations file is needed unless "
-                             "config.data.source is 'synthetic' (the embedded demonstrations)")
+def validate(config: Any, num_devices: int | None = None) -> config_schema.SFTConfig:
+    """Checks every key of the SFT config (`config_schema.SFTConfig`, the mesh against the devices); returns
+    it typed. Raises ConfigError naming the first bad key."""
+    parsed = config_schema.SFTConfig.parse(config)
+    config_validation.validate_mesh(parsed.mesh.shape,
+                                    jax.device_count() if num_devices is None else num_devices)
+    return parsed

@@ -22,10 +22,11 @@ import jax
 import ml_collections
 from absl import logging
 
-from librarian_jax.config_validation import ConfigError, validate_mesh
+from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
+from librarian_jax.config_validation import validate_mesh
 from librarian_jax.eval import pipeline, report, restore
 
-BUILTIN_METHODS = ("trained", "base", "raw", "bm25")
+BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
 ABLATIONS = ("flattened", "shuffled")
 ACCOUNTING = (
     "Construction tokens B (per corpus, per construction; the mean over a corpus's samples): every token of "
@@ -100,35 +101,21 @@ def _no_run_config(c: Any) -> Any:
 
 
 def plan_eval(config: Any) -> Plan:
-    """Validates an eval config against the file system (run dir, checkpoints, shapes). No model loaded."""
+    """Validates an eval config (every key: `config_schema.EvalConfig`) against the file system (run dir,
+    checkpoints, shapes). No model loaded."""
     c = config
-    for k in ("run", "builder", "methods", "name", "tasks", "task_ids", "step", "samples", "num_tasks"):
-        if k not in c:
-            raise _err(k, "missing")
+    EvalConfig.parse(c)  # types, bounds and choices of every key, the method names
     _check_builder(c)
     methods = _csv(c.methods)
-    if not methods:
-        raise _err("methods", "lists no method")
-    for m in methods:
-        if m not in BUILTIN_METHODS and not m.startswith("run:"):
-            raise _err("methods", f"unknown method {m!r}; known: {list(BUILTIN_METHODS)} or run:/workdir")
     if len(set(map(method_label, methods))) != len(methods):
         raise _err("methods", f"lists a method twice: {methods}")
-    if not isinstance(c.samples, int) or c.samples < 1:
-        raise _err("samples", f"must be an integer >= 1, got {c.samples!r}")
     pass_k = _ints(c, "pass_k")
     if max(pass_k) > c.samples:
         raise _err("pass_k", f"k={max(pass_k)} needs at least that many samples (config.samples={c.samples})")
     cost_qs = _ints(c, "cost_qs")
-    for k in ("questions_per_domain", "sample_seed"):
-        v = c.get(k, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _err(k, f"must be an integer >= 0, got {v!r}")
     for k in ("tasks", "task_ids"):
         if c[k] and not os.path.exists(c[k]):
             raise _err(k, f"{c[k]!r} does not exist")
-    if c.answerer.kind not in ("", "model", "scripted"):
-        raise _err("answerer.kind", f"must be '', 'model' or 'scripted', got {c.answerer.kind!r}")
     validate_mesh(c.mesh.shape.to_dict(), jax.device_count())
     step, step_dir = -1, ""
     if c.run:
@@ -518,10 +505,12 @@ def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 
 
 def plan_build(config: Any) -> tuple[Plan, Any]:
-    """Validates a build config (folder, output, run, checkpoint); returns (plan, the folder's task)."""
+    """Validates a build config (every key: `config_schema.BuildConfig`; folder, output, run, checkpoint);
+    returns (plan, the folder's task). The plan's config is an eval config of the build's shared keys."""
     from librarian_jax import data
 
     c = config
+    BuildConfig.parse(c)
     path = c.data.path
     if not path:
         raise _err("data.path", "required: a folder of .txt/.md files")
@@ -538,7 +527,9 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
         raise _err("out", "required: the directory to export the workspace to")
     if os.path.isfile(c.out) or (os.path.isdir(c.out) and os.listdir(c.out)):
         raise _err("out", f"{c.out!r} exists and is not an empty folder")
-    e = ml_collections.ConfigDict(c.to_dict())
+    e = EvalConfig().to_config_dict()
+    for k in sorted((set(e) & set(c)) - {"command"}):  # run, step, builder, out, seed, engine, mesh, ...
+        e[k] = c[k]
     e.update(
         methods="trained",
         name="build",
@@ -549,7 +540,6 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
         pass_k="1",
         cost_qs="1",
     )
-    e.answerer = ml_collections.ConfigDict(dict(kind="", temperature=-1.0))
     return plan_eval(e), task
 
 
@@ -562,9 +552,10 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 
     plan, task = plan_build(config)
     c = plan.config
+    folder = config.data.path
     if dry_run:
         print(
-            f"build a workspace over {len(task.documents)} documents of {c.data.path} with "  # noqa: T201
+            f"build a workspace over {len(task.documents)} documents of {folder} with "  # noqa: T201
             f"{plan.run_dir or c.builder} (step {plan.step}) -> {c.out}"
         )
         return None
@@ -586,7 +577,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     if not res.ok:
         raise _err("out", res.message)
     summary = {
-        "folder": os.path.abspath(c.data.path),
+        "folder": os.path.abspath(folder),
         "documents": len(task.documents),
         "run": plan.run_dir or c.builder,
         "step": plan.step,

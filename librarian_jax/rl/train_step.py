@@ -84,6 +84,8 @@ class TrainConfig:
 
 
 REMAT_MODES = ("none", "full", "layer")
+DECAYS = ("cosine", "linear", "constant")  # OptimConfig.decay
+OLD_LOGPROBS = ("trainer", "sampler")  # TrainConfig.old_logprobs
 
 
 def remat_mode(value: bool | str) -> str:
@@ -110,7 +112,7 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     elif cfg.decay == "constant":
         decay = optax.constant_schedule(lr)
     else:
-        raise ValueError(f"train.optim.decay: unknown schedule {cfg.decay!r} (cosine | linear | constant)")
+        raise ValueError(f"train.optim.decay: unknown schedule {cfg.decay!r}; known: {list(DECAYS)}")
     if cfg.warmup_steps <= 0:
         return decay
     warmup = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
@@ -243,7 +245,7 @@ class Trainer:
         if config.loss.aggregation not in losses_lib.AGGREGATIONS:
             raise ValueError(f"train.loss.aggregation: unknown {config.loss.aggregation!r}; "
                              f"known: {losses_lib.AGGREGATIONS}")
-        if config.old_logprobs not in ("trainer", "sampler"):
+        if config.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"train.old_logprobs: {config.old_logprobs!r} is not 'trainer' or 'sampler'")
         losses_lib.get_loss_fn(config.loss.name)  # fail early on an unknown name
         config = dataclasses.replace(config, remat=remat_mode(config.remat))

@@ -1,0 +1,648 @@
+"""The config schema: one typed, frozen dataclass per config section, each validating itself.
+
+Every key of every command's config (`configs/grpo.py`, `sft.py`, `eval.py`, `build.py`) is a field here,
+with its type, default, bounds and choice list, declared once; the files in `configs/` only set values on a
+ConfigDict built from these defaults (`GRPOConfig().to_config_dict()`). `Schema.parse(mapping)` turns a
+ConfigDict (or a plain nested dict) into the dataclass, or raises `ConfigError` naming the bad key:
+
+    config.train.learning_rate: must be > 0, got -1.0
+    config.rollout.builder: unknown keys ['bogus']; known: [...]
+
+Keys a mapping leaves out take their defaults (a run's older `config.json` still reads). The `rollout`
+section is `rollout.RolloutConfig` (its own schema, `from_dict`) plus the engine sizes main reads itself.
+Checks that need the machine (the device count of `mesh.shape`) or several sections at once (role budgets)
+are in `config_validation`; file-system checks of a section's own paths are here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import ml_collections
+
+from librarian_jax import data as data_lib
+from librarian_jax.agents.answerer import ANSWERER_KINDS
+from librarian_jax.agents.runtime import FROZEN_ROLES
+from librarian_jax.data.demos import DEFAULT_MIX as DEMO_MIX
+from librarian_jax.data.demos import STYLES as DEMO_STYLES
+from librarian_jax.engine.mesh import MESH_AXES, resolve_mesh_shape
+from librarian_jax.models import PRESETS as MODEL_PRESETS
+from librarian_jax.rl import advantages, losses, train_step
+from librarian_jax.rl.sft import PACKING
+from librarian_jax.rollout import RolloutConfig
+
+# The choice lists of this module's keys (lists owned by a lower layer are imported above).
+MODEL_INITS = ("random", "hf", "orbax")
+ROLE_INITS = ("policy", *MODEL_INITS)  # "policy": the builder's initial weights, frozen
+DTYPES = ("", "float32", "bfloat16", "float16")  # "" = the model preset's
+DATA_SOURCES = ("synthetic", "file")
+DATA_FORMATS = ("auto", *data_lib.FORMATS)
+EVAL_METHODS = ("trained", "base", "raw", "bm25")  # plus "run:/other/workdir"
+EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
+ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message starts with the key path (`config.section.key`)."""
+
+
+def config_error(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"config.{key}: {msg}")
+
+
+def key_of(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def spec(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
+         lo_open: bool = False, choices: tuple[Any, ...] | None = None, nonempty: bool = False,
+         factory: Any = dataclasses.MISSING) -> Any:
+    """A schema field: its default (or `factory`), bounds (`lo` / `hi`, `lo_open` = strictly above `lo`),
+    `choices`, and `nonempty` for strings that must be set."""
+    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "nonempty": nonempty}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _as_dict(value: Any, key: str) -> dict[str, Any]:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise config_error(key, f"must be a section (a mapping of keys), got {value!r}")
+
+
+def _check_value(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
+    """`value` checked against the field's type and `meta` (bounds, choices); returns it (ints as floats for
+    float fields, mappings as dicts)."""
+    if isinstance(tp, type) and issubclass(tp, Section):
+        return tp.parse(value, key)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise config_error(key, f"must be an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise config_error(key, f"must be a number, got {value!r}")
+        value = float(value)
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise config_error(key, f"must be True or False, got {value!r}")
+    elif tp is str:
+        if not isinstance(value, str):
+            raise config_error(key, f"must be a string, got {value!r}")
+    elif tp == (str | bool):
+        if not isinstance(value, str | bool):
+            raise config_error(key, f"must be a string or a bool, got {value!r}")
+    elif typing.get_origin(tp) is dict:
+        value = _as_dict(value, key)
+    choices = meta.get("choices")
+    if choices is not None and not isinstance(value, bool) and value not in choices:
+        raise config_error(key, f"must be one of {sorted(choices)}, got {value!r}")
+    if meta.get("nonempty") and not value:
+        raise config_error(key, f"must not be empty, got {value!r}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value <= lo if meta.get("lo_open") else value < lo):
+        raise config_error(key, f"must be {'>' if meta.get('lo_open') else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise config_error(key, f"must be <= {hi}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A config section: `parse` checks unknown keys, each field (type, bounds, choices), then `check`."""
+
+    @classmethod
+    def parse(cls, mapping: Any, key: str = "") -> typing.Self:
+        """The section from `mapping` (ConfigDict or dict; missing keys take defaults); `key` is its path
+        (`"train"`, `"rollout.builder"`, `""` for a whole config) for the error messages."""
+        d = _as_dict(mapping, key or "config")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ConfigError(f"config{'.' + key if key else ''}: unknown keys {unknown}; known: {names}")
+        out = cls(**cls.parse_fields(d, names, key))
+        out.check(key)
+        return out
+
+    @classmethod
+    def parse_fields(cls, mapping: Any, names: typing.Iterable[str], key: str = "") -> dict[str, Any]:
+        """Only the fields `names` that `mapping` holds, each parsed (no check across fields)."""
+        d = _as_dict(mapping, key or "config")
+        hints = typing.get_type_hints(cls)
+        wanted = set(names)
+        return {f.name: _check_value(hints[f.name], d[f.name], key_of(key, f.name), f.metadata)
+                for f in dataclasses.fields(cls) if f.name in d and f.name in wanted}
+
+    def check(self, key: str) -> None:
+        """Checks across this section's fields (and its own paths); raises ConfigError."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, Section) else dict(v) if isinstance(v, dict) else v
+        return out
+
+    def to_config_dict(self) -> ml_collections.ConfigDict:
+        """A ConfigDict holding every key (what `configs/*.py` start from)."""
+        return ml_collections.ConfigDict(self.to_dict())
+
+
+def _section(cls: type[Section]) -> Any:
+    return spec(factory=cls)
+
+
+def _existing_path(value: str, key: str) -> None:
+    if value and not os.path.exists(value):
+        raise config_error(key, f"{value!r} does not exist")
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    preset: str = spec("tiny_8k", choices=tuple(MODEL_PRESETS))  # models.PRESETS name (architecture)
+    init: str = spec("random", choices=MODEL_INITS)  # "hf": safetensors folder, "orbax": checkpoint dir
+    path: str = spec("")  # weights for init="hf" / "orbax"
+    tokenizer: str = spec("")  # file/folder; "" = model.path (hf) or a SentencePiece trained on the data
+    tokenizer_vocab_size: int = spec(8192, lo=64)
+    dtype: str = spec("", choices=DTYPES)  # "" = the preset's; e.g. "float32" on CPU, "bfloat16" on TPU/GPU
+    lora_rank: int = spec(0, lo=0)  # 0 = full fine-tuning
+    lora_alpha: float = spec(64.0)
+    lora_module_path: str = spec(train_step.LORA_ALL_LINEAR)  # regex of the adapted modules
+    frozen_path: str = spec("")  # frozen roles' weights (HF folder); "" = the policy's initial weights
+
+    def check(self, key: str) -> None:
+        if self.init in ("hf", "orbax"):
+            if not self.path:
+                what = "Hugging Face safetensors folder" if self.init == "hf" else "Orbax checkpoint"
+                raise config_error(f"{key}.path", f"required when model.init={self.init!r} (a {what})")
+            _existing_path(self.path, f"{key}.path")
+        _existing_path(self.tokenizer, f"{key}.tokenizer")
+        _existing_path(self.frozen_path, f"{key}.frozen_path")
+        if self.lora_rank:
+            if self.lora_alpha <= 0:
+                raise config_error(f"{key}.lora_alpha", f"must be > 0, got {self.lora_alpha}")
+            if not self.lora_module_path:
+                raise config_error(f"{key}.lora_module_path",
+                                   "must be a non-empty regex when model.lora_rank > 0")
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(Section):
+    source: str = spec("synthetic", choices=DATA_SOURCES)
+    path: str = spec("")  # tasks file/folder for source="file" (data.load_tasks)
+    format: str = spec("auto", choices=DATA_FORMATS)
+    # the synthetic world (source="synthetic")
+    num_tasks: int = spec(48)
+    docs_per_task: int = spec(6)
+    min_words: int = spec(40)
+    max_words: int = spec(80)
+    questions_per_task: int = spec(4)
+    reuse_questions_per_task: int = spec(0)
+    heldout_fraction: float = spec(0.25, lo=0.0, hi=0.9)  # tasks kept out of training (task-id hash)
+    # The paper's data protocol (docs/paper-settings.md, Data); the defaults leave the data as loaded.
+    split_file: str = spec("")  # task-id file deciding train / held-out instead of the hash
+    max_docs: int = spec(0, lo=0)  # tasks / browsecomp_plus: the noisy variant's document cap; 0 = all
+    reuse_questions: str = spec("")  # JSONL of each named corpus's reuse questions; "" = the task rows'
+    questions_per_domain: int = spec(0, lo=0)  # bright: a seeded sample per domain; 0 = every question
+    sample_seed: int = spec(0, lo=0)  # seed of the max_docs negatives and the BRIGHT question sample
+    tasks_per_batch: int = spec(4, lo=1)
+    shuffle_seed: int = spec(0, lo=0)
+
+    def check(self, key: str) -> None:
+        if self.source == "file":
+            if not self.path:
+                raise config_error(f"{key}.path", "required when data.source='file' (a tasks file or folder)")
+            _existing_path(self.path, f"{key}.path")
+        else:
+            for name in ("num_tasks", "docs_per_task", "min_words", "max_words", "questions_per_task"):
+                _check_value(int, getattr(self, name), f"{key}.{name}", {"lo": 1})
+            if self.max_words < self.min_words:
+                raise config_error(f"{key}.max_words", f"must be >= data.min_words ({self.min_words}), "
+                                   f"got {self.max_words}")
+            _check_value(int, self.reuse_questions_per_task, f"{key}.reuse_questions_per_task", {"lo": 0})
+        # the split and reuse files are read here (ids missing from the data are caught when the tasks
+        # load, still before any model)
+        for name, read in (("split_file", data_lib.read_task_ids),
+                           ("reuse_questions", data_lib.load_reuse_questions)):
+            p = getattr(self, name)
+            if not p:
+                continue
+            if not os.path.isfile(p):
+                raise config_error(f"{key}.{name}", f"{p!r} is not a file")
+            try:
+                read(p)
+            except data_lib.DataError as e:
+                raise config_error(f"{key}.{name}", str(e)) from None
+        for name in ("max_docs", "questions_per_domain"):
+            if getattr(self, name) and self.source != "file":
+                raise config_error(f"{key}.{name}", f"applies to data.source='file' (BrowseComp-Plus / "
+                                   f"BRIGHT), not {self.source!r}; 0 = off")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTDataSection(DataSection):
+    """SFT's data: the GRPO data keys (the world the demonstrations come from) plus packing; `path` is a
+    JSONL conversations file ("" = the embedded demonstrations, synthetic world only)."""
+
+    packing: str = spec("none", choices=PACKING)  # "none": one conversation per row; "concat": several
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.path and not os.path.isfile(self.path):
+            raise config_error(f"{key}.path", f"{self.path} is not a file")
+        if not self.path and self.source != "synthetic":
+            raise config_error(f"{key}.path", "a JSONL conversations file is needed unless "
+                               "config.data.source is 'synthetic' (the embedded demonstrations)")
+
+
+# ------------------------------------------------------------------------------------------- rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection(Section):
+    """The engine sizes main reads itself, and every other key: `rollout.RolloutConfig` (its own schema)."""
+
+    group_size: int = spec(4, lo=1)
+    policy_slots: int = spec(16, lo=1)  # builder engine slots
+    frozen_slots: int = spec(16, lo=1)  # answerer/executor engine slots
+    max_seq_len: int = spec(4096, lo=16)  # tokens one session may hold
+    round_steps: int = spec(32, lo=1)  # decode steps per engine.step()
+    config: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+
+    @classmethod
+    def parse(cls, mapping: Any, key: str = "rollout") -> RolloutSection:
+        d = _as_dict(mapping, key)
+        hints = typing.get_type_hints(cls)
+        kwargs = {f.name: _check_value(hints[f.name], d.pop(f.name), key_of(key, f.name), f.metadata)
+                  for f in dataclasses.fields(cls) if f.name in ROLLOUT_ENGINE_KEYS and f.name in d}
+        try:
+            rollout = RolloutConfig.from_dict(d)
+        except KeyError as e:
+            raise config_error(key, str(e.args[0]) if e.args else str(e)) from None
+        except (TypeError, ValueError) as e:
+            raise config_error(key, str(e)) from None
+        if rollout.answerer.kind not in ANSWERER_KINDS:
+            raise config_error(f"{key}.answerer.kind", f"must be one of {sorted(ANSWERER_KINDS)}, "
+                               f"got {rollout.answerer.kind!r}")
+        return cls(**kwargs, config=rollout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in ROLLOUT_ENGINE_KEYS}, **self.config.to_dict()}
+
+
+# ------------------------------------------------------------------------------------------- train
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection(Section):
+    """The keys GRPO's and SFT's `train` sections share: the schedule, AdamW and the memory knobs."""
+
+    num_steps: int = spec(15, lo=0)
+    learning_rate: float = spec(2e-4, lo=0.0, lo_open=True)
+    warmup_steps: int = spec(0, lo=0)
+    decay: str = spec("cosine", choices=train_step.DECAYS)
+    end_lr_ratio: float = spec(0.1, lo=0.0, hi=1.0)
+    weight_decay: float = spec(0.0, lo=0.0)
+    grad_clip: float = spec(1.0, lo=0.0)
+    micro_batches: int = spec(1, lo=1)
+    remat: str | bool = spec("none", choices=train_step.REMAT_MODES)  # "full": whole forward, "layer": each
+    logits_chunk: int = spec(1024, lo=0)  # logits of this many positions at a time; 0 = all at once
+    max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
+
+    def optim_config(self) -> train_step.OptimConfig:
+        return train_step.OptimConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
+                                      decay=self.decay, total_steps=max(self.num_steps, 1),
+                                      end_lr_ratio=self.end_lr_ratio, weight_decay=self.weight_decay,
+                                      grad_clip=self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(OptimSection):
+    """GRPO's `train`: the optimizer, the loss (`rl.losses`), advantages (`rl.advantages`) and rows."""
+
+    moe_aux_loss_coef: float = spec(0.0, lo=0.0)  # MoE models: weight of the router's load-balancing loss
+    loss: str = spec("ppo", choices=tuple(losses.LOSSES))
+    eps_low: float = spec(0.2, lo=0.0, hi=1.0, lo_open=True)
+    eps_high: float = spec(0.28, lo=0.0, lo_open=True)
+    dual_clip: float = spec(3.0, lo=0.0)  # 0 = off, else > 1
+    tis_cap: float = spec(2.0, lo=0.0)
+    kl_beta: float = spec(0.0, lo=0.0)
+    aggregation: str = spec("token_mean", choices=losses.AGGREGATIONS)
+    old_logprobs: str = spec("trainer", choices=train_step.OLD_LOGPROBS)
+    advantage: str = spec("paper", choices=tuple(advantages.ADVANTAGES))
+    step_weight: float = spec(0.0, lo=0.0)  # per-step (reward-to-go) advantage weight; 0 = off
+    step_gamma: float = spec(1.0, lo=0.0, hi=1.0)
+
+    def check(self, key: str) -> None:
+        if 0 < self.dual_clip <= 1:
+            raise config_error(f"{key}.dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+
+    def trainer_config(self, temperature: float) -> train_step.TrainConfig:
+        """`rl.TrainConfig` for this section; `temperature` is the builder's sampling temperature."""
+        return train_step.TrainConfig(
+            loss=losses.LossConfig(name=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,
+                                   dual_clip=self.dual_clip, tis_cap=self.tis_cap, kl_beta=self.kl_beta,
+                                   temperature=temperature, aggregation=self.aggregation),
+            optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs=self.old_logprobs,
+            remat=self.remat, logits_chunk=self.logits_chunk, moe_aux_loss_coef=self.moe_aux_loss_coef)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTTrainSection(OptimSection):
+    """SFT's `train`: the optimizer keys, rows per batch and the log interval (the loss is `nll`)."""
+
+    num_steps: int = spec(200, lo=1)
+    batch_rows: int = spec(8, lo=1)
+    log_every: int = spec(10, lo=1)
+
+    def trainer_config(self) -> train_step.TrainConfig:
+        return train_step.TrainConfig(
+            loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
+            optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs="trainer",
+            remat=self.remat, logits_chunk=self.logits_chunk)
+
+
+# ------------------------------------------------------------------------------------------- the rest
+
+
+def parse_methods(text: str, key: str) -> list[str]:
+    """A comma-separated method list (`EVAL_METHODS` or `run:/workdir`); raises ConfigError naming `key`."""
+    methods = [x.strip() for x in str(text).split(",") if x.strip()]
+    for m in methods:
+        if m not in EVAL_METHODS and not m.startswith("run:"):
+            raise config_error(key, f"unknown method {m!r}; known: {list(EVAL_METHODS)} or run:/workdir")
+    return methods
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection(Section):
+    """GRPO's periodic and final held-out evaluation."""
+
+    every: int = spec(5, lo=0)  # evaluate on held-out tasks every N steps (0 = never)
+    num_tasks: int = spec(6, lo=1)
+    repeats: int = spec(1, lo=1)
+    # after the last step: configs/eval.py on the run's held-out split with these methods ("" = none), a
+    # greedy builder, and with final_samples > 0 also the builder sampling at its training temperature
+    final_methods: str = spec("trained,base,raw")
+    final_samples: int = spec(2, lo=0)
+
+    def check(self, key: str) -> None:
+        parse_methods(self.final_methods, f"{key}.final_methods")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection(Section):
+    """Supervised fine-tuning on the embedded world's demonstrations before GRPO (`configs/sft.py`)."""
+
+    enabled: bool = spec(True)
+    sft_preset: str = spec("embedded")  # a configs/sft.py preset (checked by config_validation)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSection(Section):
+    """One frozen role's model: init "policy" (the builder's initial weights, frozen) | "hf" | "orbax" |
+    "random"; path / preset / dtype ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
+    rollout.max_seq_len); mesh ("" = the run's, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the Qwen3.5
+    template's switch). Defaults are filled and the values checked by `config_validation.resolve_roles`."""
+
+    init: str = spec("policy")
+    path: str = spec("")
+    preset: str = spec("")
+    dtype: str = spec("")
+    slots: int = spec(0)
+    max_seq_len: int = spec(0)
+    mesh: str = spec("")
+    thinking: bool = spec(False)
+
+
+# One model per frozen role (`agents.runtime.FROZEN_ROLES`); roles naming the same weights share one engine
+# and one copy of them.
+RolesSection = dataclasses.make_dataclass(
+    "RolesSection", [(role, RoleSection, _section(RoleSection)) for role in FROZEN_ROLES], bases=(Section,),
+    frozen=True)
+
+
+def validate_mesh(shape: Mapping[str, int], num_devices: int | None,
+                  key: str = "mesh.shape") -> dict[str, int]:
+    """The resolved mesh shape for `num_devices` devices (a shape without -1 may use fewer devices); with
+    `num_devices=None` only the axis names and sizes are checked (and `shape` comes back)."""
+    shape = dict(shape)
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise config_error(key, f"unknown axis names {unknown}; allowed: {list(MESH_AXES)}")
+    for k, v in shape.items():
+        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+            raise config_error(f"{key}.{k}", f"must be a positive integer or -1, got {v!r}")
+    if num_devices is None:
+        return shape
+    if -1 not in shape.values():
+        used = 1
+        for v in shape.values():
+            used *= v
+        if used > num_devices:
+            raise config_error(key, f"{shape} needs {used} devices, only {num_devices} present")
+        num_devices = used
+    try:
+        return resolve_mesh_shape(shape, num_devices)
+    except ValueError as e:
+        raise config_error(key, str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(Section):
+    shape: dict[str, int] = spec(factory=lambda: {"data": 1, "fsdp": 1, "tensor": 1})  # -1: the rest
+
+    def check(self, key: str) -> None:
+        validate_mesh(self.shape, None, f"{key}.shape")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection(Section):
+    every: int = spec(1, lo=1)  # save every N steps (and at the end)
+    keep: int = spec(2, lo=1)
+    async_save: bool = spec(True)
+    resume: bool = spec(True)  # restore the newest good checkpoint in workdir/checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class DemosSection(Section):
+    num_tasks: int = spec(256, lo=1)  # worlds to demonstrate on (seeded apart from the run's tasks)
+    per_task: int = spec(1, lo=1)  # demonstrations per world
+    calls_per_turn: int = spec(2, lo=1)  # tool calls per scripted reply
+    mix: dict[str, float] = spec(factory=lambda: dict(DEMO_MIX))  # share of each data.demos.STYLES style
+
+    def check(self, key: str) -> None:
+        for style, share in self.mix.items():
+            if style not in DEMO_STYLES:
+                raise config_error(f"{key}.mix", f"unknown style {style!r}; known: {list(DEMO_STYLES)}")
+            _check_value(float, share, f"{key}.mix.{style}", {"lo": 0.0})
+
+
+# ------------------------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(Section):
+    """`configs/grpo.py`: GRPO training of the builder (`main` with command "train")."""
+
+    COMMAND: ClassVar[str] = "train"
+    command: str = spec("train", choices=("train",))
+    preset: str = spec("embedded")
+    workdir: str = spec("/tmp/librarian_jax/grpo", nonempty=True)
+    seed: int = spec(0, lo=0)
+    builder_thinking: bool = spec(True)  # Qwen3.5 template's thinking switch for the builder
+    model: ModelSection = _section(ModelSection)
+    data: DataSection = _section(DataSection)
+    rollout: RolloutSection = _section(RolloutSection)
+    train: TrainSection = _section(TrainSection)
+    eval: EvalSection = _section(EvalSection)
+    warm_start: WarmStartSection = _section(WarmStartSection)
+    roles: RolesSection = _section(RolesSection)
+    mesh: MeshSection = _section(MeshSection)
+    checkpoint: CheckpointSection = _section(CheckpointSection)
+
+    def check(self, key: str) -> None:
+        if self.warm_start.enabled and self.data.source != "synthetic":
+            raise config_error("warm_start.enabled", "the warm start's demonstrations need the synthetic "
+                               f"world (data.source is {self.data.source!r}); run configs/sft.py on your own "
+                               "conversations and start GRPO from its checkpoint (model.init='orbax')")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(Section):
+    """`configs/sft.py`: supervised warm start; model, data, rollout, roles, mesh and checkpoint as GRPO's."""
+
+    COMMAND: ClassVar[str] = "sft"
+    command: str = spec("sft", choices=("sft",))
+    preset: str = spec("embedded")
+    workdir: str = spec("/tmp/librarian_jax/grpo_sft", nonempty=True)
+    seed: int = spec(0, lo=0)
+    builder_thinking: bool = spec(True)
+    model: ModelSection = _section(ModelSection)
+    data: SFTDataSection = _section(SFTDataSection)
+    rollout: RolloutSection = _section(RolloutSection)
+    train: SFTTrainSection = _section(SFTTrainSection)
+    roles: RolesSection = _section(RolesSection)
+    mesh: MeshSection = _section(MeshSection)
+    checkpoint: CheckpointSection = _section(CheckpointSection)
+    demos: DemosSection = _section(DemosSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSizesSection(Section):
+    """Engine sizes for evaluation; 0 = the run's `rollout` value."""
+
+    policy_slots: int = spec(0, lo=0)
+    frozen_slots: int = spec(0, lo=0)
+    max_seq_len: int = spec(0, lo=0)
+    round_steps: int = spec(0, lo=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalAnswererSection(Section):
+    kind: str = spec("", choices=EVAL_ANSWERER_KINDS)  # "" = the run's
+    temperature: float = spec(-1.0)  # < 0 = the run's
+
+
+@dataclasses.dataclass(frozen=True)
+class BM25Section(Section):
+    top_k: int = spec(3, lo=1)
+    passage_words: int = spec(120, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AblationSection(Section):
+    enabled: bool = spec(True)
+    shuffle_seed: int = spec(0, lo=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BootstrapSection(Section):
+    draws: int = spec(2000, lo=1)
+    seed: int = spec(0, lo=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """`configs/eval.py`: a trained builder against baselines on held-out corpora (docs/eval.md)."""
+
+    COMMAND: ClassVar[str] = "eval"
+    command: str = spec("eval", choices=("eval",))
+    preset: str = spec("embedded")
+    run: str = spec("")  # the training workdir (config.json, split.json, checkpoints/, tokenizer/)
+    step: int = spec(-1, lo=-1)  # checkpoint step; -1 = the newest committed one
+    builder: str = spec("")  # the "trained" method's weights: "" = the run's checkpoint, or "hf:/path"
+    train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
+    methods: str = spec("trained,base,raw,bm25")  # comma-separated EVAL_METHODS and run:/other/workdir
+    name: str = spec("default")  # report folder name under <run>/eval/
+    out: str = spec("")  # report folder; "" = <run>/eval/<name>
+    tasks: str = spec("")  # a task file (data.load_tasks); "" = the run's data, held-out ids from split.json
+    task_ids: str = spec("")  # a file of task ids to evaluate (one per line, or JSON list / {"heldout": []})
+    num_tasks: int = spec(0, lo=0)  # evaluate the first N held-out corpora (0 = all)
+    questions_per_domain: int = spec(0, lo=0)  # a BRIGHT `tasks` folder: N questions per domain (0 = all)
+    sample_seed: int = spec(0, lo=0)  # the seed of that sample (as configs/grpo.py data.sample_seed)
+    seed: int = spec(0, lo=0)
+    samples: int = spec(1, lo=1)  # n samples per question (pass@k); one construction + one answer each
+    pass_k: str = spec("1")  # comma-separated k <= samples
+    builder_temperature: float = spec(0.0, lo=0.0)  # 0 = greedy builder
+    answerer: EvalAnswererSection = _section(EvalAnswererSection)
+    bm25: BM25Section = _section(BM25Section)
+    ablation: AblationSection = _section(AblationSection)
+    bootstrap: BootstrapSection = _section(BootstrapSection)
+    cost_qs: str = spec("1,10,20,50")
+    batch_tasks: int = spec(8, lo=1)  # corpora per scheduler batch (one progress-bar tick)
+    export_workspaces: bool = spec(True)
+    engine: EngineSizesSection = _section(EngineSizesSection)
+    mesh: MeshSection = _section(MeshSection)
+
+    def check(self, key: str) -> None:
+        if not parse_methods(self.methods, "methods"):
+            raise config_error("methods", "lists no method")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildDataSection(Section):
+    path: str = spec("")  # the folder of documents
+    extensions: str = spec(".txt,.md")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig(Section):
+    """`configs/build.py`: one workspace over a user's folder with a trained builder, exported."""
+
+    COMMAND: ClassVar[str] = "build"
+    command: str = spec("build", choices=("build",))
+    run: str = spec("")  # the training workdir whose builder to use
+    step: int = spec(-1, lo=-1)  # -1 = newest committed checkpoint
+    builder: str = spec("")  # "" = the run's checkpoint; "hf:/path" for a Hugging Face model
+    train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
+    out: str = spec("")  # the export directory (must not hold a previous export's files)
+    seed: int = spec(0, lo=0)
+    builder_temperature: float = spec(0.0, lo=0.0)
+    data: BuildDataSection = _section(BuildDataSection)
+    engine: EngineSizesSection = _section(EngineSizesSection)
+    mesh: MeshSection = _section(MeshSection)
+
+
+# config.command -> its schema (main dispatches on the same names)
+SCHEMAS: dict[str, type[Section]] = {s.COMMAND: s for s in (GRPOConfig, SFTConfig, EvalConfig, BuildConfig)}
+
+
+def schema_for(config: Any) -> type[Section]:
+    """The schema of a config by its `command` (a config without one is GRPO's)."""
+    command = config.get("command", "train") if hasattr(config, "get") else "train"
+    if command not in SCHEMAS:
+        raise config_error("command", f"must be one of {sorted(SCHEMAS)}, got {command!r}")
+    return SCHEMAS[command]
