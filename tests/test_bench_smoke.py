@@ -1,0 +1,98 @@
+"""Every `librarian_jax.bench` module runs end to end with flag values small enough for seconds, so a bench
+never rots unseen. The figures are not checked; that each bench's `main` returns and prints its table is
+(and, where a bench checks itself, e.g. `bench.sessions` comparing its two modes' tokens, that check).
+
+One subprocess runs them all, one after another, as `python -m librarian_jax.bench.X --flags` would (each
+module's absl flags parsed from its smoke flags, then its `main`): JAX is imported once, and XLA compiles
+with its cheap CPU settings (the smoke run measures nothing). A bench that raises is reported with its
+traceback and the others still run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+from librarian_jax import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# module -> (smoke flags, a string its output must contain)
+SMOKE: dict[str, tuple[list[str], str]] = {
+    "decode": (["--preset=tiny", "--batches=2", "--new_tokens=4", "--prompt_len=4", "--repeats=1",
+                "--compilation_cache_dir=none"],
+               "matmul limit"),
+    "moe": (["--seq_lens=8", "--decode_batches=1", "--decode_steps=2", "--decode_prompt=4", "--repeats=1"],
+            "one MoE block alone"),
+    "prefill": (["--seq_lens=8", "--decode_batches=1", "--decode_steps=2", "--decode_prompt=4",
+                 "--repeats=1"], "one Gated DeltaNet layer alone"),
+    "rollout": (["--preset=tiny", "--num_tasks=1", "--group_size=2", "--max_turns=1",
+                 "--builder_new_tokens=4", "--answerer_turns=1", "--answerer_new_tokens=4", "--questions=1",
+                 "--repeats=1", "--policy_slots=2", "--frozen_slots=4", "--round_steps=4",
+                 "--compilation_cache_dir=none"],
+                "episodes 2, answerer runs"),
+    "sessions": (["--preset=tiny", "--sessions=2", "--turns=2", "--prompt_len=8", "--min_new=2",
+                  "--max_new=4", "--min_obs=2", "--max_obs=4", "--round_steps=4"],
+                 "identical token records in both modes: True"),
+    "train_step": (["--presets=tiny", "--modes=full", "--vocab=256", "--rows=2", "--seq=16", "--repeats=1",
+                    "--remat=none", "--logits_chunk=8"], "tiny full"),
+    "workspace": (["--docs=8", "--synthetic=4", "--ops=10"], "ops/s"),
+}
+HELPERS = {"cached_lm", "common"}  # library code of the benches, not commands
+
+RUNNER = r"""
+import contextlib, importlib, io, json, sys, traceback
+from absl import flags
+
+FLAGS = flags.FLAGS
+for name, args in json.loads(sys.argv[1]):
+    # the flags of the bench before this one go, so this module can define its own (several share names)
+    for f in list(FLAGS):
+        if FLAGS.find_module_defining_flag(f, "").startswith("librarian_jax.bench."):
+            delattr(FLAGS, f)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            module = importlib.import_module("librarian_jax.bench." + name)
+            FLAGS.unparse_flags()
+            FLAGS(["librarian_jax.bench." + name, *args])
+            module.main(["librarian_jax.bench." + name])
+        status = "ok"
+    except BaseException:
+        status = "failed\n" + traceback.format_exc()
+    print(json.dumps({"bench": name, "status": status, "stdout": out.getvalue()}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def smoke_runs() -> dict[str, dict]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           # one device, and XLA's fastest compile on CPU: the smoke run times nothing
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    arg = json.dumps([[name, args] for name, (args, _) in sorted(SMOKE.items())])
+    proc = subprocess.run([sys.executable, "-c", RUNNER, arg], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=900)
+    runs = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith('{"bench"'):
+            rec = json.loads(line)
+            runs[rec["bench"]] = {**rec, "log": proc.stderr}  # absl logging goes to stderr
+    assert runs, f"the bench runner printed nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return runs
+
+
+def test_every_bench_module_has_a_smoke_run():
+    modules = {m.name for m in pkgutil.iter_modules(bench.__path__)}
+    assert modules - HELPERS == set(SMOKE), "add the new bench module to SMOKE with seconds-long flags"
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_bench_runs(smoke_runs, name):
+    rec = smoke_runs.get(name)
+    assert rec is not None, f"bench {name} did not report (an earlier bench killed the runner?)"
+    assert rec["status"] == "ok", rec["status"]
+    assert SMOKE[name][1] in rec["stdout"] + rec["log"], rec["stdout"][-3000:]
