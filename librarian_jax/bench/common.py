@@ -19,6 +19,15 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+def first_and_best(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(wall time of the first call, which compiles or reads the persistent compilation cache; best wall time
+    of `repeats` further calls, the steady state)."""
+    t = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t
+    return first, best_time(fn, repeats)[0] if repeats > 0 else first
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages, e.g. "1.43 1.81 2.44" (figures on a shared machine need them)."""
     one, five, fifteen = os.getloadavg()
