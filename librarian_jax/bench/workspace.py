@@ -4,11 +4,12 @@
 
 Prints one line per measurement (create / merge / delete / list / read / a realistic mix / snapshot copy /
 snapshot + one write at the given size and 4x larger / to_json / from_json / readme / source_excerpts), each
-as operations per second and microseconds per operation. Host-only: no jax, no model.
+as operations per second and microseconds per operation, in this process's CPU time (`time.process_time`:
+the figures hold on a loaded machine). Host-only: no jax, no model.
 
 "probe snap + create (N=...)" is what a rollout does at every probe: snapshot the workspace (the
-probe reads the snapshot) and go on writing to the workspace. Snapshots share the path index (a persistent
-map, `workspace/pmap.py`), so its cost should not grow with N.
+probe reads the snapshot) and go on writing to the workspace. Snapshots share the path index (persistent
+maps, `immutables.Map`), so its cost should not grow with N.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def build(docs: list[Document], n_syn: int, rng: random.Random) -> Workspace:
 
 
 def timed(name: str, n: int, fn: Callable[[int], object]) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for i in range(n):
         fn(i)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     print(f"{name:<34} {n / dt:>12,.0f} ops/s {1e6 * dt / n:>10,.1f} us/op   (n={n})")
     return n / dt
 

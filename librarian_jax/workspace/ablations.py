@@ -18,9 +18,11 @@ class Ablations(WorkspaceState):
         """Hierarchy ablation: every active synthetic node at the root as a plain file with the same title,
         sources and text (a directory becomes the file `merge_NNNN__<slug>.txt` holding its summary)."""
         ws = self.copy()
+        nodes = ws._nodes.mutate()
         for nid, n in self._node_items():
             if n.active:
-                ws._nodes[nid] = dataclasses.replace(n, parent=None, kind=FILE)
+                nodes[nid] = dataclasses.replace(n, parent=None, kind=FILE)
+        ws._nodes = nodes.finish()
         ws._changed()
         return ws
 
@@ -32,7 +34,9 @@ class Ablations(WorkspaceState):
         files = [n for _, n in self._node_items() if n.active and n.kind == FILE]
         slots = [n.parent for n in files]
         random.Random(seed).shuffle(slots)
+        nodes = ws._nodes.mutate()
         for n, slot in zip(files, slots, strict=True):
-            ws._nodes[n.node_id] = dataclasses.replace(n, parent=slot)
+            nodes[n.node_id] = dataclasses.replace(n, parent=slot)
+        ws._nodes = nodes.finish()
         ws._changed()
         return ws

@@ -225,11 +225,14 @@ class BuilderActions(Resolving):
             nid, DIRECTORY, d["title"], P.slugify(d["title"]), body, d["parent"], (), d["children"], d["turn"]
         )
         idx = self._index
-        moved = idx.detach(self._nodes, d["children"])
-        self._add_node(node)
-        for c in d["children"]:
-            self._nodes[c] = dataclasses.replace(self._nodes[c], parent=nid)
-        idx.on_merge(self._nodes, nid, moved)
+        with idx.editing():
+            moved = idx.detach(self._nodes, d["children"])
+            self._add_node(node)
+            nodes = self._nodes.mutate()
+            for c in d["children"]:
+                nodes[c] = dataclasses.replace(nodes[c], parent=nid)
+            self._nodes = nodes.finish()
+            idx.on_merge(self._nodes, nid, moved)
         path = idx.dir_path[nid]
         return ActionResult.success(
             f"created directory {path}/ with {len(d['children'])} children and "
@@ -311,13 +314,16 @@ class BuilderActions(Resolving):
         why = R.one_line(reason)[:MAX_REASON_CHARS].rstrip()
         idx = self._index
         old_paths = [idx.dir_path[t] for t in targets]
-        for t in targets:
-            node = self._nodes[t]
-            moved = idx.detach(self._nodes, [t])
-            for cid in idx.children.get(t, ()):
-                self._nodes[cid] = dataclasses.replace(self._nodes[cid], parent=node.parent)
-            self._nodes[t] = dataclasses.replace(node, active=False, deleted_turn=turn_v, delete_reason=why)
-            idx.on_delete(self._nodes, t, moved)
+        with idx.editing():
+            for t in targets:
+                node = self._nodes[t]
+                moved = idx.detach(self._nodes, [t])
+                nodes = self._nodes.mutate()
+                for cid in idx.children.get(t, ()):
+                    nodes[cid] = dataclasses.replace(nodes[cid], parent=node.parent)
+                nodes[t] = dataclasses.replace(node, active=False, deleted_turn=turn_v, delete_reason=why)
+                self._nodes = nodes.finish()
+                idx.on_delete(self._nodes, t, moved)
         new_paths = [idx.file_path(self._nodes[t]) for t in targets]
         return ActionResult.success(
             f"deleted {', '.join(old_paths)}; readable under {HISTORY_DIR}/",

@@ -5,18 +5,22 @@ lookup of `paths.NameIndex`.
 Two layers. `RawLayer` covers the part that never changes (root, README, `raw_docs/`, the raw documents): it
 is built once and shared by every copy and snapshot. `Index` covers the synthetic nodes. It is built once
 from the node table (`Index.build`), then kept up to date by each action (`add_file`, `detach` + `on_merge`,
-`detach` + `on_delete`), touching only the paths that change. Its tables are persistent maps (`pmap.PMap`),
-so `Index.copy()` (taken with every workspace snapshot) is O(1) and a write on either side afterwards copies
-only the trie nodes on the changed paths, never the whole index. A directory's children are a persistent map
-too (child id -> None), nested in `children`: `_kids` hands out one this index may change, adopting a shared
-one under the index's current edit token (which changes at every copy).
+`detach` + `on_delete`), touching only the paths that change. Its tables are persistent maps
+(`immutables.Map`, a hash array mapped trie), so `Index.copy()` (taken with every workspace snapshot) shares
+them in O(1) and a write on either side afterwards copies only the trie nodes on the changed paths, never the
+whole index. Each change runs as one batch (`editing()`: the tables are `MapMutation`s for its duration, so a
+node it copies once it then changes in place). A directory's children are a persistent map too (child id ->
+None), nested in `children`, so moving one child of a 2,000-child directory copies a path, not the list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import immutables
 
 from librarian_jax.workspace import paths as P
 from librarian_jax.workspace.nodes import (
@@ -29,7 +33,6 @@ from librarian_jax.workspace.nodes import (
     SyntheticNode,
     norm_title,
 )
-from librarian_jax.workspace.pmap import PMap
 
 # Kinds of index entries.
 E_ROOT, E_README, E_RAW_DIR, E_RAW, E_HISTORY_DIR, E_FILE, E_DIR, E_SUMMARY = (
@@ -76,33 +79,48 @@ class Index:
     module docstring). `nodes` arguments are the workspace's node table after (or, for `detach`, before)
     the change being recorded."""
 
-    __slots__ = ("raw", "entries", "dir_path", "children", "titles", "has_history", "names", "_edit")
+    __slots__ = ("raw", "entries", "dir_path", "children", "titles", "has_history", "names")
+    TABLES = ("entries", "dir_path", "children", "titles")
 
     def __init__(self, raw: RawLayer):
         """An empty index (no synthetic nodes); use `build` for a populated one."""
         self.raw = raw
-        self.entries: PMap[str, Entry] = PMap()
-        self.dir_path: PMap[str, str] = PMap()  # node id -> directory path (directories) or file path
+        self.entries: immutables.Map[str, Entry] = immutables.Map()
+        self.dir_path: immutables.Map[str, str] = immutables.Map()  # node id -> dir path (dirs) or file path
         # parent node id (None: the root) -> its active children (a set: child id -> None)
-        self.children: PMap[str | None, PMap[str, None]] = PMap()
-        self.titles: PMap[str, str] = PMap()  # normalised title of an active node -> node id
+        self.children: immutables.Map[str | None, immutables.Map[str, None]] = immutables.Map()
+        self.titles: immutables.Map[str, str] = immutables.Map()  # normalised title of an active node -> id
         self.has_history = False
         self.names = P.NameIndex((), {}, base=raw.names)
-        self._edit = object()  # owns the child maps this index made since its last copy
+
+    def editing(self) -> contextlib.AbstractContextManager[None]:
+        """One batch of changes: every table (the name index's too) is a `MapMutation` inside the block. An
+        action runs all its index changes in one (see `actions.py`); each change method opens one itself
+        when called outside."""
+        return P.editing((self, self.TABLES), (self.names, self.names.TABLES))
 
     @classmethod
     def build(cls, nodes: Mapping[str, SyntheticNode], raw: RawLayer) -> Index:
         """The index of `nodes` (in creation order). Raises RuntimeError on a parent cycle."""
         idx = cls(raw)
+        with idx.editing():
+            idx._build(nodes)
+        return idx
+
+    def _build(self, nodes: Mapping[str, SyntheticNode]) -> None:
+        """Fill this empty index from `nodes`, inside `editing()`."""
+        kids: dict[str | None, dict[str, None]] = {}
         for nid, node in nodes.items():
             if node.active:
-                idx._add_child(node.parent, (nid,))
-                idx.titles[norm_title(node.title)] = nid
+                kids.setdefault(node.parent, {})[nid] = None
+                self.titles[norm_title(node.title)] = nid
             else:
-                idx.has_history = True
-        if idx.has_history:
-            idx.entries[HISTORY_DIR] = Entry(E_HISTORY_DIR)
-            idx.names.add(HISTORY_DIR)
+                self.has_history = True
+        for parent, mine in kids.items():
+            self.children[parent] = immutables.Map(mine)
+        if self.has_history:
+            self.entries[HISTORY_DIR] = Entry(E_HISTORY_DIR)
+            self.names.add(HISTORY_DIR)
         dir_path: dict[str, str] = {}
 
         def path_of(nid: str, depth: int = 0) -> str:
@@ -123,25 +141,22 @@ class Index:
         for nid in nodes:
             path_of(nid)
         for nid, node in nodes.items():
-            idx._put(node, dir_path[nid])
-        return idx
+            self._put(node, dir_path[nid])
 
     def copy(self) -> Index:
-        """An independent index in O(1): every table is shared until either side changes it."""
+        """An independent index in O(1): the tables are immutable, so both share them until either changes."""
         out = Index.__new__(Index)
         out.raw = self.raw
-        out.entries = self.entries.copy()
-        out.dir_path = self.dir_path.copy()
-        out.children = self.children.copy()
-        out.titles = self.titles.copy()
+        out.entries = self.entries
+        out.dir_path = self.dir_path
+        out.children = self.children
+        out.titles = self.titles
         out.has_history = self.has_history
         out.names = self.names.copy()
-        out._edit = object()
-        self._edit = object()  # the child maps both now share are neither's to change in place
         return out
 
-    def tables(self) -> tuple[PMap[Any, Any], ...]:
-        """Every persistent table of this index (for measuring what a snapshot shares)."""
+    def tables(self) -> tuple[immutables.Map[Any, Any], ...]:
+        """Every persistent table of this index (for measuring what copying them would cost)."""
         n = self.names
         return (
             self.entries,
@@ -156,23 +171,17 @@ class Index:
         )
 
     # ------------------------------------------------------------------------------------------ changes
-    def _kids(self, parent: str | None) -> PMap[str, None]:
-        """The children of `parent` as a map this index may change in place."""
-        kids = self.children.get(parent)
-        if kids is None or kids._owner is not self._edit:
-            kids = self.children[parent] = (kids or PMap()).adopted(self._edit)
-        return kids
-
+    # The public changes each run as one `editing()` batch; the private helpers run inside one.
     def _add_child(self, parent: str | None, kids: Iterable[str]) -> None:
-        mine = self._kids(parent)
-        for k in kids:
-            mine[k] = None
+        mine = self.children.get(parent)
+        self.children[parent] = (immutables.Map() if mine is None else mine).update(dict.fromkeys(kids))
 
     def add_file(self, node: SyntheticNode) -> None:
         """Record a newly created active file (nothing else moves on a create)."""
-        self._add_child(node.parent, (node.node_id,))
-        self.titles[norm_title(node.title)] = node.node_id
-        self._put(node)
+        with self.editing():
+            self._add_child(node.parent, (node.node_id,))
+            self.titles[norm_title(node.title)] = node.node_id
+            self._put(node)
 
     def _put(self, node: SyntheticNode, path: str | None = None) -> None:
         """Enter one node's path(s), computed from its parent's current path unless given."""
@@ -211,35 +220,39 @@ class Index:
             order.append(nid)
             if nodes[nid].kind == DIRECTORY:
                 stack.extend(self.children.get(nid, ()))
-        for nid in order:
-            self._drop(nid)
-        for r in roots:
-            del self._kids(nodes[r].parent)[r]
+        with self.editing():
+            for nid in order:
+                self._drop(nid)
+            for r in roots:
+                parent = nodes[r].parent
+                self.children[parent] = self.children[parent].delete(r)
         return order
 
     def on_merge(self, nodes: Mapping[str, SyntheticNode], new_id: str, moved: list[str]) -> None:
         """After a merge made `new_id` (children already re-parented in `nodes`)."""
         node = nodes[new_id]
-        self._add_child(node.parent, (new_id,))
-        self._add_child(new_id, node.synthetic_sources)
-        self.titles[norm_title(node.title)] = new_id
-        self._put(node)
-        for nid in moved:
-            self._put(nodes[nid])
+        with self.editing():
+            self._add_child(node.parent, (new_id,))
+            self._add_child(new_id, node.synthetic_sources)
+            self.titles[norm_title(node.title)] = new_id
+            self._put(node)
+            for nid in moved:
+                self._put(nodes[nid])
 
     def on_delete(self, nodes: Mapping[str, SyntheticNode], gone: str, moved: list[str]) -> None:
         """After `gone` was deleted (children already re-parented in `nodes`); `moved` is from `detach`."""
         node = nodes[gone]
-        kids = self.children.pop(gone, None)
-        if kids:
-            self._add_child(nodes[next(iter(kids))].parent, kids)
-        self.titles.pop(norm_title(node.title), None)
-        if not self.has_history:
-            self.has_history = True
-            self.entries[HISTORY_DIR] = Entry(E_HISTORY_DIR)
-            self.names.add(HISTORY_DIR)
-        for nid in moved:
-            self._put(nodes[nid])
+        with self.editing():
+            kids = self.children.pop(gone, None)
+            if kids:
+                self._add_child(nodes[next(iter(kids))].parent, kids)
+            self.titles.pop(norm_title(node.title), None)
+            if not self.has_history:
+                self.has_history = True
+                self.entries[HISTORY_DIR] = Entry(E_HISTORY_DIR)
+                self.names.add(HISTORY_DIR)
+            for nid in moved:
+                self._put(nodes[nid])
 
     # ------------------------------------------------------------------------------------------ lookups
     def signature(self) -> tuple[Any, ...]:

@@ -27,13 +27,15 @@ never contain a separator, a dot segment or a control character.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+
+import immutables
 
 from librarian_jax.workspace import render as R
-from librarian_jax.workspace.pmap import PMap
 
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_CHARS = 255
@@ -153,42 +155,72 @@ class Match:
     ambiguous: tuple[str, ...] = ()
 
 
+@contextlib.contextmanager
+def editing(*tables: tuple[object, tuple[str, ...]]) -> Iterator[None]:
+    """A batch of in-place edits to persistent tables: for each `(obj, names)`, within the block the
+    `immutables.Map` attributes `names` of `obj` are `immutables.MapMutation`s (`m[k] = v`, `del m[k]`,
+    `m.pop(k, d)`, `m.get(k)`, `in`, `len`; no iteration), which copy a trie node still shared with a snapshot
+    once and then change it in place; on exit they are `Map`s again (`finish()`). Re-entrant: a block over
+    tables already being edited does nothing."""
+    first, first_names = tables[0]
+    if not isinstance(getattr(first, first_names[0]), immutables.Map):  # already a mutation
+        yield
+        return
+    for obj, names in tables:
+        for name in names:
+            setattr(obj, name, getattr(obj, name).mutate())
+    try:
+        yield
+    finally:
+        for obj, names in tables:
+            for name in names:
+                setattr(obj, name, getattr(obj, name).finish())
+
+
 class NameIndex:
     """Lookup tables over the paths that exist, for `resolve`.
 
     `paths` are normalised names (directories without a trailing slash); `handles` maps short ids (`raw_0001`)
     to a path. An index may sit on a `base` index (the workspace keeps the never-changing raw documents in a
-    base layer shared by every snapshot, and the synthetic nodes in a layer changed in place); lookups see
-    the union of both. The tables are persistent maps, so `copy()` is O(1) and a change after a copy copies
-    only what it touches (see `pmap.py`).
+    base layer shared by every snapshot, and the synthetic nodes in a layer it changes); lookups see the union
+    of both. The tables are persistent maps (`immutables.Map`, a HAMT), so `copy()` is O(1) and a change
+    after a copy copies only the trie nodes it touches. `add` and `remove` run inside `editing()`.
     """
+
+    TABLES = ("_paths", "_lower", "_base", "_handles", "_handle_of")
 
     def __init__(self, paths: Iterable[str], handles: Mapping[str, str], base: NameIndex | None = None):
         self.base = base
-        self._paths: PMap[str, None] = PMap()  # a set
-        self._lower: PMap[str, tuple[str, ...]] = PMap()  # lowercase form -> paths spelled that way
-        self._base: PMap[str, tuple[str, ...]] = PMap()  # lowercase basename (and stem) -> paths
-        self._handles: PMap[str, str] = PMap()
-        self._handle_of: PMap[str, str] = PMap()
-        for p in paths:
-            self.add(p)
-        for k, v in handles.items():
-            self._handles[k.lower()] = v
-            self._handle_of[v] = k.lower()
+        self._paths: immutables.Map[str, None] = immutables.Map()  # a set
+        self._lower: immutables.Map[str, tuple[str, ...]] = immutables.Map()  # lowercase -> paths so spelled
+        # lowercase basename (and stem) -> paths
+        self._base: immutables.Map[str, tuple[str, ...]] = immutables.Map()
+        self._handles: immutables.Map[str, str] = immutables.Map()
+        self._handle_of: immutables.Map[str, str] = immutables.Map()
+        with self.editing():
+            for p in paths:
+                self.add(p)
+            for k, v in handles.items():
+                self._handles[k.lower()] = v
+                self._handle_of[v] = k.lower()
+
+    def editing(self) -> contextlib.AbstractContextManager[None]:
+        """The block in which `add` and `remove` may change the tables (see `editing` above)."""
+        return editing((self, self.TABLES))
 
     def copy(self) -> NameIndex:
-        """An independent index in O(1) (the tables are shared until either side changes them)."""
+        """An independent index in O(1): the tables are immutable, so both share them until either changes."""
         out = NameIndex.__new__(NameIndex)
         out.base = self.base
-        out._paths = self._paths.copy()
-        out._lower = self._lower.copy()
-        out._base = self._base.copy()
-        out._handles = self._handles.copy()
-        out._handle_of = self._handle_of.copy()
+        out._paths = self._paths
+        out._lower = self._lower
+        out._base = self._base
+        out._handles = self._handles
+        out._handle_of = self._handle_of
         return out
 
     def add(self, path: str, handle: str | None = None) -> None:
-        """Add one path (and optionally its short id)."""
+        """Add one path (and optionally its short id). Inside `editing()`."""
         self._paths[path] = None
         low = path.lower()
         self._lower[low] = self._lower.get(low, ()) + (path,)
@@ -199,7 +231,7 @@ class NameIndex:
             self._handle_of[path] = handle.lower()
 
     def remove(self, path: str) -> None:
-        """Forget one path (and the short id pointing at it)."""
+        """Forget one path (and the short id pointing at it). Inside `editing()`."""
         del self._paths[path]
         low = path.lower()
         for table, keys in ((self._lower, (low,)), (self._base, self._base_keys(low))):

@@ -7,13 +7,15 @@ State (all of it immutable or persistent, so a snapshot shares everything):
 
 - `_raw`: the raw documents (a tuple of frozen `RawDoc`), `_raw_by_handle`, and `_raw_layer_cache` (their
   part of the path index): never change, shared by every copy.
-- `_nodes`: node id -> `SyntheticNode` (frozen; a change replaces the record), a `pmap.PMap`.
-- `_order`: node ids in creation order (a `pmap.Log`): the order of `nodes`, `to_json`, the manifest.
+- `_nodes`: node id -> `SyntheticNode` (frozen; a change replaces the record), an `immutables.Map`.
+- `_order`: creation number (0, 1, ...) -> node id, an `immutables.Map` used as a persistent vector: the
+  order of `nodes`, `to_json`, the manifest (an append is one `set`; ids are never removed).
 - `_next`: the next number per node kind (ids never repeat).
 - `_index_cache`: the synthetic part of the path index (`index.Index`), built on first use and then kept up
   to date by every action.
 
-`copy()` is O(1) in the number of files, and so is the first write after it: see `pmap.py`.
+`copy()` is O(1) in the number of files, and so is the first write after it: the maps are hash array mapped
+tries (MagicStack's `immutables`), so a write copies only the O(log n) trie nodes on its key's path.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Self
 
+import immutables
+
 from librarian_jax.data.schema import Document, content_hash
 from librarian_jax.workspace import paths as P
 from librarian_jax.workspace import render as R
 from librarian_jax.workspace.arguments import check_document
 from librarian_jax.workspace.index import Index, RawLayer
 from librarian_jax.workspace.nodes import DIRECTORY, FILE, RawDoc, SyntheticNode
-from librarian_jax.workspace.pmap import Log, PMap
 
 
 class WorkspaceState:
@@ -41,8 +44,8 @@ class WorkspaceState:
     ):
         self._raw: tuple[RawDoc, ...] = tuple(raw)
         self._raw_by_handle: dict[str, RawDoc] = {d.handle: d for d in self._raw}
-        self._nodes: PMap[str, SyntheticNode] = PMap(nodes or {})
-        self._order: Log[str] = Log(nodes or {})
+        self._nodes: immutables.Map[str, SyntheticNode] = immutables.Map(nodes or {})
+        self._order: immutables.Map[int, str] = immutables.Map(enumerate(nodes or {}))
         self._next = dict(next_ids or {FILE: 1, DIRECTORY: 1})
         self._index_cache: Index | None = None
         self._raw_layer_cache: RawLayer | None = None
@@ -101,13 +104,13 @@ class WorkspaceState:
     # ----------------------------------------------------------------------------------------- the nodes
     def _node_items(self) -> Iterator[tuple[str, SyntheticNode]]:
         """(node id, node) in creation order."""
-        nodes = dict(self._nodes.items())  # one pass over the trie, then C-speed lookups
-        for nid in self._order:
+        nodes = self._nodes
+        for nid in map(self._order.__getitem__, range(len(self._order))):
             yield nid, nodes[nid]
 
     def _add_node(self, node: SyntheticNode) -> None:
-        self._nodes[node.node_id] = node
-        self._order = self._order.append(node.node_id)
+        self._nodes = self._nodes.set(node.node_id, node)
+        self._order = self._order.set(len(self._order), node.node_id)
 
     def _new_id(self, kind: str) -> str:
         n = self._next[kind]
@@ -159,14 +162,14 @@ class WorkspaceState:
         ws = type(self).__new__(type(self))
         ws._raw = self._raw
         ws._raw_by_handle = self._raw_by_handle
-        ws._nodes = self._nodes.copy()
+        ws._nodes = self._nodes
         ws._order = self._order
         ws._next = dict(self._next)
         ws._raw_layer_cache = self._raw_layer_cache
         ws._index_cache = None if self._index_cache is None else self._index_cache.copy()
         return ws
 
-    def _tables(self) -> tuple[PMap[Any, Any], ...]:
+    def _tables(self) -> tuple[immutables.Map[Any, Any], ...]:
         """The persistent tables of this state: node table, then the index's (for measuring sharing)."""
         return (self._nodes, *self._index.tables())
 

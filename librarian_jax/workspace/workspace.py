@@ -68,7 +68,6 @@ Where each concern lives (this module only puts them together behind one class, 
 | `nodes.py` | layout names, limits, the records `RawDoc` and `SyntheticNode` |
 | `arguments.py` | model-written arguments made safe (integers as text, path lists, content), corpus checks |
 | `paths.py` | path normalisation (what may not escape) and forgiving name lookup (`NameIndex`) |
-| `pmap.py` | the persistent map that lets snapshots share the index (`PMap`, `Log`) |
 | `index.py` | the path index: what each path names, node paths, children, titles; updated per action |
 | `state.py` | the state, `from_documents`, `copy()` (a snapshot, O(1)), equality, `path_of` |
 | `resolve.py` | a model's path / source / child / parent argument to an index entry, or an error |
@@ -82,8 +81,9 @@ Where each concern lives (this module only puts them together behind one class, 
 | `render.py`, `results.py` | text helpers and header parsing; `ActionResult` and the error codes |
 
 A snapshot (`copy()`, taken for every probe) shares the node table and the path index with the workspace it
-came from; a write to either afterwards copies only the trie nodes it touches (`pmap.py`), so a snapshot and
-one write cost O(log files), not a rebuild of the index.
+came from (all its tables are `immutables.Map`s, C hash array mapped tries); a write to either afterwards
+copies only the trie nodes it touches, so a snapshot and one write cost O(log files), not a rebuild of the
+index.
 """
 
 from __future__ import annotations
