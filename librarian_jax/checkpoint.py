@@ -5,13 +5,20 @@ Layout (orbax-checkpoint 0.12.8 `CheckpointManager`, one `Composite` per step):
 
     <directory>/<step>/params      StandardSave of the trainable params (a pure dict of arrays)
     <directory>/<step>/opt_state   StandardSave of the optax state
-    <directory>/<step>/meta        JsonSave: {"step", "rng" (raw key data), "data" (grain iterator state)}
+    <directory>/<step>/meta        JsonSave: {"step", "rng" (raw key data), "data" (grain iterator state),
+                                   "data_by_process" (multi-process runs: every process's iterator state)}
     <directory>/<step>/commit_success.txt   orbax's commit marker, written when the step is finalized
 
 A step directory without the commit marker (a save that died half-way), or an orbax tmp directory
 (`<step>.orbax-checkpoint-tmp-*`), is skipped with a warning and moved under `<directory>/_incomplete/`
 (so a later save of the same step does not collide with it); restore then falls back to the newest good step.
 A step that is marked committed but still fails to restore is treated the same way.
+
+Multi-process runs: every process constructs the Checkpointer and calls `save`/`restore` for every step (each
+writes its own shards of the global arrays; process 0 writes `meta` and, after Orbax's barrier confirms every
+process finished, the commit marker). So a committed step is one every process committed; a restart resumes
+from the newest of those. Orbax's cross-process barriers time out after `sync_timeout_s` (and a dead process
+stops the others sooner through JAX's heartbeat, `librarian_jax.distributed.initialize`).
 """
 
 from __future__ import annotations
@@ -135,7 +142,8 @@ def quarantine_incomplete(directory: str) -> list[str]:
 class Checkpointer:
     """Saves and restores a run's state under `directory` (see module doc)."""
 
-    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3, async_save: bool = True,
+                 sync_timeout_s: int = 600):
         if save_every < 1:
             raise ValueError(f"checkpoint.save_every must be >= 1, got {save_every}")
         if keep < 1:
@@ -149,7 +157,8 @@ class Checkpointer:
 
             multihost_utils.sync_global_devices("librarian_jax.checkpoint.quarantine")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
-                                               enable_async_checkpointing=async_save, create=True)
+                                               enable_async_checkpointing=async_save, create=True,
+                                               async_options=ocp.options.AsyncOptions(timeout_secs=sync_timeout_s))
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     def steps(self) -> list[int]:
@@ -162,8 +171,9 @@ class Checkpointer:
 
     def save(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array | None = None,
              data_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-             force: bool = False) -> bool:
-        """Starts an (async) save of `step` when it is due (`step % save_every == 0`) or `force`."""
+             force: bool = False, data_by_process: list[Any] | None = None) -> bool:
+        """Starts an (async) save of `step` when it is due (`step % save_every == 0`) or `force`.
+        `data_by_process`: every process's data iterator state, in process order (multi-process runs)."""
         if not force and not self.should_save(step):
             return False
         if step in self.manager.all_steps():
@@ -171,6 +181,8 @@ class Checkpointer:
             return False
         meta = {"step": int(step), "rng": rng_to_json(rng) if rng is not None else None,
                 "data": data_state, "extra": extra or {}}
+        if data_by_process is not None:
+            meta["data_by_process"] = list(data_by_process)
         json.dumps(meta)  # fail now, with the offending value, rather than inside the async writer
         args = ocp.args.Composite(params=ocp.args.StandardSave(_convert(params)),
                                   opt_state=ocp.args.StandardSave(_convert(opt_state)),

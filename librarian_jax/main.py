@@ -40,18 +40,12 @@ if "config" not in flags.FLAGS:
 
 
 def maybe_initialize_distributed(env: dict[str, str] | None = None) -> bool:
-    """Calls `jax.distributed.initialize` for multi-process runs: explicit coordinator env vars, or a TPU
-    pod slice (several worker hostnames). Returns whether it did."""
-    env = dict(os.environ if env is None else env)
-    if env.get("JAX_COORDINATOR_ADDRESS") and int(env.get("JAX_NUM_PROCESSES", "1")) > 1:
-        jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                                   num_processes=int(env["JAX_NUM_PROCESSES"]),
-                                   process_id=int(env.get("JAX_PROCESS_ID", "0")))
-        return True
-    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
-        jax.distributed.initialize()  # TPU pod: coordinator and ids come from the TPU metadata
-        return True
-    return False
+    """Calls `jax.distributed.initialize` for multi-process runs (explicit coordinator env vars, or a TPU pod
+    slice), with heartbeat and start-up timeouts; see `librarian_jax.distributed.initialize`. Returns whether
+    it did."""
+    from librarian_jax import distributed
+
+    return distributed.initialize(env)
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -174,6 +168,24 @@ def make_mesh(config: Any) -> Any:
     return engine_mesh(shape, devices=jax.devices()[:n])
 
 
+def make_local_mesh(config: Any) -> Any:
+    """`config.mesh` over this process's devices (evaluation and `build`, whose engines are process-local and
+    have no trainer): the same as `make_mesh` in a single-process run."""
+    from librarian_jax.engine import make_mesh as engine_mesh
+
+    shape = config_validation.validate_mesh(config.mesh.shape.to_dict(), jax.local_device_count())
+    n = int(np.prod(list(shape.values())))
+    return engine_mesh(shape, devices=jax.local_devices()[:n])
+
+
+def local_engine_mesh(mesh: Any) -> Any:
+    """The mesh this process's engines use: `mesh` itself in a single-process run, else this process's share
+    of it (`distributed.hybrid_meshes`: process-local engines, DESIGN.md "Multi-host")."""
+    from librarian_jax import distributed
+
+    return distributed.hybrid_meshes(mesh)[1]
+
+
 def train_config(config: Any) -> Any:
     """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`); the
     loss's temperature is the builder's sampling temperature (0, greedy, counts as 1)."""
@@ -260,6 +272,17 @@ class Run:
     step: int = 0
     templates: dict[str, Any] = dataclasses.field(default_factory=dict)  # a chat template per role
     roles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # resolved `config.roles`
+    localizer: Any = None  # multi-process: the trainer's global arrays -> this process's engine layout
+
+
+def push_weights(run: Run) -> None:
+    """The trainer's current policy to the policy engine, on device (resharded to the engine's process-local
+    layout in a multi-process run; a collective there: every process calls it)."""
+    state = run.trainer.policy_state()
+    engine = run.engines["policy"]
+    if run.localizer is not None:
+        state = run.localizer(state, engine.params)
+    engine.update_params(state)
 
 
 def role_table(config: Any, roles: dict[str, dict[str, Any]] | None = None) -> str:
@@ -333,9 +356,11 @@ def build_role_engines(config: Any, mesh: Any, base: Any, tokenizer: Any,
     for (weights, mesh_spec), members in groups.items():
         role_mesh = mesh
         if mesh_spec:  # its own placement (a copy of the weights laid out on that mesh)
+            # engines are process-local: a role's mesh covers (some of) this process's devices
             shape = config_validation.validate_mesh(
-                config_validation.parse_mesh_spec(mesh_spec, f"roles.{members[0]}.mesh"), jax.device_count())
-            role_mesh = engine_mesh(shape, devices=jax.devices()[: int(np.prod(list(shape.values())))])
+                config_validation.parse_mesh_spec(mesh_spec, f"roles.{members[0]}.mesh"),
+                jax.local_device_count())
+            role_mesh = engine_mesh(shape, devices=jax.local_devices()[: int(np.prod(list(shape.values())))])
         if (weights, mesh_spec) not in models:
             models[(weights, mesh_spec)] = _role_model(config, roles[members[0]], role_mesh, base, tokenizer)
         model = models[(weights, mesh_spec)]
@@ -363,21 +388,28 @@ def build_templates(config: Any, tokenizer: Any, roles: dict[str, dict[str, Any]
 
 def build(config: Any) -> Run:
     """Data, tokenizer, mesh, models, engines and trainer for `config` (validated)."""
+    from librarian_jax import distributed
     from librarian_jax.data import TaskPipeline
     from librarian_jax.engine import Engine
     from librarian_jax.rl import rows as rows_lib
     from librarian_jax.rl import train_step
 
     train_tasks, heldout = build_tasks(config)
+    if distributed.is_multi():  # process 0 trains (and caches) the tokenizer; the others then read it
+        if distributed.is_primary():
+            build_tokenizer(config, train_tasks + heldout)
+        distributed.barrier("librarian_jax.main.tokenizer")
     tokenizer = build_tokenizer(config, train_tasks + heldout)
-    mesh = make_mesh(config)
-    base = build_model(config, mesh, tokenizer)
+    mesh = make_mesh(config)  # the trainer's: every device of every process
+    emesh = local_engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
+    base = build_model(config, emesh, tokenizer)
+    distributed.uncommit(base)  # several processes: weights the trainer can place on the global mesh
     m, r, t = config.model, config.rollout, config.train
     policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
         if m.lora_rank else base
     roles = config_validation.resolve_roles(config)
-    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, mesh, round_steps=r.round_steps)}
-    engines.update(build_role_engines(config, mesh, base, tokenizer, roles))
+    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, emesh, round_steps=r.round_steps)}
+    engines.update(build_role_engines(config, emesh, base, tokenizer, roles))
     engines["frozen"] = engines["answerer"]
     logging.info("roles:\n%s", role_table(config, roles))
     templates = build_templates(config, tokenizer, roles)
@@ -387,11 +419,17 @@ def build(config: Any) -> Run:
     rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
                                       step_gamma=t.step_gamma, max_seq_len=t.max_seq_len,
                                       row_multiple=trainer.row_multiple())
+    # Every process iterates the same global pipeline (data.tasks_per_batch tasks a step) and rolls out its
+    # own contiguous share of each batch (`distributed.process_slice`): the global batch is the one a single
+    # process would see, whatever the process count.
+    # (Several processes drop an epoch's short last batch, which cannot be split evenly.)
     pipeline = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
-                            seed=config.data.shuffle_seed, num_epochs=None)
+                            seed=config.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
+                            drop_remainder=distributed.is_multi())
     return Run(config, train_tasks, heldout, tokenizer, engines, trainer, rows_config,
                config_validation.rollout_config(config), pipeline.iterator(), jax.random.key(config.seed),
-               templates=templates, roles=roles)
+               templates=templates, roles=roles,
+               localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
 
 
 def resume(run: Run, ck: Any) -> None:
@@ -401,9 +439,13 @@ def resume(run: Run, ck: Any) -> None:
         return
     run.trainer.set_state(restored.params, restored.opt_state, restored.step)
     run.rng = restored.rng if restored.rng is not None else run.rng
-    if restored.data_state is not None:
-        run.data_iter.set_state(restored.data_state)
-    run.engines["policy"].update_params(run.trainer.policy_state())
+    data_state = restored.data_state
+    by_process = restored.meta.get("data_by_process")
+    if by_process and len(by_process) == jax.process_count():
+        data_state = by_process[jax.process_index()]  # this process's own iterator state
+    if data_state is not None:
+        run.data_iter.set_state(data_state)
+    push_weights(run)
     run.step = restored.step
     logging.info("resumed from step %d", run.step)
 
@@ -411,28 +453,50 @@ def resume(run: Run, ck: Any) -> None:
 def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     """One GRPO step: rollouts -> rows -> update -> new weights to the policy engine. Returns (records,
     metrics)."""
-    from librarian_jax import rollout
+    from librarian_jax import distributed, rollout
     from librarian_jax.rl import rows as rows_lib
 
     run.step += 1
-    tasks = next(run.data_iter)
+    global_tasks = next(run.data_iter)
+    share = distributed.process_slice(len(global_tasks))  # this process's tasks of the global batch
+    tasks = global_tasks[share]
     run.rng, sub = jax.random.split(run.rng)
     seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
+    group = run.config.rollout.group_size
     sched = rollout.Scheduler(run.engines)
     t0 = time.perf_counter()
-    records = rollout.run_batch(tasks, run.config.rollout.group_size, run.engines, run.tokenizer,
-                                run.rollout_config, rng=seed, scheduler=sched,
+    records = rollout.run_batch(tasks, group, run.engines, run.tokenizer, run.rollout_config,
+                                rng=distributed.episode_rng(seed, share.start * group), scheduler=sched,
                                 template=run.templates.get("policy"), templates=run.templates)
+    if share.start:  # group ids index the global batch (advantages are per group, all on one process)
+        records = [dataclasses.replace(r, group_id=r.group_id + share.start) for r in records]
     rollout_s = time.perf_counter() - t0
+    # the processes' rollouts take different times: meet here (no device collective waits minutes for another)
+    distributed.wait_for_all(f"step_{run.step}/rollouts")
     try:
         batch, row_metrics = rows_lib.build_rows(records, run.rows_config)
-        update = run.trainer.update(batch)
-        run.engines["policy"].update_params(run.trainer.policy_state())
+        trainable = 1.0
     except rows_lib.NoTrainableTokens as e:
-        logging.warning("step %d: %s; no update this step", run.step, e)
+        batch, row_metrics, trainable = None, {}, 0.0
+        logging.warning("step %d: %s", run.step, e)
+    # every process updates, or none does (the update is one global program): a step where some process has
+    # no trainable token is skipped everywhere
+    if distributed.is_multi():
+        trainable = float(min(distributed.allgather_json(trainable)))
+    if trainable:
+        if distributed.is_multi():
+            # compile this step's update before the processes meet (a no-op once compiled): one process's
+            # compile (another read it from the persistent cache) must not run out a collective's timeout
+            run.trainer.memory_analysis(batch)
+            distributed.wait_for_all(f"step_{run.step}/update_compiled")
+        update = run.trainer.update(batch)
+        push_weights(run)
+    else:
+        logging.warning("step %d: no trainable token on some process; no update this step", run.step)
         row_metrics, update = {}, {"time_s": 0.0, "skipped": 1.0}
     run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
     metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
+    metrics = distributed.reduce_metrics(metrics, weight=len(records))
     cfg = run.config.eval
     if cfg.every and run.step % cfg.every == 0 and run.heldout:
         t1 = time.perf_counter()
@@ -494,7 +558,7 @@ def run(config: Any) -> dict[str, Any]:
     """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
     from tensorboardX import SummaryWriter
 
-    from librarian_jax import checkpoint, rollout
+    from librarian_jax import checkpoint, distributed, rollout
 
     t_start = time.perf_counter()
     config_validation.validate(config)
@@ -529,7 +593,8 @@ def run(config: Any) -> dict[str, Any]:
             totals["rollout_s"] += metrics["rollout/time_s"]
             totals["update_s"] += metrics["train/time_s"]
             totals["eval_s"] += metrics.get("eval/time_s", 0.0)
-            logging.info("%s", progress_line(step, num_steps, metrics))
+            if primary:  # metrics are already reduced over the processes: one line for the job
+                logging.info("%s", progress_line(step, num_steps, metrics))
             curve.append((step, metrics["reward/mean"]))
             if writer is not None:
                 for k, v in metrics.items():
@@ -538,8 +603,12 @@ def run(config: Any) -> dict[str, Any]:
                 writer.flush()
             suffix = "" if primary else f".p{jax.process_index()}"  # each process: its own tasks' episodes
             rollout.write_jsonl(os.path.join(workdir, "episodes", f"step_{step}{suffix}.jsonl"), records)
+            due = step == num_steps or ck.should_save(step)
+            data_state = state.data_iter.get_state()
+            # each process's iterator state (a collective, so every process takes the same branch)
+            by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
             ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
-                    data_state=state.data_iter.get_state(), force=step == num_steps)
+                    data_state=data_state, data_by_process=by_process, force=step == num_steps)
     finally:
         ck.close()
         if writer is not None:
@@ -549,7 +618,8 @@ def run(config: Any) -> dict[str, Any]:
         logging.info("reward curve: %s", learning["line"])
     final: dict[str, Any] = {}
     t_eval = time.perf_counter()
-    if config.eval.final_methods and state.heldout and primary:
+    # every process evaluates (its engines are process-local; the restores are collectives), process 0 reports
+    if config.eval.final_methods and state.heldout:
         final = final_evaluation(workdir, config.eval.final_methods)
         if config.eval.final_samples:
             final["sampled"] = final_evaluation(
@@ -612,7 +682,8 @@ def final_evaluation(workdir: str, methods: str, name: str = "final", **override
     table = eval_lib.format_table(results)
     how = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "greedy builder"
     logging.info("held-out evaluation, %s (%s/eval/%s/report.md):\n%s", how, workdir, name, table)
-    print(f"held-out evaluation, {how}:\n{table}")  # noqa: T201 - the run's closing answer
+    if jax.process_index() == 0:
+        print(f"held-out evaluation, {how}:\n{table}")  # noqa: T201 - the run's closing answer
     return {"methods": methods, "report": os.path.join(workdir, "eval", name, "report.md"),
             "accuracy": results["accuracy"]}
 
@@ -678,7 +749,7 @@ def main(argv: list[str]) -> None:
     config = flags.FLAGS["config"].value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
-    maybe_initialize_distributed()
+    multi = maybe_initialize_distributed()
     command = config.get("command", "train")
     try:
         if command not in COMMANDS:
@@ -688,7 +759,22 @@ def main(argv: list[str]) -> None:
     except config_validation.ConfigError as e:
         logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)  # noqa: T201
+        if multi:
+            from librarian_jax import distributed
+
+            distributed.abort(f"error: {e}", 2)
         sys.exit(2)
+    except Exception as e:
+        if not multi:
+            raise
+        # several processes: fail fast (the others stop on this one's missing heartbeats, naming it) rather
+        # than wait minutes in the distributed shutdown barrier while they wait in a collective
+        import traceback
+
+        from librarian_jax import distributed
+
+        traceback.print_exc()
+        distributed.abort(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -328,7 +328,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     t_start = time.perf_counter()
     tasks, split_source = heldout_tasks(plan)
     corpora = [t.task_id for t in tasks]
-    mesh = main.make_mesh(c)
+    mesh = main.make_local_mesh(c)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
         if plan.run_dir
@@ -426,13 +426,14 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         "devices": jax.device_count(),
         "mesh": dict(mesh.shape),
     }
-    if c.export_workspaces:
+    if c.export_workspaces and jax.process_index() == 0:
         t0 = time.perf_counter()
         results["workspaces"] = export_workspaces(os.path.join(plan.out_dir, "workspaces"), built_by)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
     results["timing"] = timing
-    report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
+    if jax.process_index() == 0:  # multi-process: every process evaluated alike; one report
+        report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
     return results, records
 
 
@@ -560,7 +561,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         )
         return None
     t0 = time.perf_counter()
-    mesh = main.make_mesh(c)
+    mesh = main.make_local_mesh(c)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, [task])
         if plan.run_dir
@@ -573,6 +574,8 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         "trained", [task], models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset
     )[0]
     ws = built.workspace if built.workspace is not None else Workspace.from_documents(list(task.documents))
+    if jax.process_index() != 0:  # multi-process: every process built alike; process 0 exports
+        return None
     res = ws.export(c.out)
     if not res.ok:
         raise _err("out", res.message)

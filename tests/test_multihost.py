@@ -1,0 +1,256 @@
+"""Multi-process GRPO (issue 14): `python -m librarian_jax.main --config=configs/grpo.py` as 2 JAX processes
+x 4 simulated CPU devices on localhost (coordinator 127.0.0.1, a free port), against the same run as 1
+process x 8 devices.
+
+- an uninterrupted 2-process run of 4 steps, started through `launch/gpu_multinode.sh --local=2`;
+- a 2-process run whose process 1 is killed (SIGKILL) in step 3: process 0 stops on its own within the
+  heartbeat timeout, naming the dead process; both restarted, they resume from step 2 (the last step every
+  process committed) and reach step 4 with exactly the uninterrupted run's params;
+- a 1-process 8-device run of the same 4 steps (same seed, same global batch): the same episodes and, up to
+  the order of the gradient all-reduce, the same params.
+
+A small world on the committed warm-start fixture (tests/fixtures/warm_start: a builder that writes valid
+calls, so episodes' rewards differ inside a group and every update moves the params; a random model's
+all-equal rewards would leave them unchanged and this test could not fail).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
+STEPS = 4
+HEARTBEAT_S = 10
+
+
+def _flags(workdir: str) -> list[str]:
+    return [
+        "--config=configs/grpo.py", f"--config.workdir={workdir}", "--config.warm_start.enabled=False",
+        "--config.model.init=orbax", f"--config.model.path={FIXTURE}",
+        f"--config.model.tokenizer={os.path.join(FIXTURE, 'tokenizer.model')}",
+        "--config.eval.every=0", "--config.eval.final_methods=",
+        # 2 training tasks (1 held out), both in every step's global batch: one per process
+        "--config.data.num_tasks=3", "--config.data.heldout_fraction=0.2", "--config.data.tasks_per_batch=2",
+        "--config.rollout.group_size=4", "--config.rollout.policy_slots=4", "--config.rollout.frozen_slots=4",
+        "--config.rollout.max_seq_len=2048", "--config.rollout.record_snapshots=False",
+        "--config.rollout.builder.max_turns=1", "--config.rollout.builder.max_new_tokens=64",
+        f"--config.train.num_steps={STEPS}", "--config.train.max_seq_len=2048",
+        "--config.mesh.shape.data=-1",  # the trainer's mesh: all 8 devices of all processes
+    ]
+
+
+def _env(cache: str, devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                                            "--xla_cpu_collective_timeout_seconds=600",
+               LIBRARIAN_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S), PYTHONUNBUFFERED="1")
+    env["LIBRARIAN_JAX_COMPILATION_CACHE"] = "none"  # every launch compiles alike (nothing from a cache)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(workdir: str, cache: str, process_id: int | None, port: int, log: str) -> subprocess.Popen:
+    """One process of a 2-process run (process_id 0/1), or the 1-process 8-device run (None)."""
+    env = _env(cache, 8 if process_id is None else 4)
+    if process_id is not None:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(process_id))
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "librarian_jax.main", *_flags(workdir)], cwd=ROOT,
+                                env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[str], timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    for p, log in zip(procs, logs, strict=True):
+        try:
+            rc = p.wait(max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert rc == 0, f"{log} exited {rc}:\n{open(log).read()[-3000:]}"
+
+
+def _committed(workdir: str) -> list[int]:
+    d = os.path.join(workdir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()
+                  and os.path.exists(os.path.join(d, n, "commit_success.txt"))) if os.path.isdir(d) else []
+
+
+def _params(workdir: str, step: int) -> list[np.ndarray]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(workdir, "checkpoints", str(step), "params")
+    with ocp.StandardCheckpointer() as c:
+        meta = c.metadata(path)
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), tree)
+        return [np.asarray(x) for x in jax.tree.leaves(c.restore(path, abstract))]
+
+
+def _episodes(workdir: str, step: int) -> list[tuple]:
+    """(group, index, task, reward, tool calls) of every episode of `step`, from every process's file."""
+    from librarian_jax import distributed
+
+    return [(r.group_id, r.episode_index, r.task_id, round(r.total_reward, 6),
+             json.dumps(r.tool_calls, sort_keys=True, default=str))
+            for r in distributed.read_step_records(os.path.join(workdir, "episodes"), step)]
+
+
+@pytest.mark.slow
+def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path):
+    cache = str(tmp_path / "jax_cache")
+    # 1. uninterrupted, 2 processes through the launcher's --local mode (GPU ids are moot on the CPU)
+    full = str(tmp_path / "full")
+    log = str(tmp_path / "full.log")
+    with open(log, "w") as f:
+        launcher = subprocess.run(
+            ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={_free_port()}",
+             f"--python={sys.executable}", "--", *_flags(full)[1:]],
+            cwd=ROOT, env=_env(cache, 4), stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    assert launcher.returncode == 0, open(log).read()[-3000:]
+    assert _committed(full)[-1] == STEPS
+    with open(os.path.join(full, "summary.json")) as f:
+        assert json.load(f)["last_step"] == STEPS
+    # episodes: each process wrote its own tasks' records; read together they are the global batch
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(full, "episodes", "step_1*"))) == \
+        ["step_1.jsonl", "step_1.p1.jsonl"]
+    assert [e[:2] for e in _episodes(full, 1)] == [(g, i) for g in range(2) for i in range(4)]
+    # the job's metrics are logged once (process 0), reduced over both processes' episodes
+    with open(log) as f:
+        text = f.read()
+    assert text.count(f"step {STEPS}/{STEPS} |") == 1, text[-3000:]
+
+    # 2. the same run, process 1 killed in step 3 (after step 2's checkpoint committed)
+    resumed = str(tmp_path / "resumed")
+    port = _free_port()
+    logs = [str(tmp_path / f"kill.p{i}.log") for i in range(2)]
+    procs = [_start(resumed, cache, i, port, logs[i]) for i in range(2)]
+    deadline = time.time() + 900
+    while 2 not in _committed(resumed):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), open(logs[0]).read()[-3000:]
+        time.sleep(0.5)
+    assert 3 not in _committed(resumed)
+    procs[1].send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    rc0 = procs[0].wait(timeout=HEARTBEAT_S * 6 + 60)  # process 0 does not hang at a collective or barrier
+    procs[1].wait()
+    stopped_in = time.time() - t_kill
+    with open(logs[0]) as f:
+        text0 = f.read()
+    assert rc0 != 0, text0[-3000:]
+    assert "stopped sending heartbeats" in text0 or "heartbeat timeout" in text0, text0[-3000:]
+    assert "Task 1 heartbeat timeout" in text0 or "heartbeats):\n1" in text0, text0[-3000:]  # names process 1
+    assert _committed(resumed)[-1] == 2
+    # 3. restart both: resume from step 2, reach step 4, exactly where the uninterrupted run got
+    port = _free_port()
+    logs = [str(tmp_path / f"restart.p{i}.log") for i in range(2)]
+    _wait([_start(resumed, cache, i, port, logs[i]) for i in range(2)], logs)
+    with open(logs[0]) as f:
+        assert "resumed from step 2" in f.read()
+    assert _committed(resumed)[-1] == STEPS
+    assert _episodes(resumed, STEPS) == _episodes(full, STEPS)
+    for a, b in zip(_params(resumed, STEPS), _params(full, STEPS), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # 4. one process, 8 devices, same seed and global batch: the same episodes, the same params up to the
+    # summation order of the gradient all-reduce (XLA's in-process reduction vs gloo's across processes;
+    # float32, lr 2e-4: observed max |diff| ~4e-6 after one step)
+    single = str(tmp_path / "single")
+    slog = str(tmp_path / "single.log")
+    _wait([_start(single, cache, None, 0, slog)], [slog])
+    for step in range(1, STEPS + 1):
+        assert _episodes(single, step) == _episodes(full, step), step
+    for a, b in zip(_params(single, STEPS), _params(full, STEPS), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    # ... a tolerance far below what one update moves
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(_params(full, STEPS), _params(full, STEPS - 1),
+                                                             strict=True))
+    assert moved > 1e-3, moved
+    print(f"process 0 stopped {stopped_in:.1f}s after process 1 was killed")  # noqa: T201
+
+
+# ------------------------------------------------------------------------------ the pieces, in one process
+
+
+def test_local_mesh_shape_divides_the_outer_axes_first():
+    from librarian_jax.distributed import local_mesh_shape
+
+    assert local_mesh_shape({"data": 8, "fsdp": 1, "tensor": 1}, 2) == {"data": 4, "fsdp": 1, "tensor": 1}
+    # the paper preset on a v5p-64: fsdp over 32 chips, 8 hosts -> 4 chips each
+    assert local_mesh_shape({"data": 1, "fsdp": 32, "tensor": 1}, 8) == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert local_mesh_shape({"data": 2, "fsdp": 4, "tensor": 2}, 4) == {"data": 1, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ValueError, match="cannot be split over 4 processes"):
+        local_mesh_shape({"data": 1, "fsdp": 1, "tensor": 2}, 4)
+
+
+def test_each_process_draws_the_episode_seeds_a_single_process_draws():
+    """`rollout.run_batch` draws one `integers(2**62)` per episode, task-major, from its generator: process p
+    starts past the earlier processes' episodes, so the global batch's seeds do not depend on the split."""
+    from librarian_jax.distributed import episode_rng
+
+    single = np.random.default_rng(1234)
+    want = [int(single.integers(2**62)) for _ in range(12)]  # 3 tasks x group 4
+    got = []
+    for start in (0, 4, 8):  # 3 processes, one task each
+        rng = episode_rng(1234, start)
+        got += [int(rng.integers(2**62)) for _ in range(4)]
+    assert got == want
+
+
+def test_one_process_is_its_own_local_mesh_and_reads_its_episode_files_in_order(tmp_path):
+    import jax
+
+    from librarian_jax import distributed
+    from librarian_jax.engine import make_mesh
+
+    mesh = make_mesh({"data": -1}, devices=jax.devices())
+    hybrid, local = distributed.hybrid_meshes(mesh)
+    assert local is mesh and hybrid.axis_names[0] == "proc" and hybrid.devices.shape[0] == 1
+    assert distributed.process_slice(4) == slice(0, 4)
+    assert distributed.allgather_json({"a": 1}) == [{"a": 1}]
+    for name in ("step_3.p10.jsonl", "step_3.p2.jsonl", "step_3.jsonl", "step_30.jsonl", "step_3.p1.jsonl"):
+        (tmp_path / name).write_text("")
+    assert [os.path.basename(p) for p in distributed.episode_files(str(tmp_path), 3)] == \
+        ["step_3.jsonl", "step_3.p1.jsonl", "step_3.p2.jsonl", "step_3.p10.jsonl"]
+
+
+def test_metrics_of_the_processes_combine_into_the_jobs():
+    from librarian_jax.distributed import combine_metrics
+
+    p0 = {"reward/mean": 1.0, "probe/accuracy": 0.5, "probe/count": 2.0, "rollout/time_s": 10.0,
+          "rollout/generated_tokens": 100.0, "rows/tokens": 300.0, "train/time_s": 3.0, "train/loss": 0.25,
+          "rows/seq_len": 128.0}
+    p1 = {"reward/mean": 0.0, "probe/accuracy": 1.0, "probe/count": 6.0, "rollout/time_s": 20.0,
+          "rollout/generated_tokens": 500.0, "rows/tokens": 600.0, "train/time_s": 3.0, "train/loss": 0.25,
+          "rows/seq_len": 256.0}
+    out = combine_metrics([p0, p1], weights=[3.0, 1.0])  # 3 and 1 episodes
+    assert out["reward/mean"] == pytest.approx(0.75)  # by episodes
+    assert out["probe/accuracy"] == pytest.approx((0.5 * 2 + 1.0 * 6) / 8)  # by probes
+    assert out["probe/count"] == 8.0 and out["rows/tokens"] == 900.0  # totals
+    assert out["rollout/time_s"] == 20.0 and out["rows/seq_len"] == 256.0  # the slowest / longest
+    assert out["rollout/tokens_per_s"] == pytest.approx(600 / 20) and out["train/tokens_per_s"] == 300.0
+    assert out["train/loss"] == 0.25  # the update's: the same on every process
+    nan = combine_metrics([{"probe/accuracy": float("nan")}, {"probe/accuracy": 0.5, "probe/count": 1.0}],
+                          [1.0, 1.0])
+    assert nan["probe/accuracy"] == 0.5
