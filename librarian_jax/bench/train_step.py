@@ -1,23 +1,41 @@
-"""Benchmark of the GRPO train step: step time, tokens/s and compiled memory, full fine-tuning and LoRA.
+"""Benchmark of the GRPO train step: compile and run time, tokens/s, MFU, compiled memory, and transformers.
 
     python -m librarian_jax.bench.train_step [--presets=tiny,decode_bench --rows=8 --seq=512 --repeats=3]
+    # side by side with transformers' forward + backward + AdamW (torch and transformers must import):
+    /work/tvenv/bin/python -m librarian_jax.bench.train_step --presets=decode_bench --modes=full \\
+        --rows=8 --seq=512
     # large vocabulary: logits chunked vs one [rows, seq, vocab] array, with/without per-layer remat
     python -m librarian_jax.bench.train_step --presets=tiny --vocab=65536 --rows=2 --seq=1024 --modes=full \\
         --logits_chunk=0,256 --remat=none,layer
 
 For each model preset (random weights, fp32 on CPU, the preset's dtype elsewhere; `--vocab` overrides the
 vocabulary), each mode (full, LoRA rank 8 on the attention and MLP projections), each `--remat` and each
-`--logits_chunk`, one `Trainer.update` is run to compile, then `repeats` timed updates on the same
-`[rows, seq]` batch (half of each row is a loss-masked "generated" part). tokens/s counts every row token
-(forward + backward over the whole row). Memory is XLA's `memory_analysis()` of the compiled step on one
-device: `temp` (activations, logits, gradients in flight) and `peak` (temp + arguments + outputs - donated).
+`--logits_chunk`, the update is compiled (`compile` = lower + compile, reported apart), run once to warm up,
+then `repeats` timed updates on the same `[rows, seq]` batch (half of each row is a loss-masked "generated"
+part); the median is reported. tokens/s counts every row token (forward + backward over the whole row).
+
+MFU = 6 * N * tokens/s / peak, N = the parameters that take part in matmuls (every parameter but the
+embedding table, which counts once when it is tied to the LM head; attention's score products are not
+counted). The peak is `--peak_tflops` when given (e.g. 989 for an H200's dense bf16), else measured: the
+best rate of a jitted `[1024, 1024] x [1024, 1024]` matmul in the step's dtype on this backend.
+
+Memory is XLA's `memory_analysis()` of the compiled step on one device: `temp` (activations, logits, gradients
+in flight) and `peak` (temp + arguments + outputs - donated).
+
+transformers column (mode full, when torch and transformers import): `Qwen3ForCausalLM` built from the same
+config (Qwen3-style presets: RoPE, qk-norm, GQA, tied embeddings), fp32, sdpa attention, next-token
+cross-entropy over the whole batch, `clip_grad_norm_(1.0)`, `torch.optim.AdamW`; its steps alternate with
+ours so both see the same machine load. `ratio` = our tokens/s / transformers' tokens/s.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
@@ -37,6 +55,9 @@ flags.DEFINE_integer("lora_rank", 8, "LoRA rank")
 flags.DEFINE_list("remat", ["none"], "train.remat values to time: none | full | layer")
 flags.DEFINE_list("logits_chunk", ["1024"], "train.logits_chunk values to time (0 = unchunked logits)")
 flags.DEFINE_bool("memory_only", False, "only compile and report memory (no timed steps)")
+flags.DEFINE_bool("transformers", True, "time transformers' forward + backward + AdamW beside ours "
+                  "(mode full; needs torch and transformers)")
+flags.DEFINE_float("peak_tflops", 0.0, "the chip's peak for MFU, TFLOP/s (0 = measure a matmul)")
 
 
 def make_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -50,54 +71,145 @@ def make_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> dict[str, np.n
             "row_weights": np.ones((rows,), np.float32)}
 
 
-def make_model(preset: str, mode: str) -> nnx.Module:
+def model_config(preset: str) -> models.ModelConfig:
     overrides = {"dtype": "float32", "param_dtype": "float32"} if jax.default_backend() == "cpu" else {}
     if FLAGS.vocab:
         overrides["vocab_size"] = FLAGS.vocab
-    model = models.Transformer(models.get_preset(preset, **overrides), rngs=nnx.Rngs(0))
+    return models.get_preset(preset, **overrides)
+
+
+def make_model(preset: str, mode: str) -> nnx.Module:
+    model = models.Transformer(model_config(preset), rngs=nnx.Rngs(0))
     if mode == "lora":
         model = ts.apply_lora(model, FLAGS.lora_rank, 2.0 * FLAGS.lora_rank,
                               ".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*")
     return model
 
 
-def time_case(model: nnx.Module, remat: str, chunk: int) -> dict[str, float]:
+def matmul_params(model: nnx.Module) -> int:
+    """N of 6·N·tokens: every parameter but the embedding table (counted once when tied to the LM head)."""
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    config = model.config
+    return n if config.tie_embeddings else n - config.vocab_size * config.hidden_size
+
+
+def measured_peak_flops(dtype: jnp.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` jitted `[size, size] x [size, size]` matmuls in `dtype`."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) -> Callable[[], None] | None:
+    """One transformers forward + backward + clip + AdamW step on `batch["tokens"]` (a closure), or None when
+    torch / transformers do not import or the config is not Qwen3-style."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if config.model_type != "qwen3" or set(config.layer_types) != {"full_attention"} or config.num_experts:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, tie_word_embeddings=config.tie_embeddings, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=max(4096, batch["tokens"].shape[1]),
+        attn_implementation="sdpa")
+    model = transformers.Qwen3ForCausalLM(hf_config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    ids = torch.as_tensor(batch["tokens"], dtype=torch.long)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
+def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], None] | None
+              ) -> dict[str, float]:
     trainer = ts.Trainer(model, ts.TrainConfig(micro_batches=FLAGS.micro_batches, remat=remat,
                                                logits_chunk=chunk))
     batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq)
     t0 = time.perf_counter()
-    mem = trainer.memory_analysis(batch) or {}
-    out = {"trainable": trainer.num_trainable, "temp_gib": mem.get("temp_bytes", float("nan")) / 2**30,
-           "peak_gib": mem.get("peak_bytes", float("nan")) / 2**30, "compile_s": time.perf_counter() - t0,
-           "step_s": float("nan"), "tokens_per_s": float("nan")}
+    mem = trainer.memory_analysis(batch) or {}  # lowers and compiles the update (cached for `update`)
+    nan = float("nan")
+    out = {"trainable": trainer.num_trainable, "temp_gib": mem.get("temp_bytes", nan) / 2**30,
+           "peak_gib": mem.get("peak_bytes", nan) / 2**30, "compile_s": time.perf_counter() - t0,
+           "step_s": nan, "tokens_per_s": nan, "hf_step_s": nan}
     if FLAGS.memory_only:
         return out
-    trainer.update(batch)  # the compiled program is cached: this first step runs it (and warms up)
-    times = []
-    for _ in range(FLAGS.repeats):
+    t0 = time.perf_counter()
+    trainer.update(batch)  # the first step: runs the cached program (and warms up)
+    out["first_step_s"] = time.perf_counter() - t0
+    if hf_step is not None:
+        hf_step()  # warm-up
+    times, hf_times = [], []
+    for _ in range(FLAGS.repeats):  # alternating, so both sides see the same load
         t0 = time.perf_counter()
         trainer.update(batch)  # returns host floats: the step has finished
         times.append(time.perf_counter() - t0)
+        if hf_step is not None:
+            t0 = time.perf_counter()
+            hf_step()
+            hf_times.append(time.perf_counter() - t0)
     out["step_s"] = float(np.median(times))
     out["tokens_per_s"] = FLAGS.rows * FLAGS.seq / out["step_s"]
+    if hf_times:
+        out["hf_step_s"] = float(np.median(hf_times))
     return out
 
 
 def main(argv: list[str]) -> None:
     del argv
+    from librarian_jax.bench.common import load_average
+
+    tokens = FLAGS.rows * FLAGS.seq
+    cpu = jax.default_backend() == "cpu"
     print(f"backend {jax.default_backend()} x{jax.device_count()}, batch [{FLAGS.rows}, {FLAGS.seq}], "  # noqa: T201
-          f"vocab {FLAGS.vocab or 'preset'}, micro_batches {FLAGS.micro_batches}, median of {FLAGS.repeats}")
+          f"vocab {FLAGS.vocab or 'preset'}, micro_batches {FLAGS.micro_batches}, median of {FLAGS.repeats}, "
+          f"load average before {load_average()}")
     for preset in FLAGS.presets:
+        if FLAGS.peak_tflops:
+            peak, how = FLAGS.peak_tflops * 1e12, "given"
+        else:
+            peak, how = measured_peak_flops(model_config(preset).jnp_dtype), "measured 1024^3 matmul"
+        print(f"{preset}: peak for MFU {peak / 1e12:.3f} TFLOP/s ({how})")  # noqa: T201
         for mode in FLAGS.modes:
             model = make_model(preset, mode)
+            n = matmul_params(model)
+            hf_step = None
+            if mode == "full" and FLAGS.transformers and not FLAGS.memory_only and cpu:
+                hf_step = transformers_step(model.config, make_batch(model.config.vocab_size, FLAGS.rows,
+                                                                     FLAGS.seq))
             for remat in FLAGS.remat:
                 for chunk in (int(c) for c in FLAGS.logits_chunk):
-                    r = time_case(model, remat, chunk)
-                    print(f"{preset:>12} {mode:>4} V={model.config.vocab_size:<7d} remat={remat:<5} "  # noqa: T201
-                          f"chunk={chunk:<5d}: {r['trainable']:>10,d} trainable "
-                          f"| compile {r['compile_s']:6.1f}s"
-                          f" | temp {r['temp_gib']:7.3f} GiB peak {r['peak_gib']:7.3f} GiB | "
-                          f"step {r['step_s'] * 1000:8.1f} ms | {r['tokens_per_s']:9.0f} tok/s")
+                    r = time_case(model, remat, chunk, hf_step)
+                    mfu = 6 * n * r["tokens_per_s"] / peak
+                    line = (f"{preset:>12} {mode:>4} V={model.config.vocab_size:<7d} remat={remat:<5} "
+                            f"chunk={chunk:<5d}: {r['trainable']:>10,d} trainable, N={n / 1e6:.1f}M "
+                            f"| compile {r['compile_s']:6.1f}s | temp {r['temp_gib']:7.3f} GiB "
+                            f"peak {r['peak_gib']:7.3f} GiB | step {r['step_s'] * 1000:8.1f} ms "
+                            f"| {r['tokens_per_s']:7.0f} tok/s | MFU {mfu:6.1%}")
+                    if not np.isnan(r["hf_step_s"]):
+                        hf_tps = tokens / r["hf_step_s"]
+                        line += (f" | transformers {r['hf_step_s'] * 1000:8.1f} ms {hf_tps:7.0f} tok/s "
+                                 f"| ratio {r['tokens_per_s'] / hf_tps:5.2f}x")
+                    print(line, flush=True)  # noqa: T201
+    print(f"load average after {load_average()}")  # noqa: T201
 
 
 if __name__ == "__main__":
