@@ -34,6 +34,10 @@ from librarian_jax import config_validation
 if "config" not in flags.FLAGS:
     config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/grpo.py[:preset].")
     flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
+    flags.DEFINE_string(
+        "compilation_cache_dir", None,
+        "JAX persistent compilation cache directory (a second run starts warm); default "
+        "$LIBRARIAN_JAX_COMPILATION_CACHE or ~/.cache/librarian_jax/jax_compilation_cache; 'none': off.")
 
 
 # ------------------------------------------------------------------------------------------- distributed
@@ -750,6 +754,9 @@ def main(argv: list[str]) -> None:
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
     multi = maybe_initialize_distributed()
+    from librarian_jax import compile_cache
+
+    compile_cache.enable(flags.FLAGS.compilation_cache_dir)  # before anything compiles
     command = config.get("command", "train")
     try:
         if command not in COMMANDS:

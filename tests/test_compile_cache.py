@@ -62,3 +62,14 @@ def test_default_dir(monkeypatch):
     monkeypatch.delenv(compile_cache.ENV)
     want = os.path.join(".cache", "librarian_jax", "jax_compilation_cache")
     assert compile_cache.default_dir().endswith(want)
+
+
+def test_main_command_enables_it(tmp_path):
+    # The main command turns the cache on before anything compiles (a dry run compiles nothing, so the
+    # directory it creates stays empty).
+    cache_dir = tmp_path / "main_cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py", "--dry_run",
+                    f"--compilation_cache_dir={cache_dir}"], env=env, capture_output=True, text=True,
+                   timeout=300, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert cache_dir.is_dir()
