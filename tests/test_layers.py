@@ -13,11 +13,12 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
 
 # Lowest first (DESIGN.md "Layers" and "Where the code refines this map"). A module belongs to the layer of
-# its longest matching prefix. `segment` (the rollout -> rl record) and `data` (schema, loaders, the
-# synthetic world, grain pipelines) import nothing above them, so every layer may read them; `data.demos`
-# runs scripted builders through rollout, so it sits at the top with the commands.
+# its longest matching prefix. `segment` (the rollout -> rl record), `data` (schema, loaders, the
+# synthetic world, grain pipelines) and `compile_cache` (JAX's persistent cache switch) import nothing above
+# them, so every layer may read them; `data.demos` runs scripted builders through rollout, so it sits at the
+# top with the commands.
 LAYERS: list[tuple[str, ...]] = [
-    ("segment", "data"),
+    ("segment", "data", "compile_cache"),
     ("models",),
     ("tokenizers",),
     ("engine",),
