@@ -444,3 +444,34 @@ def test_processed_logprobs_only_when_asked(qwen):
     np.testing.assert_allclose(res.processed_logprobs, want, atol=2e-4)
     full = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[np.arange(6), res.tokens]
     np.testing.assert_allclose(res.logprobs, full, atol=2e-4)
+
+
+def test_prefix_shared_equals_unshared(engine, qwen):
+    # Sessions admitted together with a common prompt prefix (a probe's answerer runs) prefill it once and
+    # copy it into each other's slots; tokens and log-probs equal an engine that prefills every session alone.
+    rng = np.random.default_rng(9)
+    common = rng.integers(0, 128, size=40).tolist()
+    prompts = [common + rng.integers(0, 128, size=n).tolist() for n in (3, 11)]
+    prompts.append(list(prompts[0]))  # an identical prompt (R repeats of one question)
+    plain = Engine(qwen, num_slots=3, max_seq_len=96, round_steps=8, prefill_buckets=(8, 32), share_prefix=0)
+
+    def run(eng):
+        sessions = [eng.new_session(p) for p in prompts]
+        reqs = [s.submit(10, SamplingParams(temperature=1.0, seed=4, stream=i))
+                for i, s in enumerate(sessions)]
+        eng.step()  # all three are admitted and prefilled in this step
+        st = eng.stats[-1]
+        eng.run_until_done()
+        for s in sessions:
+            s.close()
+        return [(r.result.tokens, r.result.logprobs) for r in reqs], st
+
+    shared, st_shared = run(engine)
+    unshared, st_plain = run(plain)
+    assert st_shared.shared_prefix_tokens == 2 * 40 and st_plain.shared_prefix_tokens == 0
+    assert st_shared.prefill_tokens == st_plain.prefill_tokens - 2 * 40
+    for (tok_a, lp_a), (tok_b, lp_b), p in zip(shared, unshared, prompts, strict=True):
+        assert tok_a == tok_b and len(tok_a) == 10
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+        logp = np.asarray(jax.nn.log_softmax(jnp.asarray(_full_logits(qwen, p + tok_a)), axis=-1))
+        np.testing.assert_allclose(lp_a, logp[np.arange(len(p) - 1, len(p) + 9), tok_a], atol=2e-4)

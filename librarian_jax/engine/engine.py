@@ -54,6 +54,7 @@ class StepStats:
       prefill_s, decode_s: device time (dispatch to result) of prefill and of the decode round.
       host_s: the rest of this step plus the host time since the previous step ended (the caller's work).
       evictions: idle sessions evicted to make room.
+      shared_prefix_tokens: prompt tokens not prefilled because a session took them from another's slot.
       finished: turns returned.
     """
 
@@ -67,6 +68,7 @@ class StepStats:
     host_s: float = 0.0
     evictions: int = 0
     finished: int = 0
+    shared_prefix_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -88,6 +90,7 @@ class _Lane:
     request: Request | None = None
     status: str = "idle"
     last_used: int = 0
+    upto: int | None = None  # prefill only this many record tokens for now (a prefix-sharing leader)
 
 
 def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any) -> Any:
@@ -145,6 +148,8 @@ class Engine:
       processed_logprobs: also return each turn's log-probs under the truncated (top-k / top-p) distribution
         it was sampled from (``TurnResult.processed_logprobs``); off by default, so decode neither computes
         nor transfers them.
+      share_prefix: sessions admitted together whose records share at least this many leading tokens prefill
+        the common prefix once and copy it into each other's slots (``_share_prefixes``); 0 turns it off.
     """
 
     def __init__(
@@ -161,6 +166,7 @@ class Engine:
         cache_dtype: Any = None,
         stats_window: int = 10_000,
         processed_logprobs: bool = False,
+        share_prefix: int = 32,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
@@ -204,6 +210,8 @@ class Engine:
         )()
 
         self.processed_logprobs = bool(processed_logprobs)
+        self.share_prefix = int(share_prefix)
+        self._copy = slot_programs.copy_program(self._cache_sharding)
         self._programs = slot_programs.programs(
             self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps, self.processed_logprobs
         )
@@ -455,16 +463,71 @@ class Engine:
             self._running.append(s)
         self._waiting = still
 
+    def _prefill_end(self, session: Session) -> int:
+        """How many leading record tokens prefill puts in the slot now: all but the pending one, or fewer
+        for a prefix-sharing leader (``lane.upto``)."""
+        upto = self._lanes[session.id].upto
+        return len(session) - 1 if upto is None else min(len(session) - 1, upto)
+
     def _bucket_for(self, session: Session) -> int:
-        remaining = len(session) - 1 - self._lanes[session.id].cached
+        remaining = self._prefill_end(session) - self._lanes[session.id].cached
         for b in self.prefill_buckets:
             if b >= remaining:
                 return b
         return self.prefill_buckets[-1]
 
     def _prefill(self, st: StepStats) -> None:
+        if self.share_prefix >= 1:
+            self._share_prefixes(st)
+        self._prefill_sessions(st, self._running)
+        if st.prefill_calls:
+            jax.block_until_ready(self.cache.lengths)
+
+    def _share_prefixes(self, st: StepStats) -> None:
+        """Newly admitted sessions whose records start with the same ``share_prefix`` or more tokens (the
+        answerer runs of one probe: one system prompt and workspace listing) prefill that common prefix once:
+        a leader prefills exactly the prefix, then its slot row is copied into the others' slots, which go on
+        from there. Exact for every cache kind (the leader's state holds exactly the prefix when copied)."""
+        lanes, m = self._lanes, self.share_prefix
+        groups: dict[tuple[int, ...], list[Session]] = collections.defaultdict(list)
+        for s in self._running:
+            lane = lanes[s.id]
+            if lane.needs_reset and lane.cached == 0 and len(s) - 1 >= m:
+                groups[tuple(s.token_slice(0, m))].append(s)
+        plan = []
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            cap = min(len(s) for s in members) - 1
+            lead = np.asarray(members[0].token_slice(0, cap))
+            common = cap
+            for s in members[1:]:
+                diff = np.nonzero(np.asarray(s.token_slice(0, cap)) != lead)[0]
+                common = min(common, int(diff[0]) if diff.size else cap)
+            plan.append((members[0], common, members[1:]))
+        if not plan:
+            return
+        for leader, common, _ in plan:
+            lanes[leader.id].upto = common
+        self._prefill_sessions(st, [leader for leader, _, _ in plan])
+        src, dst = [], []
+        for leader, common, followers in plan:
+            lanes[leader.id].upto = None
+            for f in followers:
+                lane = lanes[f.id]
+                src.append(lanes[leader.id].slot)
+                dst.append(lane.slot)
+                lane.cached, lane.needs_reset = common, False
+                st.shared_prefix_tokens += common
+        k = next(b for b in self._slot_buckets if b >= len(dst))
+        pad = k - len(dst)
+        src_ids = np.asarray(src + [0] * pad, np.int32)
+        dst_ids = np.asarray(dst + [self.num_slots] * pad, np.int32)
+        self.cache = self._copy(self.cache, src_ids, dst_ids)
+
+    def _prefill_sessions(self, st: StepStats, sessions: Sequence[Session]) -> None:
         lanes = self._lanes
-        work = [s for s in self._running if lanes[s.id].needs_reset or lanes[s.id].cached < len(s) - 1]
+        work = [s for s in sessions if lanes[s.id].needs_reset or lanes[s.id].cached < self._prefill_end(s)]
         calls = []
         while work:
             groups: dict[int, list[Session]] = collections.defaultdict(list)
@@ -484,7 +547,7 @@ class Engine:
                     reach = 0  # the most cache positions a row holds after this chunk
                     for row, s in enumerate(part):
                         lane = lanes[s.id]
-                        new = s.token_slice(lane.cached, min(len(s) - 1, lane.cached + chunk))
+                        new = s.token_slice(lane.cached, min(self._prefill_end(s), lane.cached + chunk))
                         r = lane.slot if full else row
                         slots[r] = lane.slot
                         tokens[r, : len(new)] = new
@@ -503,10 +566,8 @@ class Engine:
                         args = (slots, tokens, mask, reset)
                         self.cache = self._programs.prefill(self.params, self.cache, *args, attend_len=live)
                     calls.append(chunk)
-            work = [s for s in work if lanes[s.id].cached < len(s) - 1]
-        st.prefill_calls = len(calls)
-        if calls:
-            jax.block_until_ready(self.cache.lengths)
+            work = [s for s in work if lanes[s.id].cached < self._prefill_end(s)]
+        st.prefill_calls += len(calls)
 
     def _decode_round(self, st: StepStats) -> None:
         n = self.num_slots

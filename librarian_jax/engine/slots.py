@@ -220,6 +220,27 @@ def decode(
     return _constrain(cache_lib.merge_live(full_cache, c["cache"]), cache_sharding), out
 
 
+def copy_slots(cache: Any, src: jax.Array, dst: jax.Array, *, cache_sharding: tuple | None = None) -> Any:
+    """Copies whole slot rows (every leaf: K/V, conv and recurrent state, ``lengths``): row ``dst[i]`` becomes
+    row ``src[i]``. Prefix sharing uses it to hand one slot's prefilled prompt prefix to others.
+
+    Args:
+      cache: the slot cache; donated.
+      src, dst: int32 ``[k]``; a ``dst >= num_slots`` is a padding row (ignored); no ``dst`` is a ``src``.
+    Returns:
+      The updated slot cache.
+    """
+    rows = jax.tree.map(lambda x: jnp.take(x, src, axis=0, mode="clip"), cache)
+    cache = jax.tree.map(lambda full, r: full.at[dst].set(r, mode="drop"), cache, rows)
+    return _constrain(cache, cache_sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def copy_program(cache_sharding: tuple | None) -> Callable[..., Any]:
+    """``copy_slots`` jitted with the cache donated: ``(cache, src, dst) -> cache``."""
+    return jax.jit(functools.partial(copy_slots, cache_sharding=cache_sharding), donate_argnums=(0,))
+
+
 class Programs(NamedTuple):
     """``prefill(params, cache, slots, tokens, mask, reset) -> cache``,
     ``prefill_all(params, cache, tokens, mask, reset) -> cache`` and
