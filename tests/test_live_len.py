@@ -19,8 +19,8 @@ from librarian_jax.engine import engine as engine_mod
 from librarian_jax.models import cache as cache_lib
 
 CONFIG = models.get_preset(
-    "tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
-    head_dim=8, layer_types=("full_attention",) * 2, dtype="float32", param_dtype="float32",
+    "tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=8, num_kv_heads=4,
+    head_dim=8, layer_types=("full_attention",), dtype="float32", param_dtype="float32",
 )
 KW = dict(num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16,))
 PROMPTS = [list(range(1 + i, 4 + 5 * i)) for i in range(8)]  # 3..38 tokens
