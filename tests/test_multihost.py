@@ -5,7 +5,8 @@ process x 8 devices.
 - an uninterrupted 2-process run of 4 steps, started through `launch/gpu_multinode.sh --local=2`;
 - a 2-process run whose process 1 is killed (SIGKILL) in step 3: process 0 stops on its own within the
   heartbeat timeout, naming the dead process; both restarted, they resume from step 2 (the last step every
-  process committed) and reach step 4 with exactly the uninterrupted run's params;
+  process committed) and reach step 4 with the uninterrupted run's episodes and params (the params up to the
+  launch-to-launch summation order of XLA:CPU's reductions, ~1e-6);
 - a 1-process 8-device run of the same 4 steps (same seed, same global batch): the same episodes and, up to
   the order of the gradient all-reduce, the same params.
 
@@ -32,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
 STEPS = 4
 HEARTBEAT_S = 10
+TOL = 2e-5  # params: the launch-to-launch summation order of XLA:CPU's reductions (see the test)
 
 
 def _flags(workdir: str) -> list[str]:
@@ -94,11 +96,12 @@ def _committed(workdir: str) -> list[int]:
                   and os.path.exists(os.path.join(d, n, "commit_success.txt"))) if os.path.isdir(d) else []
 
 
-def _params(workdir: str, step: int) -> list[np.ndarray]:
+def _params(workdir: str, step: int | None) -> list[np.ndarray]:
+    """The params of a run's checkpoint `step` (None: `workdir` is a step directory, e.g. the fixture)."""
     import jax
     import orbax.checkpoint as ocp
 
-    path = os.path.join(workdir, "checkpoints", str(step), "params")
+    path = os.path.join(workdir, *(["checkpoints", str(step)] if step is not None else []), "params")
     with ocp.StandardCheckpointer() as c:
         meta = c.metadata(path)
         tree = getattr(meta, "item_metadata", meta)
@@ -118,6 +121,9 @@ def _episodes(workdir: str, step: int) -> list[tuple]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LIBRARIAN_JAX_MULTIHOST_TEST") != "1",
+                    reason="4 launches of main, 7-8 min on 2 loaded CPU cores: more than the suite's budget; "
+                           "run with LIBRARIAN_JAX_MULTIHOST_TEST=1")
 def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path):
     cache = str(tmp_path / "jax_cache")
     # 1. uninterrupted, 2 processes through the launcher's --local mode (GPU ids are moot on the CPU)
@@ -162,16 +168,20 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     assert "stopped sending heartbeats" in text0 or "heartbeat timeout" in text0, text0[-3000:]
     assert "Task 1 heartbeat timeout" in text0 or "heartbeats):\n1" in text0, text0[-3000:]  # names process 1
     assert _committed(resumed)[-1] == 2
-    # 3. restart both: resume from step 2, reach step 4, exactly where the uninterrupted run got
+    # 3. restart both: resume from step 2, reach step 4 where the uninterrupted run got: the same episodes
+    # (data order, RNG, sampled tokens) and the same params up to the summation order of XLA:CPU's device
+    # reductions, which is not fixed from one launch to the next: two launches of the same 2-process run
+    # (with or without a restart) give one of two values in the last bits (seen: max |diff| 2.5e-6 at step 4)
     port = _free_port()
     logs = [str(tmp_path / f"restart.p{i}.log") for i in range(2)]
     _wait([_start(resumed, cache, i, port, logs[i]) for i in range(2)], logs)
     with open(logs[0]) as f:
         assert "resumed from step 2" in f.read()
     assert _committed(resumed)[-1] == STEPS
-    assert _episodes(resumed, STEPS) == _episodes(full, STEPS)
+    for step in (3, STEPS):
+        assert _episodes(resumed, step) == _episodes(full, step), step
     for a, b in zip(_params(resumed, STEPS), _params(full, STEPS), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
 
     # 4. one process, 8 devices, same seed and global batch: the same episodes, the same params up to the
     # summation order of the gradient all-reduce (XLA's in-process reduction vs gloo's across processes;
@@ -182,11 +192,11 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     for step in range(1, STEPS + 1):
         assert _episodes(single, step) == _episodes(full, step), step
     for a, b in zip(_params(single, STEPS), _params(full, STEPS), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
-    # ... a tolerance far below what one update moves
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(_params(full, STEPS), _params(full, STEPS - 1),
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL)  # seen: 2.3e-6
+    # ... a tolerance far below what the 4 updates moved the params (seen: 5.3e-4)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(_params(full, STEPS), _params(FIXTURE, None),
                                                              strict=True))
-    assert moved > 1e-3, moved
+    assert moved > 10 * TOL, moved
     print(f"process 0 stopped {stopped_in:.1f}s after process 1 was killed")  # noqa: T201
 
 
