@@ -64,6 +64,7 @@ def main(argv: list[str]) -> None:
 
     from librarian_jax import compile_cache
     from librarian_jax.agents import AnswererConfig, BuilderConfig, prompt_text
+    from librarian_jax.bench.common import load_average
     from librarian_jax.data.synthetic import generate_world, world_texts
     from librarian_jax.engine import Engine
     from librarian_jax.models import Transformer, get_preset
@@ -109,10 +110,10 @@ def main(argv: list[str]) -> None:
     p, fz = _engine_summary("policy", policy, wall), _engine_summary("frozen", frozen, wall)
     sampled = p["tokens_decoded"] + fz["tokens_decoded"]
     prefilled = p["prefill_tokens"] + fz["prefill_tokens"]
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"rollout batch: B={f.num_tasks} x G={f.group_size} episodes, H={f.max_turns}, Q={f.questions}, "
-        f"R={f.repeats}, preset={f.preset}; load average {load:.2f}; compilation cache {cache_dir or 'off'}"
+        f"R={f.repeats}, preset={f.preset}; load average {load_average()}; "
+        f"compilation cache {cache_dir or 'off'}"
     )
     print(f"  first batch {warm:.1f}s = compile {max(warm - wall, 0.0):.1f}s + run; timed batch {wall:.1f}s")
     print(
