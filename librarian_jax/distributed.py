@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -284,16 +285,15 @@ def barrier(name: str) -> None:
 
 def episode_files(directory: str, step: int) -> list[str]:
     """Every process's episode records of `step` in `directory` (`step_N.jsonl` from process 0,
-    `step_N.pK.jsonl` from process K), in process order: read them together as the step's one set."""
-    import glob
-
-    def order(path: str) -> int:
-        tail = os.path.basename(path)[len(f"step_{step}"):]
-        return 0 if tail == ".jsonl" else int(tail.split(".")[1][1:])
-
-    files = glob.glob(os.path.join(directory, f"step_{step}.jsonl"))
-    files += glob.glob(os.path.join(directory, f"step_{step}.p*.jsonl"))
-    return sorted(files, key=order)
+    `step_N.pK.jsonl` from process K), in process order: read them together as the step's one set. Other
+    files (e.g. `step_N.partial.jsonl`) are not the step's records and are left out."""
+    pattern = re.compile(rf"step_{step}(?:\.p([0-9]+))?\.jsonl")
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        m = pattern.fullmatch(name)
+        if m:
+            found.append((int(m.group(1) or 0), os.path.join(directory, name)))
+    return [path for _, path in sorted(found)]
 
 
 def read_step_records(directory: str, step: int) -> list[Any]:

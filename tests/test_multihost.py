@@ -239,7 +239,8 @@ def test_one_process_is_its_own_local_mesh_and_reads_its_episode_files_in_order(
     assert local is mesh and hybrid.axis_names[0] == "proc" and hybrid.devices.shape[0] == 1
     assert distributed.process_slice(4) == slice(0, 4)
     assert distributed.allgather_json({"a": 1}) == [{"a": 1}]
-    for name in ("step_3.p10.jsonl", "step_3.p2.jsonl", "step_3.jsonl", "step_30.jsonl", "step_3.p1.jsonl"):
+    for name in ("step_3.p10.jsonl", "step_3.p2.jsonl", "step_3.jsonl", "step_30.jsonl", "step_3.p1.jsonl",
+                 "step_3.partial.jsonl", "step_3.p.jsonl", "step_3.p1.jsonl.tmp"):  # the last three: strays
         (tmp_path / name).write_text("")
     assert [os.path.basename(p) for p in distributed.episode_files(str(tmp_path), 3)] == \
         ["step_3.jsonl", "step_3.p1.jsonl", "step_3.p2.jsonl", "step_3.p10.jsonl"]
