@@ -14,11 +14,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
 
 # Lowest first (DESIGN.md "Layers" and "Where the code refines this map"). A module belongs to the layer of
 # its longest matching prefix. `segment` (the rollout -> rl record), `data` (schema, loaders, the
-# synthetic world, grain pipelines) and `compile_cache` (JAX's persistent cache switch) import nothing above
-# them, so every layer may read them; `data.demos` runs scripted builders through rollout, so it sits at the
-# top with the commands.
+# synthetic world, grain pipelines), `compile_cache` (JAX's persistent cache switch) and `storage` (local or
+# gs:// paths) import nothing above them, so every layer may read them; `data.demos` runs scripted builders
+# through rollout, so it sits at the top with the commands.
 LAYERS: list[tuple[str, ...]] = [
-    ("segment", "data", "compile_cache"),
+    ("segment", "data", "compile_cache", "storage"),
     ("models",),
     ("tokenizers",),
     ("engine",),
