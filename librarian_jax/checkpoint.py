@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import shutil
 import time
 from typing import Any
 
@@ -37,6 +35,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
+
+from librarian_jax import storage
 
 COMMIT_MARKER = "commit_success.txt"
 INCOMPLETE_DIR = "_incomplete"
@@ -109,20 +109,18 @@ def rng_from_json(d: dict[str, Any]) -> jax.Array:
 
 def is_committed(step_dir: str) -> bool:
     """True when orbax finished the step: a `<step>` directory (not a tmp dir) holding the commit marker
-    (orbax 0.12.8 writes `commit_success.txt` last, on every filesystem)."""
-    name = os.path.basename(step_dir.rstrip("/"))
-    return bool(_STEP_RE.match(name)) and os.path.exists(os.path.join(step_dir, COMMIT_MARKER))
+    (orbax 0.12.8 writes `commit_success.txt` last, on every filesystem, `gs://` included)."""
+    name = storage.basename(step_dir)
+    return bool(_STEP_RE.match(name)) and storage.exists(storage.join(step_dir, COMMIT_MARKER))
 
 
 def quarantine_incomplete(directory: str) -> list[str]:
     """Moves every half-written step (no commit marker, or an orbax tmp dir) of `directory` under
     `_incomplete/`, with a warning each. Returns the moved names. Only process 0 touches the filesystem."""
-    if not os.path.isdir(directory):
-        return []
     moved = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name == INCOMPLETE_DIR or not os.path.isdir(path):
+    for name in storage.listdir(directory):
+        path = storage.join(directory, name)
+        if name == INCOMPLETE_DIR or not storage.isdir(path):
             continue
         is_tmp = ".orbax-checkpoint-tmp" in name
         if not is_tmp and not _STEP_RE.match(name):
@@ -133,9 +131,7 @@ def quarantine_incomplete(directory: str) -> list[str]:
         logging.warning("checkpoint %s is incomplete (%s); skipping it and moving it to %s/", path,
                         "orbax tmp dir" if is_tmp else f"no {COMMIT_MARKER}", INCOMPLETE_DIR)
         if jax.process_index() == 0:
-            dest = os.path.join(directory, INCOMPLETE_DIR, f"{name}.{time.time_ns()}")
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.move(path, dest)
+            storage.move(path, storage.join(directory, INCOMPLETE_DIR, f"{name}.{time.time_ns()}"))
     return moved
 
 
@@ -148,9 +144,9 @@ class Checkpointer:
             raise ValueError(f"checkpoint.save_every must be >= 1, got {save_every}")
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.abspath(directory)  # a local path or a URL (gs://...)
         self.save_every = save_every
-        os.makedirs(self.directory, exist_ok=True)
+        storage.makedirs(self.directory)
         quarantine_incomplete(self.directory)
         if jax.process_count() > 1:  # every process sees the same directory before orbax lists it
             from jax.experimental import multihost_utils
@@ -159,12 +155,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
                                                enable_async_checkpointing=async_save, create=True,
                                                async_options=ocp.options.AsyncOptions(timeout_secs=sync_timeout_s))
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self.manager = ocp.CheckpointManager(storage.path(self.directory), options=options, item_names=ITEMS)
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
         return sorted(s for s in self.manager.all_steps()
-                      if is_committed(os.path.join(self.directory, str(s))))
+                      if is_committed(storage.join(self.directory, str(s))))
 
     def should_save(self, step: int) -> bool:
         return step % self.save_every == 0
@@ -212,9 +208,8 @@ class Checkpointer:
                 if step is not None:
                     raise
                 if jax.process_index() == 0:
-                    dest = os.path.join(self.directory, INCOMPLETE_DIR, f"{s}.{time.time_ns()}")
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    shutil.move(os.path.join(self.directory, str(s)), dest)
+                    storage.move(storage.join(self.directory, str(s)),
+                                 storage.join(self.directory, INCOMPLETE_DIR, f"{s}.{time.time_ns()}"))
                 self.manager.reload()
                 continue
             meta = dict(out["meta"])
@@ -237,17 +232,17 @@ def restore_params(path: str, target: Any) -> Any:
     """Reads the `params` item of an Orbax checkpoint into `target`'s structure (e.g. `nnx.state(model,
     nnx.Param)`). `path` is a run's checkpoint directory (its newest committed step is used) or one step
     directory. Used for initial weights (`model.init_from = "orbax"`)."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = storage.abspath(path)
+    if not storage.isdir(path):
         raise FileNotFoundError(f"orbax checkpoint {path} does not exist")
-    if os.path.isdir(os.path.join(path, "params")):
+    if storage.isdir(storage.join(path, "params")):
         step_dir = path
     else:
-        steps = sorted(int(n) for n in os.listdir(path)
-                       if _STEP_RE.match(n) and is_committed(os.path.join(path, n)))
+        steps = sorted(int(n) for n in storage.listdir(path)
+                       if _STEP_RE.match(n) and is_committed(storage.join(path, n)))
         if not steps:
             raise FileNotFoundError(f"orbax checkpoint directory {path} holds no committed step")
-        step_dir = os.path.join(path, str(steps[-1]))
+        step_dir = storage.join(path, str(steps[-1]))
     with ocp.StandardCheckpointer() as ckptr:
-        pure = ckptr.restore(os.path.join(step_dir, "params"), _abstract(_convert(target)))
+        pure = ckptr.restore(storage.path(storage.join(step_dir, "params")), _abstract(_convert(target)))
     return _from_pure(target, pure)

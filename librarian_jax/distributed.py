@@ -27,6 +27,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
+from librarian_jax import storage
+
 # Environment knobs (the launch scripts pass them with --env=KEY=VALUE; launch/README.md).
 HEARTBEAT_ENV = "LIBRARIAN_HEARTBEAT_TIMEOUT_S"  # a process silent this long is declared dead (all stop)
 INIT_TIMEOUT_ENV = "LIBRARIAN_INIT_TIMEOUT_S"  # how long processes wait for each other at start
@@ -283,24 +285,48 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def episode_file(directory: str, step: int, process: int | None = None) -> str:
+    """Where `process` (default: this one) writes its episode records of `step`: `step_N.jsonl` (process 0)
+    or `step_N.pK.jsonl` (process K), in `directory` (a local path or a URL such as `gs://...`)."""
+    process = jax.process_index() if process is None else int(process)
+    return storage.join(directory, f"step_{step}{f'.p{process}' if process else ''}.jsonl")
+
+
+def write_step_records(directory: str, step: int, records: Sequence[Any]) -> str:
+    """This process's episode records of `step`, one JSON object a line (as `rollout.write_jsonl`), through
+    `storage` (so a `gs://` workdir works). Returns the file."""
+    path = episode_file(directory, step)
+    storage.write_text(path, "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in records))
+    return path
+
+
 def episode_files(directory: str, step: int) -> list[str]:
     """Every process's episode records of `step` in `directory` (`step_N.jsonl` from process 0,
     `step_N.pK.jsonl` from process K), in process order: read them together as the step's one set. Other
     files (e.g. `step_N.partial.jsonl`) are not the step's records and are left out."""
     pattern = re.compile(rf"step_{step}(?:\.p([0-9]+))?\.jsonl")
     found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+    for name in storage.listdir(directory):
         m = pattern.fullmatch(name)
         if m:
-            found.append((int(m.group(1) or 0), os.path.join(directory, name)))
+            found.append((int(m.group(1) or 0), storage.join(directory, name)))
     return [path for _, path in sorted(found)]
 
 
 def read_step_records(directory: str, step: int) -> list[Any]:
     """The episode records of `step` from every process's file, task-major in global order."""
-    from librarian_jax.rollout import read_jsonl
+    from librarian_jax.rollout import EpisodeRecord
 
-    return [r for f in episode_files(directory, step) for r in read_jsonl(f)]
+    out = []
+    for f in episode_files(directory, step):
+        for line_no, line in enumerate(storage.read_text(f).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(EpisodeRecord.from_dict(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{f}:{line_no}: bad episode record: {e}") from None
+    return out
 
 
 def offsets(counts: Sequence[int]) -> list[int]:

@@ -27,7 +27,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from librarian_jax import config_validation
+from librarian_jax import config_validation, storage
 
 # Defined once per process: `python -m librarian_jax.main` runs this file as `__main__`, and the commands
 # import `librarian_jax.main` again for its building blocks; the second import must not define them twice.
@@ -121,9 +121,9 @@ SPLIT_FILE = "split.json"
 def write_split(workdir: str, train: list[Any], heldout: list[Any]) -> str:
     """Records the run's train / held-out task ids in `workdir/split.json`, so evaluation uses exactly the
     held-out tasks this run never trained on (never a re-derived split)."""
-    path = os.path.join(workdir, SPLIT_FILE)
-    with open(path, "w") as f:
-        json.dump({"train": [t.task_id for t in train], "heldout": [t.task_id for t in heldout]}, f, indent=1)
+    path = storage.join(workdir, SPLIT_FILE)
+    storage.write_text(path, json.dumps({"train": [t.task_id for t in train],
+                                         "heldout": [t.task_id for t in heldout]}, indent=1))
     return path
 
 
@@ -135,12 +135,36 @@ def build_tokenizer(config: Any, tasks: list[Any], extra_texts: list[str] | None
     from librarian_jax.agents import prompt_text
 
     if config.model.tokenizer:
-        return tokenizers.load_tokenizer(config.model.tokenizer)
+        return tokenizers.load_tokenizer(local_file(config.model.tokenizer, "tokenizer"))
     if config.model.init == "hf":
         return tokenizers.load_tokenizer(config.model.path)
-    cache = os.path.join(config.workdir, "tokenizer")
+    cache = storage.join(config.workdir, "tokenizer")
     texts = data.world_texts(tasks) + prompt_text.all_texts() + list(extra_texts or [])
-    return tokenizers.cached_tokenizer(texts, cache, config.model.tokenizer_vocab_size)
+    # SentencePiece reads and writes local files: a remote workdir's cache is mirrored in a local directory
+    # (models there first copied down, so a restart on another host does not train again; a new one up)
+    local = storage.local_cache_dir(cache, "tokenizer")
+    remote = local != cache
+    if remote:
+        for name in storage.listdir(cache):
+            if name.endswith(".model") and not os.path.exists(os.path.join(local, name)):
+                storage.copy_file(storage.join(cache, name), os.path.join(local, name))
+    tokenizer = tokenizers.cached_tokenizer(texts, local, config.model.tokenizer_vocab_size)
+    if remote and jax.process_index() == 0:
+        for name in sorted(os.listdir(local)):
+            if name.endswith(".model") and not storage.exists(storage.join(cache, name)):
+                storage.copy_file(os.path.join(local, name), storage.join(cache, name))
+    return tokenizer
+
+
+def local_file(path: str, purpose: str) -> str:
+    """`path` itself when local; a remote file (`gs://...`) copied once into a local cache directory (for
+    readers that need a local file, e.g. SentencePiece)."""
+    if not storage.is_remote(path):
+        return path
+    local = os.path.join(storage.local_cache_dir(storage.dirname(path), purpose), storage.basename(path))
+    if not os.path.exists(local):
+        storage.copy_file(path, local)
+    return local
 
 
 def build_model(config: Any, mesh: Any, tokenizer: Any) -> Any:
@@ -530,12 +554,11 @@ def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
             if packing is not None:
                 sft_config.data.packing = packing
                 sft_config.data.path = ""
-        sft_config.workdir = os.path.join(config.workdir, WARM_START_DIR)
-    done = os.path.join(sft_config.workdir, "sft_summary.json")
+        sft_config.workdir = storage.join(config.workdir, WARM_START_DIR)
+    done = storage.join(sft_config.workdir, "sft_summary.json")
     summary: dict[str, Any] | None = None
-    if os.path.isfile(done):
-        with open(done) as f:
-            summary = json.load(f)
+    if storage.isfile(done):
+        summary = json.loads(storage.read_text(done))
         if summary.get("last_step") != sft_config.train.num_steps:
             summary = None
     t0 = time.perf_counter()
@@ -546,14 +569,13 @@ def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
     else:
         logging.info("warm start: done earlier (%s); GRPO starts from its checkpoint", done)
     summary = {**summary, "this_run_s": time.perf_counter() - t0}
-    tokenizers_dir = os.path.join(sft_config.workdir, "tokenizer")
-    models = sorted(n for n in os.listdir(tokenizers_dir) if n.endswith(".model")) \
-        if os.path.isdir(tokenizers_dir) else []
+    tokenizers_dir = storage.join(sft_config.workdir, "tokenizer")
+    models = [n for n in storage.listdir(tokenizers_dir) if n.endswith(".model")]
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.init = "orbax"
-    config.model.path = os.path.join(sft_config.workdir, "checkpoints")
+    config.model.path = storage.join(sft_config.workdir, "checkpoints")
     if models and not config.model.tokenizer:
-        config.model.tokenizer = os.path.join(tokenizers_dir, models[-1])
+        config.model.tokenizer = storage.join(tokenizers_dir, models[-1])
     config.warm_start.enabled = False
     return config, summary
 
@@ -562,31 +584,31 @@ def run(config: Any) -> dict[str, Any]:
     """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
     from tensorboardX import SummaryWriter
 
-    from librarian_jax import checkpoint, distributed, rollout
+    from librarian_jax import checkpoint, distributed
 
     t_start = time.perf_counter()
     config_validation.validate(config)
     logging.info("%s", describe(config))
-    workdir = config.workdir
-    os.makedirs(workdir, exist_ok=True)
+    workdir = storage.abspath(config.workdir)  # a local directory or a URL (gs://...): launch/README.md
+    storage.makedirs(workdir)
     primary = jax.process_index() == 0
     sft_summary: dict[str, Any] = {}
     if config.warm_start.enabled:
         config, sft_summary = warm_start(config)
         config_validation.validate(config)
     if primary:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     state = build(config)
     if primary:
         write_split(workdir, state.train_tasks, state.heldout)
-    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
+    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     if config.checkpoint.resume:
         resume(state, ck)
     start, num_steps = state.step, config.train.num_steps
-    writer = SummaryWriter(os.path.join(workdir, "tb")) if primary else None
+    # tensorboardX writes gs:// itself (google-cloud-storage), a local path as files
+    writer = SummaryWriter(storage.join(workdir, "tb")) if primary else None
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
     metrics: dict[str, float] = {}
     curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
@@ -605,8 +627,8 @@ def run(config: Any) -> dict[str, Any]:
                     if np.isfinite(v):
                         writer.add_scalar(k, v, step)
                 writer.flush()
-            suffix = "" if primary else f".p{jax.process_index()}"  # each process: its own tasks' episodes
-            rollout.write_jsonl(os.path.join(workdir, "episodes", f"step_{step}{suffix}.jsonl"), records)
+            # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
+            distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
             due = step == num_steps or ck.should_save(step)
             data_state = state.data_iter.get_state()
             # each process's iterator state (a collective, so every process takes the same branch)
@@ -617,7 +639,7 @@ def run(config: Any) -> dict[str, Any]:
         ck.close()
         if writer is not None:
             writer.close()
-    learning = reward_curve(curve, os.path.join(workdir, "reward_curve.png") if primary else None)
+    learning = reward_curve(curve, storage.join(workdir, "reward_curve.png") if primary else None)
     if learning:
         logging.info("reward curve: %s", learning["line"])
     final: dict[str, Any] = {}
@@ -638,8 +660,7 @@ def run(config: Any) -> dict[str, Any]:
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
                  state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
     if primary:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        storage.write_text(storage.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
@@ -671,7 +692,8 @@ def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict
         ax.set_title(out["line"], fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(png, dpi=120)
+        with storage.writing(png) as f:
+            fig.savefig(f, dpi=120, format="png")
         plt.close(fig)
         out["png"] = png
     return out
@@ -688,7 +710,7 @@ def final_evaluation(workdir: str, methods: str, name: str = "final", **override
     logging.info("held-out evaluation, %s (%s/eval/%s/report.md):\n%s", how, workdir, name, table)
     if jax.process_index() == 0:
         print(f"held-out evaluation, {how}:\n{table}")  # noqa: T201 - the run's closing answer
-    return {"methods": methods, "report": os.path.join(workdir, "eval", name, "report.md"),
+    return {"methods": methods, "report": storage.join(workdir, "eval", name, "report.md"),
             "accuracy": results["accuracy"]}
 
 

@@ -1,0 +1,97 @@
+"""`gs://` workdirs (issue 14): checkpoints (Orbax/tensorstore), their bookkeeping (commit markers,
+half-written steps, initial weights) and the helpers every command's outputs go through, on a GCS emulator
+(tests/gcs_emulator.py, no network). The main command on a `gs://` workdir, with 2 processes writing to it,
+is tests/test_multihost.py's fast test. Each test runs from an empty working directory and checks that
+nothing was written there: the old `os.path` code silently wrote `gs://bkt/x` to a local `gs:/bkt/x`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from gcs_emulator import gcs_emulator, list_objects
+
+from librarian_jax import checkpoint, distributed, models, storage
+from librarian_jax.rl import train_step as ts
+
+BUCKET = "librarian-test"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with gcs_emulator(BUCKET) as env:
+        yield env
+
+
+@pytest.fixture
+def in_empty_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert os.listdir(tmp_path) == [], "a gs:// path was written to the local disk"
+
+
+def _model() -> models.Transformer:
+    cfg = models.get_preset("tiny", vocab_size=16, num_layers=1, hidden_size=32, intermediate_size=64,
+                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
+    return models.Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_checkpoints_save_restore_and_skip_half_written_steps_on_gs(gcs, in_empty_dir):
+    d = f"gs://{BUCKET}/run/checkpoints"
+    trainer = ts.Trainer(_model(), ts.TrainConfig())
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=3, async_save=True)
+    saved = {}
+    for step in (1, 2):
+        params = jax.tree.map(lambda x, s=step: x + s, trainer.params)
+        saved[step] = _leaves(params)
+        assert ck.save(step, params=params, opt_state=trainer.opt_state, rng=jax.random.key(step),
+                       data_state={"step": step})
+    ck.wait()
+    assert ck.steps() == [1, 2]
+    names = list_objects(d)
+    assert f"{BUCKET}/run/checkpoints/2/{checkpoint.COMMIT_MARKER}" in names
+    assert any(n.startswith(f"{BUCKET}/run/checkpoints/2/params/") for n in names)  # tensorstore's arrays
+    ck.close()
+    # a step that died half-way (objects but no commit marker): skipped, moved under _incomplete/
+    storage.write_text(f"{d}/3/params/_METADATA", "{}")
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=3)
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert restored.step == 2 and restored.data_state == {"step": 2}
+    for a, b in zip(_leaves(restored.params), saved[2], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(2)))
+    moved = storage.listdir(f"{d}/{checkpoint.INCOMPLETE_DIR}")
+    assert len(moved) == 1 and moved[0].startswith("3."), moved
+    assert not storage.exists(f"{d}/3")
+    # initial weights from a gs:// run (its newest committed step)
+    fresh = _model()
+    nnx.update(fresh, checkpoint.restore_params(d, nnx.state(fresh, nnx.Param)))
+    for a, b in zip(_leaves(nnx.state(fresh, nnx.Param)), saved[2], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_episode_records_and_text_files_round_trip_on_gs(gcs, in_empty_dir):
+    from librarian_jax.rollout import EpisodeRecord
+
+    d = f"gs://{BUCKET}/run/episodes"
+    rec = EpisodeRecord(task_id="t", group_id=0, episode_index=0, segments=[], turn_rewards=[],
+                        terminal_reward=0.5, total_reward=0.5, stopped=True)
+    assert distributed.write_step_records(d, 1, [rec, rec]) == f"{d}/step_1.jsonl"
+    storage.write_text(f"{d}/step_1.p1.jsonl", storage.read_text(f"{d}/step_1.jsonl"))
+    storage.write_text(f"{d}/step_1.partial.jsonl", "not records")
+    assert distributed.episode_files(d, 1) == [f"{d}/step_1.jsonl", f"{d}/step_1.p1.jsonl"]
+    assert [r.total_reward for r in distributed.read_step_records(d, 1)] == [0.5] * 4
+    assert storage.is_remote(d) and not storage.is_remote("/tmp/x") and not storage.is_remote("rel/x")
+    assert storage.join("gs://b/run/", "eval", "x") == "gs://b/run/eval/x"
+    assert storage.isdir(d) and storage.isfile(f"{d}/step_1.jsonl") and not storage.isfile(d)
+    local = storage.local_cache_dir(d, "episodes")
+    assert local != d and os.path.isabs(local) and not local.startswith(str(in_empty_dir))
