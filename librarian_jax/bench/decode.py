@@ -14,9 +14,19 @@ sampling or cache updates.
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
 steady state's ratio to the limit and to transformers.
+
+When ``google-tunix`` imports (e.g. a venv with ``pip install google-tunix`` and this package), a Tunix column
+runs Tunix's ``Sampler`` (``tunix.generate``) on Tunix's Qwen3 holding the same weights (mapped from ours),
+greedy, on the same prompts; its calls alternate with ours, and the line says in how many rows the two
+produced the same tokens. Without tunix the line says it was not measured.
 """
 
 from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +35,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import compile_cache, models
-from librarian_jax.bench.common import best_time, first_and_best, load_average
+from librarian_jax.bench.common import best_time, load_average
 from librarian_jax.engine import generate
 
 FLAGS = flags.FLAGS
@@ -119,6 +129,114 @@ def hf_seconds(
     return best_time(run, repeats)[0]
 
 
+class _IdTokenizer:
+    """The tokenizer Tunix's ``Sampler`` asks for, over token ids written as decimal text: ``encode("5 17")
+    == [5, 17]``. No BOS (``bos_id`` None); ``pad_id`` is ``vocab_size``, an id no prompt or model output
+    holds (Tunix masks every buffer position equal to it, generated tokens included)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return " ".join(str(i) for i in ids)
+
+    def bos_id(self) -> None:
+        return None
+
+    def eos_id(self) -> int:
+        return -1
+
+    def pad_id(self) -> int:
+        return self.vocab_size
+
+
+def tunix_generate(
+    model: models.Transformer, max_prompt_len: int, new_tokens: int
+) -> tuple[Callable[[np.ndarray], list[list[int]]] | None, str]:
+    """Tunix's ``Sampler`` (``tunix.generate``) over Tunix's Qwen3 holding ``model``'s weights.
+
+    Args:
+      model: our Qwen3-style ``Transformer`` (qk-norm, untied or tied embeddings, no sliding window).
+      max_prompt_len: the longest prompt (shorter ones are left-padded to it, one compiled program).
+      new_tokens: new tokens per row.
+    Returns:
+      ``(run, version)``: ``run(prompts int [batch, prompt_len]) -> new tokens per row`` (greedy, no stop
+      id), or ``(None, why)`` when tunix does not import or the model is not a plain Qwen3.
+    """
+    try:
+        import tunix
+        from tunix.generate import sampler as tunix_sampler
+        from tunix.models.qwen3 import model as tunix_qwen3
+    except ImportError as e:
+        return None, f"not importable in this python ({e.name})"
+    c = model.config
+    if c.model_type != "qwen3" or c.num_experts or not c.qk_norm or c.attn_output_gate:
+        return None, f"no Tunix Qwen3 for model_type {c.model_type}"
+    tcfg = tunix_qwen3.ModelConfig(
+        num_layers=c.num_layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
+        hidden_dim=c.intermediate_size, num_heads=c.num_heads, head_dim=c.head_dim,
+        num_kv_heads=c.num_kv_heads, rope_theta=int(c.rope_theta), norm_eps=c.rms_norm_eps,
+        use_tied_embedding=c.tie_embeddings, dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype,
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    with mesh:
+        tm = tunix_qwen3.Qwen3(tcfg, rngs=nnx.Rngs(0))
+    e, h, kvh, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    tm.embedder.input_embedding.value = model.embed_tokens.embedding[...]
+    if not c.tie_embeddings:
+        tm.lm_head.w.value = model.lm_head.kernel[...]
+    tm.final_norm.w.value = model.norm.weight[...]
+    for ours, theirs in zip(model.layers, tm.layers, strict=True):
+        a, ta = ours.self_attn, theirs.attn
+        ta.q_proj.w.value = a.q_proj.kernel[...].reshape(e, h, d)
+        ta.k_proj.w.value = a.k_proj.kernel[...].reshape(e, kvh, d)
+        ta.v_proj.w.value = a.v_proj.kernel[...].reshape(e, kvh, d)
+        ta.o_proj.w.value = a.o_proj.kernel[...].reshape(h, d, e)
+        ta.q_norm.w.value = a.q_norm.weight[...]
+        ta.k_norm.w.value = a.k_norm.weight[...]
+        theirs.input_layernorm.w.value = ours.input_layernorm.weight[...]
+        theirs.post_attention_layernorm.w.value = ours.post_attention_layernorm.weight[...]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(theirs.mlp, name).kernel.value = getattr(ours.mlp, name).kernel[...]
+    sampler = tunix_sampler.Sampler(
+        tm, _IdTokenizer(c.vocab_size),
+        tunix_sampler.CacheConfig(cache_size=max_prompt_len + new_tokens, num_layers=c.num_layers,
+                                  num_kv_heads=kvh, head_dim=d),
+    )
+
+    def run(prompts: np.ndarray) -> list[list[int]]:
+        out = sampler(
+            [" ".join(str(int(t)) for t in row) for row in prompts],
+            max_generation_steps=new_tokens, max_prompt_length=max_prompt_len, temperature=0.0,
+            eos_tokens=[-1],
+        )
+        return [np.asarray(t).tolist() for t in out.tokens]
+
+    return run, f"tunix {getattr(tunix, '__version__', '?')}"
+
+
+def alternate_best(
+    fns: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, tuple[float, float, Any]]:
+    """Per name (first call's wall time, best of ``repeats`` further calls, the last call's result), the
+    calls of different names alternating so that a change of the shared machine's load hits them alike."""
+    first, out = {}, {}
+    for name, fn in fns.items():
+        t = time.perf_counter()
+        out[name] = fn()
+        first[name] = time.perf_counter() - t
+    best = dict(first) if repeats < 1 else dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: (first[name], best[name], out[name]) for name in fns}
+
+
 def main(argv: list[str]) -> None:
     del argv
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)
@@ -130,16 +248,23 @@ def main(argv: list[str]) -> None:
         f"{FLAGS.new_tokens} new tokens, greedy, {jax.devices()[0].platform} x{jax.device_count()}, "
         f"load average before {load_average()}; compilation cache {cache_dir or 'off'}"
     ]
+    tunix_run, tunix_note = tunix_generate(model, FLAGS.prompt_len, FLAGS.new_tokens)
+    lines.append(f"Tunix sampler: {'' if tunix_run else 'not measured, '}{tunix_note}")
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in FLAGS.batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.prompt_len))
         tokens = batch * FLAGS.new_tokens
 
-        def ours(prompts: np.ndarray = prompts) -> None:
+        def ours(prompts: np.ndarray = prompts) -> list[list[int]]:
             out = generate(model, prompts.tolist(), FLAGS.new_tokens)
             assert all(len(o) == FLAGS.new_tokens for o in out)
+            return out
 
-        t_first, t_ours = first_and_best(ours, FLAGS.repeats)
+        fns: dict[str, Callable[[], Any]] = {"ours": ours}
+        if tunix_run is not None:
+            fns["tunix"] = functools.partial(tunix_run, prompts)
+        times = alternate_best(fns, FLAGS.repeats)
+        t_first, t_ours, ours_out = times["ours"]
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
         t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats)
         line = (
@@ -152,6 +277,13 @@ def main(argv: list[str]) -> None:
             line += " | transformers: not measured (torch/transformers not importable in this python)"
         else:
             line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
+        if tunix_run is not None:
+            tunix_first, t_tunix, tunix_out = times["tunix"]
+            same = sum(a == b for a, b in zip(ours_out, tunix_out, strict=True))
+            line += (
+                f" | Tunix {tokens / t_tunix:9.1f} tok/s (ours = {t_tunix / t_ours:.2f}x; "
+                f"first call {tunix_first:.2f} s; greedy tokens equal in {same}/{batch} rows)"
+            )
         lines.append(line)
         logging.info(line)
     lines.append(f"load average after {load_average()}")
