@@ -475,3 +475,15 @@ def test_prefix_shared_equals_unshared(engine, qwen):
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
         logp = np.asarray(jax.nn.log_softmax(jnp.asarray(_full_logits(qwen, p + tok_a)), axis=-1))
         np.testing.assert_allclose(lp_a, logp[np.arange(len(p) - 1, len(p) + 9), tok_a], atol=2e-4)
+
+
+def test_generate_prefill_chunk_fits_the_prompt():
+    """generate() prefills short prompts in one power-of-two chunk that just holds them (16-token prompts: 15
+    cached tokens in a 16-token chunk, not the engine's default 32), and long ones in the default chunks."""
+    from librarian_jax.engine.engine import DEFAULT_PREFILL_BUCKETS, _generate_buckets
+
+    assert _generate_buckets(0) == (8,) and _generate_buckets(8) == (8,)
+    assert _generate_buckets(15) == (16,) and _generate_buckets(16) == (16,)
+    assert _generate_buckets(17) == (32,)
+    assert _generate_buckets(512) == (512,)
+    assert _generate_buckets(513) == DEFAULT_PREFILL_BUCKETS

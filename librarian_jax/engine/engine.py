@@ -625,6 +625,16 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _generate_buckets(prefill_len: int) -> tuple[int, ...]:
+    """Prefill chunk lengths for one ``generate`` call whose longest row prefills ``prefill_len`` tokens: one
+    power-of-two chunk that holds them all (at least 8), so short prompts are not padded to the engine's
+    smallest default bucket (16-token prompts: a 16-token chunk, half the work of a 32-token one); beyond the
+    largest default bucket, the default chunks."""
+    if prefill_len > DEFAULT_PREFILL_BUCKETS[-1]:
+        return DEFAULT_PREFILL_BUCKETS
+    return (max(8, 1 << max(prefill_len - 1, 0).bit_length()),)
+
+
 def generate(
     model: nnx.Module,
     prompt_ids: Sequence[Sequence[int]],
@@ -660,12 +670,14 @@ def generate(
     if not prompts or max_new_tokens <= 0:
         return [[] for _ in prompts]
     stops = tuple(int(t) for t in stop_ids)
-    max_seq_len = _round_up(max(len(p) for p in prompts) + max_new_tokens, 16)
+    longest = max(len(p) for p in prompts)
+    max_seq_len = _round_up(longest + max_new_tokens, 16)
     engine = Engine(
         model,
         num_slots=len(prompts),
         max_seq_len=max_seq_len,
         mesh=mesh,
+        prefill_buckets=_generate_buckets(longest - 1),
         round_steps=max_new_tokens,
         max_stop_ids=max(1, len(stops)),
     )
