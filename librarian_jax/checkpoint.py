@@ -19,6 +19,10 @@ writes its own shards of the global arrays; process 0 writes `meta` and, after O
 process finished, the commit marker). So a committed step is one every process committed; a restart resumes
 from the newest of those. Orbax's cross-process barriers time out after `sync_timeout_s` (and a dead process
 stops the others sooner through JAX's heartbeat, `librarian_jax.distributed.initialize`).
+
+`directory` may be a local path or a URL (`gs://bucket/run/checkpoints`): Orbax gets it as an `epath.Path`
+and writes the arrays through tensorstore's `gcs` driver; the bookkeeping here (commit markers, moving
+half-written steps) goes through `librarian_jax.storage`.
 """
 
 from __future__ import annotations
