@@ -7,6 +7,13 @@
 Data encoding and rows: `rl.sft`. The loop: `rl.Trainer` with the `nll` loss, Orbax checkpoints in
 `workdir/checkpoints` (resumed when present), TensorBoard under `workdir/tb`, a progress bar and a log line
 every `train.log_every` steps. The checkpoint is a valid `model.init="orbax"` start for GRPO.
+
+Several processes (launch/README.md) run the same loop on one global mesh: every process draws the same
+global batch of `train.batch_rows` rows (one `RowStream`, same seed) and hands the trainer its contiguous
+share (`distributed.process_slice`), which the trainer assembles into one global array; Orbax saves from every
+process; process 0 alone writes the config, the summary and TensorBoard. The demonstrations and the tokenizer
+are made by process 0 first, then read by the others (one shared workdir). The workdir may be `gs://...`
+(`librarian_jax.storage`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from librarian_jax import checkpoint, config_schema, config_validation
+from librarian_jax import checkpoint, config_schema, config_validation, distributed, storage
 from librarian_jax.rl import sft, train_step
 
 
@@ -41,9 +48,15 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
                  counts["cut_loss_tokens"])
     tcfg = config_schema.SFTTrainSection.parse(t, "train").trainer_config()
     trainer = train_step.Trainer(model, tcfg, mesh=mesh)
-    batch_rows = -(-t.batch_rows // trainer.row_multiple()) * trainer.row_multiple()
+    # the global batch: a multiple of every process's row multiple, split evenly over the processes
+    multiple = trainer.row_multiple() * jax.process_count()
+    batch_rows = -(-t.batch_rows // multiple) * multiple
+    if batch_rows != t.batch_rows:
+        logging.info("sft: %d rows a step (train.batch_rows=%d rounded up to a multiple of %d)", batch_rows,
+                     t.batch_rows, multiple)
+    share = distributed.process_slice(batch_rows)  # this process's rows of every global batch
     stream = sft.RowStream(counts["rows"], batch_rows, config.seed)
-    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
+    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     rng = jax.random.key(config.seed)
     if config.checkpoint.resume:
@@ -58,21 +71,22 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     if jax.process_index() == 0:
         from tensorboardX import SummaryWriter
 
-        writer = SummaryWriter(os.path.join(workdir, "tb"))
+        writer = SummaryWriter(storage.join(workdir, "tb"))
     start = trainer.step
     try:
         from tqdm import tqdm
 
-        bar = tqdm(total=t.num_steps, initial=start, desc="sft", unit="step", disable=None)
+        bar = tqdm(total=t.num_steps, initial=start, desc="sft", unit="step",
+                   disable=None if distributed.is_primary() else True)
         while trainer.step < t.num_steps:
-            idx = stream.next()
+            idx = stream.next()[share]  # every process draws the global batch and keeps its share
             batch = sft.batch_arrays(tokens[idx], valid[idx], mask[idx])
             out = trainer.update(batch)
             step = trainer.step
             losses_seen.append(out["loss"])
             bar.update(1)
             bar.set_postfix(loss=f"{out['loss']:.3f}")
-            if step % max(1, t.log_every) == 0 or step == t.num_steps:
+            if (step % max(1, t.log_every) == 0 or step == t.num_steps) and distributed.is_primary():
                 logging.info("sft step %d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f tok/s", step,
                              t.num_steps, out["loss"], out["grad_norm"], out["lr"],
                              batch["valid"].sum() / max(out["time_s"], 1e-9))
@@ -90,8 +104,7 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
                "first_loss": losses_seen[0] if losses_seen else None,
                "last_loss": losses_seen[-1] if losses_seen else None, **counts}
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "sft_summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        storage.write_text(storage.join(workdir, "sft_summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
@@ -107,21 +120,31 @@ def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         print(desc)  # noqa: T201 - the CLI's answer
         return None
     logging.info("%s", desc)
-    os.makedirs(config.workdir, exist_ok=True)
-    with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-    if config.data.path:
-        convs = sft.load_conversations(config.data.path)
-        tokenizer = main_lib.build_tokenizer(config, [])
-    else:
-        convs, tokenizer = embedded_demonstrations(config)
-    mesh = main_lib.make_mesh(config)
-    model = main_lib.build_model(config, mesh, tokenizer)
+    workdir = storage.abspath(config.workdir)
+    storage.makedirs(workdir)
+    if distributed.is_primary():
+        storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+
+    def data() -> tuple[list[dict[str, Any]], Any]:
+        if config.data.path:
+            return (sft.load_conversations(main_lib.local_file(config.data.path, "sft_data")),
+                    main_lib.build_tokenizer(config, []))
+        return embedded_demonstrations(config)
+
+    if distributed.is_multi():  # process 0 makes (and caches) the demonstrations and tokenizer; then the rest
+        if distributed.is_primary():
+            data()
+        distributed.barrier("librarian_jax.supervised.data")
+    convs, tokenizer = data()
+    mesh = main_lib.make_mesh(config)  # the trainer's: every device of every process
+    # weights loaded onto this process's devices, then made placeable on the global mesh (as GRPO's)
+    model = main_lib.build_model(config, main_lib.local_engine_mesh(mesh), tokenizer)
+    distributed.uncommit(model)
     m = config.model
     if m.lora_rank:
         model = train_step.apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed)
     try:
-        return train(model, tokenizer, convs, config, workdir=config.workdir, mesh=mesh)
+        return train(model, tokenizer, convs, config, workdir=workdir, mesh=mesh)
     except sft.ConversationError as e:
         raise config_validation.ConfigError(f"config.data.path: {e}") from None
 
@@ -150,13 +173,14 @@ def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
 
     train_tasks, heldout = main_lib.build_tasks(config)
     pool = demo_tasks(config)
-    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout + pool, demos.tool_call_texts(pool))
+    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout + pool, demos.tokenizer_texts(pool))
     rollout_cfg = config_validation.rollout_config(config)
     d = config.demos
     key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),
            "rollout": rollout_cfg.to_dict(), "demos": d.to_dict(), "vocab": tokenizer.vocab_size}
+    # the cache is a local file (`data.demos` reads it with open()): the workdir, or a local stand-in for gs://
     path = demos.cached_demonstrations(
-        os.path.join(config.workdir, "demos.jsonl"), key,
+        os.path.join(storage.local_cache_dir(config.workdir, "demos"), "demos.jsonl"), key,
         lambda: demos.make_demonstrations(pool, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
                                           per_task=d.per_task, calls_per_turn=d.calls_per_turn,
                                           seed=config.seed))
