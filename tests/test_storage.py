@@ -1,7 +1,7 @@
 """`gs://` workdirs (issue 14): checkpoints (Orbax/tensorstore), their bookkeeping (commit markers,
 half-written steps, initial weights) and the helpers every command's outputs go through, on a GCS emulator
 (tests/gcs_emulator.py, no network). The main command on a `gs://` workdir, with 2 processes writing to it,
-is tests/test_multihost.py's fast test. Each test runs from an empty working directory and checks that
+is the opt-in test at the end. Each test runs from an empty working directory and checks that
 nothing was written there: the old `os.path` code silently wrote `gs://bkt/x` to a local `gs:/bkt/x`.
 """
 
@@ -95,3 +95,35 @@ def test_episode_records_and_text_files_round_trip_on_gs(gcs, in_empty_dir):
     assert storage.isdir(d) and storage.isfile(f"{d}/step_1.jsonl") and not storage.isfile(d)
     local = storage.local_cache_dir(d, "episodes")
     assert local != d and os.path.isabs(local) and not local.startswith(str(in_empty_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LIBRARIAN_JAX_GCS_MAIN_TEST") != "1",
+                    reason="opt-in (LIBRARIAN_JAX_GCS_MAIN_TEST=1): passed by hand, but seen failing in "
+                           "Orbax's OCDBT manifest write on the emulator ('Malformed StorageGeneration'; the "
+                           "emulator ignores ifGenerationMatch), so not yet a dependable suite test")
+def test_the_training_command_writes_its_workdir_to_gs(gcs, in_empty_dir, tmp_path_factory, monkeypatch):
+    """`main.run` (the training command) on a `gs://` workdir: config, split, tokenizer cache, episode
+    records, TensorBoard events, the checkpoint and the summary all land in the bucket; a second invocation
+    resumes from the bucket's checkpoint."""
+    import json
+
+    from test_main import tiny_run_config
+
+    from librarian_jax import main
+
+    monkeypatch.setenv("LIBRARIAN_JAX_LOCAL_CACHE", str(tmp_path_factory.mktemp("local_cache")))
+    workdir = f"gs://{BUCKET}/grpo"
+    first = main.run(tiny_run_config(workdir, num_steps=1))
+    assert (first["start_step"], first["last_step"]) == (0, 1)
+    names = list_objects(workdir)
+    for name in ("config.json", "split.json", "summary.json", "episodes/step_1.jsonl",
+                 f"checkpoints/1/{checkpoint.COMMIT_MARKER}"):
+        assert f"{BUCKET}/grpo/{name}" in names, (name, names)
+    assert any(n.startswith(f"{BUCKET}/grpo/tb/events.out.tfevents.") for n in names), names
+    assert any(n.startswith(f"{BUCKET}/grpo/tokenizer/sp-") for n in names), names
+    assert len(distributed.read_step_records(f"{workdir}/episodes", 1)) == 2  # 1 task x group 2
+    assert json.loads(storage.read_text(f"{workdir}/summary.json"))["last_step"] == 1
+    second = main.run(tiny_run_config(workdir, num_steps=2))
+    assert (second["start_step"], second["last_step"]) == (1, 2)
+    assert f"{BUCKET}/grpo/checkpoints/2/{checkpoint.COMMIT_MARKER}" in list_objects(workdir)
