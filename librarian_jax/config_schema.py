@@ -319,6 +319,8 @@ class OptimSection(Section):
     micro_batches: int = spec(1, lo=1)
     remat: str | bool = spec("none", choices=train_step.REMAT_MODES)  # "full": whole forward, "layer": each
     logits_chunk: int = spec(1024, lo=0)  # logits of this many positions at a time; 0 = all at once
+    # with logits_chunk > 0: the LM head runs only at the loss positions ("loss") or at every one ("all")
+    logits_at: str = spec("loss", choices=train_step.LOGITS_AT)
     max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
 
     def optim_config(self) -> train_step.OptimConfig:
@@ -356,7 +358,8 @@ class TrainSection(OptimSection):
                                    dual_clip=self.dual_clip, tis_cap=self.tis_cap, kl_beta=self.kl_beta,
                                    temperature=temperature, aggregation=self.aggregation),
             optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs=self.old_logprobs,
-            remat=self.remat, logits_chunk=self.logits_chunk, moe_aux_loss_coef=self.moe_aux_loss_coef)
+            remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
+            moe_aux_loss_coef=self.moe_aux_loss_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +374,7 @@ class SFTTrainSection(OptimSection):
         return train_step.TrainConfig(
             loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
             optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs="trainer",
-            remat=self.remat, logits_chunk=self.logits_chunk)
+            remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at)
 
 
 # ------------------------------------------------------------------------------------------- the rest

@@ -156,3 +156,91 @@ def test_grpo_config_validation_of_train_keys():
             cv.validate(c2, num_devices=1)
     c.train.remat = "layer"
     cv.validate(c, num_devices=1)
+
+
+def test_loss_positions_layout_and_bucket():
+    """`loss_positions`: each row's loss positions in order, padded with 0, position 0 never counted; the
+    per-row capacity is a power of two >= 64, or 0 (every position) when that would not be below seq."""
+    mask = np.zeros((3, 10), np.float32)
+    mask[0, [0, 2, 3, 9]] = 1  # position 0 is never a loss position
+    mask[2, 5:] = 1
+    got = ts.loss_positions(mask, 6)
+    np.testing.assert_array_equal(got, [[2, 3, 9, 0, 0, 0], [0] * 6, [5, 6, 7, 8, 9, 0]])
+    with pytest.raises(ValueError, match="a row has 5 loss tokens, more than 4"):
+        ts.loss_positions(mask, 4)
+    assert [ts.positions_bucket(n, 1024) for n in (0, 1, 64, 65, 300, 511, 512, 513)] == [
+        64, 64, 64, 128, 512, 512, 512, 0]
+    assert ts.positions_bucket(10, 64) == 0
+
+
+def test_positioned_token_logprobs_values_and_grads():
+    """Log-probs at the given positions equal `token_logprobs`'s there, 0 elsewhere; so do the gradients of a
+    masked sum with respect to the hidden states and the head."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(8, 40)), jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(3, 11, 8)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 40, (3, 11)), jnp.int32)
+    mask = np.zeros((3, 11), np.float32)
+    mask[0, [1, 4, 5, 10]] = 1
+    mask[1, 7] = 1
+    positions = jnp.asarray(ts.loss_positions(mask, 5))
+    m = jnp.asarray(mask)
+
+    def full(w, h):
+        lp, ent = losses.token_logprobs(h @ w, tokens, 0.5)
+        return jnp.sum(lp * m) + 0.3 * jnp.sum(ent * m), (lp * m, ent * m)
+
+    def positioned(w, h, chunk):
+        lp, ent = losses.positioned_token_logprobs(lambda x: x @ w, h, tokens, positions, 0.5, chunk)
+        return jnp.sum(lp * m) + 0.3 * jnp.sum(ent * m), (lp, ent)
+
+    (v0, (lp0, ent0)), g0 = jax.value_and_grad(full, argnums=(0, 1), has_aux=True)(w, hidden)
+    for chunk in (2, 64):
+        (v1, (lp1, ent1)), g1 = jax.value_and_grad(positioned, argnums=(0, 1), has_aux=True)(w, hidden, chunk)
+        np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ent1), np.asarray(ent0), rtol=1e-5, atol=1e-6)
+        for a, b in zip(g0, g1, strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("agg,kl,old", [("token_mean", 0.1, "sampler"), ("drgrpo", 0.0, "trainer")])
+def test_logits_at_loss_positions_match_all_positions(agg, kl, old):
+    """`train.logits_at="loss"` (the LM head at the loss positions only) gives the loss, gradients and metric
+    sums of `"all"`, and compiles to fewer flops: rows of 160 tokens whose loss masks hold <= 40 tokens, a
+    2,048-token vocabulary, one logits chunk (XLA's cost analysis counts a loop body once)."""
+    seq, rows, vocab = 160, 4, 2048
+    data = batch(rows=rows, seq=seq, vocab=vocab, seed=4)
+    keep = np.arange(seq)[None] >= seq - 40
+    for k in ("loss_mask", "sampler_logprobs", "advantages"):
+        data[k] = data[k] * keep
+    data["valid"][:] = True
+    model = tiny(vocab=vocab, layers=1)
+    loss = losses.LossConfig(aggregation=agg, kl_beta=kl, temperature=0.7)
+    out, flops = {}, {}
+    for at in ("all", "loss"):
+        trainer = ts.Trainer(model, ts.TrainConfig(loss=loss, old_logprobs=old, logits_chunk=1024,
+                                                   logits_at=at))
+        device_batch = trainer._device_batch(data)
+        assert ("positions" in device_batch) == (at == "loss")
+        if at == "loss":
+            assert device_batch["positions"].shape == (1, rows, 64)
+        ref = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), trainer.params) if kl else None
+        if kl:
+            trainer.ref_params = ref
+        fn = jax.jit(ts._accumulate, static_argnums=(0, 1))
+        static = ts._static_config(trainer.config)
+        args = (trainer.graphdef, static, trainer.params, trainer.rest, ref, device_batch)
+        out[at] = jax.device_get(fn(*args))
+        cost = fn.lower(*args).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        flops[at] = float(cost["flops"]) if cost and "flops" in cost else None
+    (l0, g0, s0), (l1, g1, s1) = out["all"], out["loss"]
+    assert np.isfinite(float(l0)) and float(l0) != 0.0
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
+    for k in s0:
+        np.testing.assert_allclose(float(s1[k]), float(s0[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    if flops["all"] is not None:
+        assert flops["loss"] < 0.7 * flops["all"], flops

@@ -69,17 +69,57 @@ def chunked_token_logprobs(project: Callable[[jax.Array], jax.Array], hidden: ja
     at a time. Values and gradients equal `token_logprobs`'s (up to fp32 summation order).
     Returns (logprobs `[B, T]`, entropy `[B, T]`) float32; position 0 gets 0.
     """
+    b, t, _ = hidden.shape
+    if tokens.shape != (b, t):
+        raise ValueError(f"chunked_token_logprobs: tokens {tokens.shape} do not match hidden {hidden.shape}")
+    # position p predicts token p + 1; the last position predicts nothing (target 0, cut)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    lp, ent = _chunked_target_logprobs(project, hidden, targets, temperature, chunk)
+    zero = jnp.zeros((b, 1), jnp.float32)
+    return jnp.concatenate([zero, lp[:, :-1]], axis=1), jnp.concatenate([zero, ent[:, :-1]], axis=1)
+
+
+def positioned_token_logprobs(project: Callable[[jax.Array], jax.Array], hidden: jax.Array, tokens: jax.Array,
+                              positions: jax.Array, temperature: float = 1.0, chunk: int = 1024
+                              ) -> tuple[jax.Array, jax.Array]:
+    """`chunked_token_logprobs` at the positions `positions` only; every other position gets 0.
+
+    The LM head (`project`, `[H] -> [V]` per position) is the largest matmul of a small model and the
+    softmax over the vocabulary the costliest elementwise op; a loss needs neither where its mask is 0 (the
+    prompt and the observations of a row: ~85% of an SFT row, most of a GRPO row). hidden `[B, T, H]`,
+    tokens int `[B, T]`, positions int `[B, K]`: the token positions (>= 1) whose log-probs are wanted, each
+    row padded with 0 (position 0, which nothing predicts, stays 0). The states at `positions - 1` are
+    gathered (`[B, K, H]`), run through `project` `chunk` positions at a time (rematerialised as in
+    `chunked_token_logprobs`), and the results scattered back. Values and gradients at `positions` equal
+    `chunked_token_logprobs`'s. Returns (logprobs `[B, T]`, entropy `[B, T]`) float32.
+    """
+    b, t, _ = hidden.shape
+    if tokens.shape != (b, t) or positions.ndim != 2 or positions.shape[0] != b:
+        raise ValueError(f"positioned_token_logprobs: tokens {tokens.shape} / positions {positions.shape} do "
+                         f"not match hidden {hidden.shape}")
+    real = positions > 0
+    states = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)  # [B, K, H]
+    targets = jnp.take_along_axis(tokens, positions, axis=1)  # [B, K]
+    lp, ent = _chunked_target_logprobs(project, states, targets, temperature, chunk)  # [B, K]
+    rows = jnp.arange(b)[:, None]
+    # padding entries all write 0 to position 0, which is 0 anyway
+    lp_full = jnp.zeros((b, t), jnp.float32).at[rows, positions].set(jnp.where(real, lp, 0.0))
+    ent_full = jnp.zeros((b, t), jnp.float32).at[rows, positions].set(jnp.where(real, ent, 0.0))
+    return lp_full, ent_full
+
+
+def _chunked_target_logprobs(project: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                             temperature: float, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of `targets[b, n]` under `project(hidden[b, n])` and the entropy, `[B, N]` float32 each,
+    `chunk` positions at a time (see `chunked_token_logprobs`). hidden `[B, N, H]`, targets int `[B, N]`."""
     if chunk <= 0:
         raise ValueError(f"chunked_token_logprobs: chunk must be > 0, got {chunk}")
     b, t, h = hidden.shape
-    if tokens.shape != (b, t):
-        raise ValueError(f"chunked_token_logprobs: tokens {tokens.shape} do not match hidden {hidden.shape}")
     n = -(-t // chunk)
     c = -(-t // n)
     pad = n * c - t
-    # position p predicts token p + 1; the last position (and the padding) predicts nothing (target 0, cut)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1 + pad), tokens.dtype)], axis=1)
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
     hidden = hidden.reshape(b, n, c, h).swapaxes(0, 1)  # [n, B, c, H]
     targets = targets.reshape(b, n, c).swapaxes(0, 1)  # [n, B, c]
 
@@ -94,10 +134,9 @@ def chunked_token_logprobs(project: Callable[[jax.Array], jax.Array], hidden: ja
         return lp, ent
 
     lp, ent = jax.lax.map(one_chunk, (hidden, targets))  # [n, B, c] each
-    lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
-    ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
-    zero = jnp.zeros((b, 1), jnp.float32)
-    return jnp.concatenate([zero, lp], axis=1), jnp.concatenate([zero, ent], axis=1)
+    lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    return lp, ent
 
 
 def aggregate(per_token: jax.Array, loss_mask: jax.Array, row_weights: jax.Array, mode: str,

@@ -77,6 +77,10 @@ class TrainConfig:
     # (each chunk rematerialised: at most one chunk's `[rows, chunk, vocab]` logits exist, forward or
     # backward). 0 = one `[rows, seq, vocab]` logits array.
     logits_chunk: int = 1024
+    # With `logits_chunk > 0`: "loss" runs the LM head only at the loss-masked positions (gathered per row,
+    # `losses.positioned_token_logprobs`; the prompt and observations of a row need no logits), "all" at
+    # every position. The loss, its gradient and every metric are the same either way.
+    logits_at: str = "loss"
     # Mixture-of-experts models (models/moe.py): weight of transformers' load-balancing loss (experts *
     # sum_e f_e P_e over every MoE layer's real tokens) added to the loss; 0 = only logged. Models without
     # MoE layers ignore it. Metrics `moe_aux_loss`, `expert_load_max` / `expert_load_min` (1.0 = balanced).
@@ -84,6 +88,8 @@ class TrainConfig:
 
 
 REMAT_MODES = ("none", "full", "layer")
+LOGITS_AT = ("loss", "all")  # TrainConfig.logits_at
+MIN_POSITIONS = 64  # the smallest per-row loss-position bucket (see `loss_positions`)
 DECAYS = ("cosine", "linear", "constant")  # OptimConfig.decay
 OLD_LOGPROBS = ("trainer", "sampler")  # TrainConfig.old_logprobs
 
@@ -227,6 +233,31 @@ def pad_rows(arrays: Mapping[str, np.ndarray], rows: int, seq: int) -> dict[str,
     return out
 
 
+def positions_bucket(count: int, seq: int) -> int:
+    """Per-row loss-position capacity for rows holding at most `count` loss tokens out of `seq`: the next
+    power of two >= count (at least MIN_POSITIONS), so a run compiles a few step variants, not one per batch;
+    0 when that is not below `seq` (every position is then computed, `chunked_token_logprobs`)."""
+    k = MIN_POSITIONS
+    while k < count:
+        k *= 2
+    return k if k < seq else 0
+
+
+def loss_positions(loss_mask: np.ndarray, capacity: int) -> np.ndarray:
+    """`[R, capacity]` int32: each row's loss-masked token positions in order, padded with 0 (position 0 is
+    never a loss token: nothing predicts it). loss_mask `[R, S]`; every row must fit in `capacity`."""
+    mask = np.asarray(loss_mask) > 0
+    mask[:, 0] = False
+    counts = mask.sum(axis=1)
+    if counts.size and counts.max() > capacity:
+        raise ValueError(f"loss_positions: a row has {counts.max()} loss tokens, more than {capacity}")
+    out = np.zeros((mask.shape[0], capacity), np.int32)
+    rows, cols = np.nonzero(mask)
+    slot = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[rows, slot] = cols
+    return out
+
+
 def _tree_where(cond: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(cond, n, o), new, old)
 
@@ -252,6 +283,8 @@ class Trainer:
         chunk = config.logits_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"train.logits_chunk: must be an integer >= 0 (0 = off), got {chunk!r}")
+        if config.logits_at not in LOGITS_AT:
+            raise ValueError(f"train.logits_at: {config.logits_at!r} is not one of {list(LOGITS_AT)}")
         if chunk and not callable(getattr(model, "hidden", None)):
             raise ValueError(f"train.logits_chunk={chunk} needs a model with hidden()/project() "
                              f"({type(model).__name__} has none); set it to 0")
@@ -350,12 +383,23 @@ class Trainer:
         largest, zero-padded) and form one global batch without gathering rows anywhere."""
         m = self.config.micro_batches
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        arrays.pop("positions", None)
+        mask = np.asarray(arrays["loss_mask"]) > 0
+        # the most loss tokens in one row (position 0 never counts); with `logits_at="loss"` it sizes the
+        # per-row positions the LM head runs at
+        most = int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
         multi = jax.process_count() > 1
         if multi:
             from jax.experimental import multihost_utils
 
-            shapes = multihost_utils.process_allgather(np.asarray(arrays["tokens"].shape, np.int64))
-            arrays = pad_rows(arrays, *(int(x) for x in np.max(np.reshape(shapes, (-1, 2)), axis=0)))
+            local = np.asarray([*arrays["tokens"].shape, most], np.int64)
+            agreed = np.max(np.reshape(multihost_utils.process_allgather(local), (-1, 3)), axis=0)
+            arrays = pad_rows(arrays, int(agreed[0]), int(agreed[1]))
+            most = int(agreed[2])
+        if self.config.logits_chunk and self.config.logits_at == "loss":
+            capacity = positions_bucket(most, arrays["tokens"].shape[1])
+            if capacity:
+                arrays["positions"] = loss_positions(arrays["loss_mask"], capacity)
         rows = arrays["tokens"].shape[0]
         if rows % self.row_multiple():
             raise ValueError(f"batch has {rows} rows; it must be a multiple of {self.row_multiple()} "
@@ -452,12 +496,15 @@ def _remat_layers(model: nnx.Module) -> None:
 
 
 def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, tokens: jax.Array,
-                      valid: jax.Array, router_stats: bool = False) -> tuple[jax.Array, ...]:
+                      valid: jax.Array, router_stats: bool = False, positions: jax.Array | None = None
+                      ) -> tuple[jax.Array, ...]:
     """Trainer log-probs and entropies `[B, T]` of `tokens` `[B, T]` under temperature-scaled logits (with
     `router_stats`, a third value: the MoE layers' summed router statistics, None for a model without MoE).
 
-    `logits_chunk > 0`: hidden states `[B, T, H]` then `chunked_token_logprobs` (never a `[B, T, V]` array);
-    else the model's own logits `[B, T, V]`. `remat` "full" checkpoints the whole model call, "layer" each
+    `logits_chunk > 0`: hidden states `[B, T, H]` then `chunked_token_logprobs` (never a `[B, T, V]` array),
+    or with `positions` `[B, K]` (`loss_positions`) `positioned_token_logprobs`: logits only there, 0
+    elsewhere; else the model's own logits `[B, T, V]`. `remat` "full" checkpoints the whole model call,
+    "layer" each
     decoder layer (see TrainConfig)."""
     mode = remat_mode(config.remat)
     chunk = config.logits_chunk
@@ -485,6 +532,10 @@ def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, 
         # only the projection's params are read here; merged inside the chunk's trace like `run`
         return nnx.merge(graphdef, params, rest).project(hidden)
 
+    if positions is not None:
+        temperature = config.loss.temperature
+        return (*losses_lib.positioned_token_logprobs(project, out, tokens, positions, temperature, chunk),
+                *extra)
     return (*losses_lib.chunked_token_logprobs(project, out, tokens, config.loss.temperature, chunk), *extra)
 
 
@@ -495,12 +546,14 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
     loss_fn = losses_lib.get_loss_fn(config.loss.name)
 
     def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-        lp, ent, router = _forward_logprobs(graphdef, config, p, rest, mb["tokens"], mb["valid"], True)
+        pos = mb.get("positions")
+        lp, ent, router = _forward_logprobs(graphdef, config, p, rest, mb["tokens"], mb["valid"], True, pos)
         old = jax.lax.stop_gradient(lp) if config.old_logprobs == "trainer" else mb["sampler_logprobs"]
         ref = None
         if ref_params is not None:
-            ref = jax.lax.stop_gradient(
-                _forward_logprobs(graphdef, config, ref_params, rest, mb["tokens"], mb["valid"])[0])
+            ref_lp = _forward_logprobs(graphdef, config, ref_params, rest, mb["tokens"], mb["valid"],
+                                       positions=pos)[0]
+            ref = jax.lax.stop_gradient(ref_lp)
         total, count, sums = loss_fn(lp, old, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"],
                                      mb["row_weights"], ref, ent, config=config.loss)
         if router is not None:  # MoE: load-balancing loss (weighted like the loss), logged expert load
