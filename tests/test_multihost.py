@@ -40,7 +40,8 @@ TOL = 2e-5  # params: the launch-to-launch summation order of XLA:CPU's reductio
 def _flags(workdir: str) -> list[str]:
     return [
         "--config=configs/grpo.py", f"--config.workdir={workdir}", "--config.warm_start.enabled=False",
-        "--config.model.preset=tiny_8k", "--config.model.init=orbax", f"--config.model.path={FIXTURE}",
+        # the fixture is the embedded default's warm start (tests/make_warm_start_fixture.py): its preset
+        "--config.model.init=orbax", f"--config.model.path={FIXTURE}",
         f"--config.model.tokenizer={os.path.join(FIXTURE, 'tokenizer.model')}",
         "--config.eval.every=0", "--config.eval.final_methods=",
         # 2 training tasks (1 held out), both in every step's global batch: one per process
