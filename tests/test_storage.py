@@ -127,3 +127,24 @@ def test_the_training_command_writes_its_workdir_to_gs(gcs, in_empty_dir, tmp_pa
     second = main.run(tiny_run_config(workdir, num_steps=2))
     assert (second["start_step"], second["last_step"]) == (1, 2)
     assert f"{BUCKET}/grpo/checkpoints/2/{checkpoint.COMMIT_MARKER}" in list_objects(workdir)
+
+
+def test_evaluation_reads_a_gs_run(gcs, in_empty_dir):
+    """The eval command's reading of a run (`eval.restore`): its config, its newest committed step (a newer
+    half-written one skipped) and that step's param shapes, from a `gs://` workdir."""
+    import json
+
+    from librarian_jax.eval import restore
+
+    run = f"gs://{BUCKET}/evalrun"
+    storage.write_text(f"{run}/config.json", json.dumps({"model": {"preset": "tiny", "init": "random"}}))
+    trainer = ts.Trainer(_model(), ts.TrainConfig())
+    ck = checkpoint.Checkpointer(f"{run}/checkpoints", async_save=False)
+    ck.save(3, params=trainer.params, opt_state=trainer.opt_state, force=True)
+    ck.close()
+    storage.write_text(f"{run}/checkpoints/5/params/_METADATA", "{}")  # a newer, half-written step
+    assert restore.load_run_config(run).model.preset == "tiny"
+    assert restore.committed_steps(f"{run}/checkpoints") == [3]
+    assert restore.select_step(run) == (3, f"{run}/checkpoints/3")
+    shapes = restore.checkpoint_shapes(f"{run}/checkpoints/3")
+    assert shapes and all(isinstance(v, tuple) for v in shapes.values())

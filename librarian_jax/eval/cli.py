@@ -22,6 +22,7 @@ import jax
 import ml_collections
 from absl import logging
 
+from librarian_jax import storage
 from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.eval import pipeline, report, restore
@@ -119,15 +120,15 @@ def plan_eval(config: Any) -> Plan:
     validate_mesh(c.mesh.shape.to_dict(), jax.device_count())
     step, step_dir = -1, ""
     if c.run:
-        run_dir = os.path.abspath(c.run)
+        run_dir = storage.abspath(c.run)  # a local directory or a URL (gs://...)
         run_cfg = restore.load_run_config(run_dir)
         if not c.builder:
             step, step_dir = restore.select_step(run_dir, c.step if c.step >= 0 else None)
             restore.check_checkpoint(step_dir, run_cfg)
-        if not c.tasks and not c.task_ids and not os.path.isfile(os.path.join(run_dir, "split.json")):
+        if not c.tasks and not c.task_ids and not storage.isfile(storage.join(run_dir, "split.json")):
             raise _err(
                 "run",
-                f"{os.path.join(run_dir, 'split.json')!r} is missing (the run's held-out ids); "
+                f"{storage.join(run_dir, 'split.json')!r} is missing (the run's held-out ids); "
                 f"give config.task_ids or config.tasks",
             )
     else:
@@ -141,7 +142,7 @@ def plan_eval(config: Any) -> Plan:
     extra = {}
     for m in methods:
         if m.startswith("run:"):
-            d = os.path.abspath(m[4:])
+            d = storage.abspath(m[4:])
             rc = restore.load_run_config(d, key="methods")
             s, sd = restore.select_step(d, None, key="methods")
             restore.check_checkpoint(sd, rc)
@@ -149,7 +150,7 @@ def plan_eval(config: Any) -> Plan:
     if c.out:
         out_dir = c.out
     elif run_dir:
-        out_dir = os.path.join(run_dir, "eval", c.name)
+        out_dir = storage.join(run_dir, "eval", c.name)
     else:
         raise _err("out", "required without config.run")
     return Plan(
@@ -200,12 +201,11 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
     elif c.tasks and not plan.run_dir:
         ids = [t.task_id for t in pool]
     else:
-        split = os.path.join(plan.run_dir, "split.json")
-        if c.tasks and not os.path.isfile(split):
+        split = storage.join(plan.run_dir, "split.json")
+        if c.tasks and not storage.isfile(split):
             ids = [t.task_id for t in pool]
         else:
-            with open(split) as f:
-                ids = json.load(f)["heldout"]
+            ids = json.loads(storage.read_text(split))["heldout"]
             source += f", held-out ids recorded in {split}"
     by_id = {t.task_id: t for t in pool}
     missing = [i for i in ids if i not in by_id]
@@ -428,7 +428,12 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     }
     if c.export_workspaces and jax.process_index() == 0:
         t0 = time.perf_counter()
-        results["workspaces"] = export_workspaces(os.path.join(plan.out_dir, "workspaces"), built_by)
+        # workspaces are exported as plain local directories (`workspace.export`): a gs:// report's go to a
+        # local stand-in directory, named in the log
+        root = storage.local_cache_dir(storage.join(plan.out_dir, "workspaces"), "workspaces")
+        if root != storage.join(plan.out_dir, "workspaces"):
+            logging.info("workspaces of %s exported locally to %s", plan.out_dir, root)
+        results["workspaces"] = export_workspaces(root, built_by)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
     results["timing"] = timing
@@ -498,7 +503,7 @@ def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     logging.info("%s", what)
     results, _ = execute(plan)
     print(format_table(results))  # noqa: T201
-    print(f"report: {os.path.join(plan.out_dir, 'report.md')}")  # noqa: T201
+    print(f"report: {storage.join(plan.out_dir, 'report.md')}")  # noqa: T201
     return results
 
 

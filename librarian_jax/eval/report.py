@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from librarian_jax import storage
 from librarian_jax.eval import stats
 
 BASE = "base"
@@ -254,7 +254,8 @@ def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
     ax.set_ylabel("accuracy % (95% CI)")
     ax.set_title("Held-out accuracy")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=100)
+    with storage.writing(storage.join(out_dir, "accuracy.png")) as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     written.append("accuracy.png")
 
@@ -277,7 +278,8 @@ def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "cost_curves.png"), dpi=100)
+    with storage.writing(storage.join(out_dir, "cost_curves.png")) as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     written.append("cost_curves.png")
 
@@ -301,7 +303,8 @@ def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
         )
         a2.set_title("navigation tokens (+- SE)")
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "ablation.png"), dpi=100)
+        with storage.writing(storage.join(out_dir, "ablation.png")) as f:
+            fig.savefig(f, dpi=100, format="png")
         plt.close(fig)
         written.append("ablation.png")
     return written
@@ -315,18 +318,15 @@ def write_report(
 
     from librarian_jax.eval.pipeline import scalar_metrics
 
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "questions.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    storage.makedirs(out_dir)  # a local directory or a URL (gs://...)
+    storage.write_text(storage.join(out_dir, "questions.jsonl"),
+                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     results["plots"] = plot(out_dir, results)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=float)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(report_markdown(results))
-    writer = SummaryWriter(os.path.join(out_dir, "tb"))
+    storage.write_text(storage.join(out_dir, "results.json"), json.dumps(results, indent=1, default=float))
+    storage.write_text(storage.join(out_dir, "report.md"), report_markdown(results))
+    writer = SummaryWriter(storage.join(out_dir, "tb"))
     for k, v in scalar_metrics(results["accuracy"]).items():
         if math.isfinite(v):
             writer.add_scalar(k, v, step)
     writer.close()
-    return {k: os.path.join(out_dir, k) for k in ("report.md", "results.json", "questions.jsonl")}
+    return {k: storage.join(out_dir, k) for k in ("report.md", "results.json", "questions.jsonl")}

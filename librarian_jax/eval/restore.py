@@ -13,7 +13,6 @@ run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
@@ -23,7 +22,7 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from librarian_jax import checkpoint
+from librarian_jax import checkpoint, storage
 from librarian_jax.config_validation import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -35,14 +34,13 @@ def _err(key: str, msg: str) -> ConfigError:
 
 def load_run_config(run_dir: str, key: str = "run") -> ml_collections.ConfigDict:
     """The config a training run recorded in `run_dir/config.json`."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isdir(run_dir):
+    path = storage.join(run_dir, "config.json")
+    if not storage.isdir(run_dir):
         raise _err(key, f"training workdir {run_dir!r} does not exist")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise _err(key, f"{path!r} is missing: not a training workdir (main writes config.json at start)")
     try:
-        with open(path) as f:
-            return ml_collections.ConfigDict(json.load(f))
+        return ml_collections.ConfigDict(json.loads(storage.read_text(path)))
     except (OSError, ValueError) as e:
         raise _err(key, f"{path!r} is not a readable config ({e})") from None
 
@@ -50,23 +48,21 @@ def load_run_config(run_dir: str, key: str = "run") -> ml_collections.ConfigDict
 def committed_steps(ckpt_dir: str) -> list[int]:
     """Steps of `ckpt_dir` that Orbax finished (commit marker present), oldest first. Read-only: unlike
     `checkpoint.Checkpointer`, evaluation never moves a run's half-written steps."""
-    if not os.path.isdir(ckpt_dir):
-        return []
     return sorted(
         int(n)
-        for n in os.listdir(ckpt_dir)
-        if n.isdigit() and checkpoint.is_committed(os.path.join(ckpt_dir, n))
+        for n in storage.listdir(ckpt_dir)
+        if n.isdigit() and checkpoint.is_committed(storage.join(ckpt_dir, n))
     )
 
 
 def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tuple[int, str]:
     """(step, step directory): `step`, or the newest committed one; a half-written or missing step is an
     error naming its path (a newer half-written step is skipped with a warning)."""
-    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+    ckpt_dir = storage.join(run_dir, CHECKPOINT_DIR)
     steps = committed_steps(ckpt_dir)
     if step is not None and step >= 0:
-        path = os.path.join(ckpt_dir, str(step))
-        if not os.path.isdir(path):
+        path = storage.join(ckpt_dir, str(step))
+        if not storage.isdir(path):
             raise _err("step", f"{path!r} does not exist (committed steps: {steps})")
         if not checkpoint.is_committed(path):
             raise _err(
@@ -77,14 +73,14 @@ def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tupl
         raise _err(key, f"{ckpt_dir!r} holds no committed checkpoint step")
     newer = [
         n
-        for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+        for n in storage.listdir(ckpt_dir)
         if n.isdigit() and int(n) > steps[-1]
     ]
     for n in newer:
         logging.warning(
-            "checkpoint %s is half-written; evaluating step %d", os.path.join(ckpt_dir, n), steps[-1]
+            "checkpoint %s is half-written; evaluating step %d", storage.join(ckpt_dir, n), steps[-1]
         )
-    return steps[-1], os.path.join(ckpt_dir, str(steps[-1]))
+    return steps[-1], storage.join(ckpt_dir, str(steps[-1]))
 
 
 def _keystr(path: Any) -> str:
@@ -132,11 +128,11 @@ def checkpoint_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
     """Param shapes stored in a checkpoint step (Orbax metadata; no array is read)."""
     import orbax.checkpoint as ocp
 
-    path = os.path.join(step_dir, "params")
-    if not os.path.isdir(path):
+    path = storage.join(step_dir, "params")
+    if not storage.isdir(path):
         raise _err("run", f"{path!r} is missing: not a librarian_jax checkpoint step")
     with ocp.StandardCheckpointer() as ckptr:
-        md = ckptr.metadata(path)
+        md = ckptr.metadata(storage.path(path))
     tree = getattr(md, "item_metadata", md)
     tree = getattr(tree, "tree", tree)
     return _shapes(tree)
@@ -214,7 +210,8 @@ def run_tokenizer(run_cfg: Any, run_dir: str, tasks: list[Any]) -> Any:
     cfg = ml_collections.ConfigDict(run_cfg.to_dict())
     cfg.workdir = run_dir
     if not cfg.model.tokenizer and cfg.model.init != "hf":
-        files = sorted(glob.glob(os.path.join(run_dir, "tokenizer", "*.model")))
+        tok_dir = storage.join(run_dir, "tokenizer")
+        files = [storage.join(tok_dir, n) for n in storage.listdir(tok_dir) if n.endswith(".model")]
         if len(files) == 1:
-            return tokenizers.load_tokenizer(files[0])
+            return tokenizers.load_tokenizer(main.local_file(files[0], "tokenizer"))
     return main.build_tokenizer(cfg, tasks)
