@@ -11,8 +11,12 @@
 For each model preset (random weights, fp32 on CPU, the preset's dtype elsewhere; `--vocab` overrides the
 vocabulary), each mode (full, LoRA rank 8 on the attention and MLP projections), each `--remat` and each
 `--logits_chunk`, the update is compiled (`compile` = lower + compile, reported apart), run once to warm up,
-then `repeats` timed updates on the same `[rows, seq]` batch (half of each row is a loss-masked "generated"
-part); the median is reported. tokens/s counts every row token (forward + backward over the whole row).
+then `repeats` timed updates on the same `[rows, seq]` batch; the median is reported. tokens/s counts every
+row token (forward + backward over the whole row). `--loss_mask`: "all" (default) puts every position but the
+first in the loss, as transformers' cross-entropy over the whole batch does, so the two columns compute the
+LM head and its softmax at the same positions; "half" masks in only the second half of each row (a GRPO row's
+"generated" part), where a trainer that runs the LM head only at loss positions (`train.logits_at="loss"`)
+does half the head's work.
 
 MFU = 6 * N * tokens/s / peak, N = the parameters that take part in matmuls (every parameter but the
 embedding table, which counts once when it is tied to the LM head; attention's score products are not
@@ -50,6 +54,8 @@ flags.DEFINE_integer("vocab", 0, "vocabulary size override (0 = the preset's)")
 flags.DEFINE_integer("rows", 8, "rows per batch")
 flags.DEFINE_integer("seq", 512, "tokens per row")
 flags.DEFINE_integer("micro_batches", 1, "micro-batches per step")
+flags.DEFINE_enum("loss_mask", "all", ["all", "half"], "loss positions: every position (like transformers' "
+                  "cross-entropy) or the second half of each row")
 flags.DEFINE_integer("repeats", 3, "timed steps")
 flags.DEFINE_integer("lora_rank", 8, "LoRA rank")
 flags.DEFINE_list("remat", ["none"], "train.remat values to time: none | full | layer")
@@ -60,10 +66,12 @@ flags.DEFINE_bool("transformers", True, "time transformers' forward + backward +
 flags.DEFINE_float("peak_tflops", 0.0, "the chip's peak for MFU, TFLOP/s (0 = measure a matmul)")
 
 
-def make_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+def make_batch(vocab: int, rows: int, seq: int, seed: int = 0, loss_mask: str = "all"
+               ) -> dict[str, np.ndarray]:
+    """Random training rows `[rows, seq]`; the loss mask covers positions 1.. ("all") or the second half."""
     rng = np.random.default_rng(seed)
     mask = np.zeros((rows, seq), np.float32)
-    mask[:, seq // 2:] = 1.0
+    mask[:, 1 if loss_mask == "all" else seq // 2:] = 1.0
     return {"tokens": rng.integers(0, vocab, (rows, seq)).astype(np.int32),
             "valid": np.ones((rows, seq), bool), "loss_mask": mask,
             "sampler_logprobs": np.full((rows, seq), -np.log(vocab), np.float32) * mask,
@@ -143,7 +151,7 @@ def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], N
               ) -> dict[str, float]:
     trainer = ts.Trainer(model, ts.TrainConfig(micro_batches=FLAGS.micro_batches, remat=remat,
                                                logits_chunk=chunk))
-    batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq)
+    batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq, loss_mask=FLAGS.loss_mask)
     t0 = time.perf_counter()
     mem = trainer.memory_analysis(batch) or {}  # lowers and compiles the update (cached for `update`)
     nan = float("nan")
@@ -180,7 +188,8 @@ def main(argv: list[str]) -> None:
     tokens = FLAGS.rows * FLAGS.seq
     cpu = jax.default_backend() == "cpu"
     print(f"backend {jax.default_backend()} x{jax.device_count()}, batch [{FLAGS.rows}, {FLAGS.seq}], "  # noqa: T201
-          f"vocab {FLAGS.vocab or 'preset'}, micro_batches {FLAGS.micro_batches}, median of {FLAGS.repeats}, "
+          f"vocab {FLAGS.vocab or 'preset'}, micro_batches {FLAGS.micro_batches}, "
+          f"loss mask {FLAGS.loss_mask}, median of {FLAGS.repeats}, "
           f"load average before {load_average()}")
     for preset in FLAGS.presets:
         if FLAGS.peak_tflops:
