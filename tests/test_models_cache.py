@@ -155,7 +155,8 @@ def test_causal_blocked_attention_equals_dense(window):
                       window=window, scale=0.3)
 
     def blocked(q, k, v):
-        return attend_causal(q, k, v, key_valid=key_valid, window=window, scale=0.3, max_blocks=5, min_block=4)
+        return attend_causal(q, k, v, key_valid=key_valid, window=window, scale=0.3, max_blocks=5,
+                             min_block=4)
 
     # a padded query with no visible key (row 0's last ones, window 5) averages other keys in each version:
     # compared at real queries, whose outputs alone reach a loss
