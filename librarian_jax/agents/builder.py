@@ -187,6 +187,13 @@ def render_result(result: Any) -> str:
     return result.text or result.message if result.ok else f"ERROR [{result.code}]: {result.message}"
 
 
+def first_observation(workspace: Any, num_docs: int) -> str:
+    """The builder's first user message: the collection's size, the root listing and the raw documents."""
+    return prompt_text.render("builder_user", num_docs=num_docs,
+                              listing=render_result(workspace.list_dir(".")),
+                              raw_listing=render_result(workspace.list_dir(RAW_DIR)))
+
+
 class BuilderAgent:
     """One builder episode's agent state: workspace, policy session(s), action log. Drive it with `turn()`."""
 
@@ -199,12 +206,7 @@ class BuilderAgent:
         self.segments: list[Segment] = []
         self.actions: list[str] = []
         self.system_ids = ctx.template.start(self.system_prompt())
-        user = prompt_text.render(
-            "builder_user",
-            num_docs=num_docs,
-            listing=render_result(workspace.list_dir(".")),
-            raw_listing=render_result(workspace.list_dir(RAW_DIR)),
-        )
+        user = first_observation(workspace, num_docs)
         prompt = self.system_ids + ctx.template.turn("user", user)
         # The text of every turn, one conversation per training segment (a compaction starts the next): the
         # episode as chat messages, e.g. for supervised data (`rl.sft` encodes them back to these exact ids).

@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 
 STYLES = ("entities", "own_doc", "generic", "early_stop")
-DEFAULT_MIX: dict[str, float] = {"entities": 0.4, "own_doc": 0.3, "generic": 0.15, "early_stop": 0.15}
+DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "own_doc": 0.4, "generic": 0.1, "early_stop": 0.25}
 _RAW_LINE = re.compile(r'^\S+\s+\[raw\]\s+"(?P<title>[^"]*)"\s+\(doc_id=(?P<doc>[^,]+),', re.M)
 _ENTITY_TITLE = re.compile(r"^(?:Profile: |About the |Report: )(?P<name>.+)$")
 
@@ -114,6 +114,20 @@ def tool_call_texts(tasks: Sequence[Any]) -> list[str]:
             m = _ENTITY_TITLE.match(d.title or "")
             docs.append(ListedDoc(d.doc_id, d.title or "", m.group("name") if m else ""))
         out += ["\n".join(style_calls(s, docs)) for s in STYLES]
+    return out
+
+
+def tokenizer_texts(tasks: Sequence[Any]) -> list[str]:
+    """What the warm start's tokenizer should encode compactly besides the documents: the tool calls every
+    style writes (`tool_call_texts`) and the builder's first message for each task (the root and raw-document
+    listings as the real workspace renders them: the largest part of a builder episode after the documents,
+    and text the documents alone do not teach a small tokenizer)."""
+    from librarian_jax.agents.builder import first_observation
+    from librarian_jax.workspace import Workspace
+
+    out = tool_call_texts(tasks)
+    for t in tasks:
+        out.append(first_observation(Workspace.from_documents(list(t.documents)), len(t.documents)))
     return out
 
 
