@@ -31,11 +31,11 @@ def _base() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model.update(dict(
-        preset="tiny_8k",       # models.PRESETS name (architecture)
+        preset="tiny",          # models.PRESETS name (architecture): 4 layers of 128, a 2,048-token vocab
         init="random",          # the choices of every key: librarian_jax/config_schema.py
         path="",                # weights for init="hf" / "orbax"
         tokenizer="",           # file/folder; "" = model.path (hf) or a SentencePiece trained on data
-        tokenizer_vocab_size=8192,
+        tokenizer_vocab_size=2048,  # trained on the world, the prompts and the builder's listings (embedded)
         dtype="",               # "" = the preset's; e.g. "float32" on CPU, "bfloat16" on accelerators
         lora_rank=0,            # 0 = full fine-tuning
         lora_alpha=64.0,
@@ -101,6 +101,7 @@ def _base() -> ml_collections.ConfigDict:
         micro_batches=1,
         remat="none",           # no rematerialisation ("full": whole forward, "layer": each decoder layer)
         logits_chunk=1024,      # logits of this many positions at a time (rematerialised); 0 = all at once
+        logits_at="loss",       # the LM head only at the builder's own tokens ("all": every position)
         moe_aux_loss_coef=0.0,  # mixture-of-experts models: weight of the router's load-balancing loss
         loss="ppo",             # rl.losses registry
         eps_low=0.2,

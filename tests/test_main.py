@@ -29,7 +29,7 @@ def test_default_and_paper_presets():
     mod = grpo()
     c = mod.get_config()
     cv.validate(c, num_devices=1)
-    assert c.preset == "embedded" and c.model.preset == "tiny_8k" and c.model.init == "random"
+    assert c.preset == "embedded" and c.model.preset == "tiny" and c.model.init == "random"
     assert c.warm_start.enabled and c.rollout.answerer.kind == "scripted" and c.eval.final_methods
     for name in ("qwen3_5_4b", "gemma3_4b"):
         p = mod.get_config(name)
@@ -110,7 +110,7 @@ def test_cli_reports_bad_key_and_dry_run():
                           "--config.train.num_steps=7", "--config.workdir=/tmp/somewhere"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "GRPO preset 'embedded': model tiny_8k (random init, full fine-tuning)" in dry.stdout
+    assert "GRPO preset 'embedded': model tiny (random init, full fine-tuning)" in dry.stdout
     assert "7 steps of 4 tasks x group 4" in dry.stdout and "workdir /tmp/somewhere" in dry.stdout
 
 
