@@ -1,5 +1,5 @@
-"""Makes tests/fixtures/warm_start/: the embedded default's warm-start checkpoint (the tiny preset after the SFT of
-configs/sft.py on the scripted demonstrations) and its tokenizer, for tests/test_learning_embedded.py.
+"""Makes tests/fixtures/warm_start/: the embedded default's warm-start checkpoint (the tiny preset after the
+SFT of configs/sft.py on the scripted demonstrations) and its tokenizer, for tests/test_learning_embedded.py.
 
     python tests/make_warm_start_fixture.py [--workdir /tmp/ws_fixture]
 
