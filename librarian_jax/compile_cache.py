@@ -50,3 +50,16 @@ def enable(cache_dir: str | None = None, *, min_compile_s: float = 0.2) -> str |
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     logging.info("persistent compilation cache: %s", path)
     return path
+
+
+FLAG_HELP = ("JAX persistent compilation cache directory (a second run starts warm); default "
+             "$LIBRARIAN_JAX_COMPILATION_CACHE or ~/.cache/librarian_jax/jax_compilation_cache; 'none': off.")
+
+
+def define_flag() -> None:
+    """Defines `--compilation_cache_dir` (absl) unless already defined: the main command and every bench
+    share the one flag, and a process may import several of them (the test suite does)."""
+    from absl import flags
+
+    if "compilation_cache_dir" not in flags.FLAGS:
+        flags.DEFINE_string("compilation_cache_dir", None, FLAG_HELP)

@@ -27,17 +27,14 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from librarian_jax import config_validation, storage
+from librarian_jax import compile_cache, config_validation, storage
 
 # Defined once per process: `python -m librarian_jax.main` runs this file as `__main__`, and the commands
 # import `librarian_jax.main` again for its building blocks; the second import must not define them twice.
 if "config" not in flags.FLAGS:
     config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/grpo.py[:preset].")
     flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
-    flags.DEFINE_string(
-        "compilation_cache_dir", None,
-        "JAX persistent compilation cache directory (a second run starts warm); default "
-        "$LIBRARIAN_JAX_COMPILATION_CACHE or ~/.cache/librarian_jax/jax_compilation_cache; 'none': off.")
+compile_cache.define_flag()
 
 
 # ------------------------------------------------------------------------------------------- distributed
@@ -776,8 +773,6 @@ def main(argv: list[str]) -> None:
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/grpo.py")
     multi = maybe_initialize_distributed()
-    from librarian_jax import compile_cache
-
     compile_cache.enable(flags.FLAGS.compilation_cache_dir)  # before anything compiles
     command = config.get("command", "train")
     try:

@@ -44,7 +44,7 @@ flags.DEFINE_integer("new_tokens", 128, "new tokens per row")
 flags.DEFINE_integer("prompt_len", 16, "prompt tokens per row")
 flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
 flags.DEFINE_string("preset", "decode_bench", "model preset")
-flags.DEFINE_string("compilation_cache_dir", None, "compilation cache dir (default: compile_cache's); none")
+compile_cache.define_flag()
 
 
 def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, repeats: int) -> float:

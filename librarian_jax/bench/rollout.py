@@ -22,6 +22,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from librarian_jax import compile_cache
+
 flags.DEFINE_integer("num_tasks", 4, "tasks per batch (B)")
 flags.DEFINE_integer("group_size", 4, "builder episodes per task (G)")
 flags.DEFINE_integer("max_turns", 4, "builder turns per episode (H)")
@@ -34,7 +36,7 @@ flags.DEFINE_integer("policy_slots", 16, "slots of the builder engine")
 flags.DEFINE_integer("frozen_slots", 64, "slots of the answerer/executor engine")
 flags.DEFINE_integer("round_steps", 16, "decode steps per engine.step()")
 flags.DEFINE_string("preset", "tiny", "model preset")
-flags.DEFINE_string("compilation_cache_dir", None, "compilation cache dir (default: compile_cache's); none")
+compile_cache.define_flag()
 flags.DEFINE_string(
     "cache_dir", os.path.join(tempfile.gettempdir(), "librarian_jax_bench"), "tokenizer cache"
 )
@@ -62,7 +64,6 @@ def main(argv: list[str]) -> None:
     del argv
     from flax import nnx
 
-    from librarian_jax import compile_cache
     from librarian_jax.agents import AnswererConfig, BuilderConfig, prompt_text
     from librarian_jax.bench.common import load_average
     from librarian_jax.data.synthetic import generate_world, world_texts
