@@ -293,10 +293,12 @@ def episode_file(directory: str, step: int, process: int | None = None) -> str:
 
 
 def write_step_records(directory: str, step: int, records: Sequence[Any]) -> str:
-    """This process's episode records of `step`, one JSON object a line (as `rollout.write_jsonl`), through
-    `storage` (so a `gs://` workdir works). Returns the file."""
+    """This process's episode records of `step` (`rollout.write_jsonl`: a `gs://` workdir works too).
+    Returns the file."""
+    from librarian_jax.rollout import write_jsonl
+
     path = episode_file(directory, step)
-    storage.write_text(path, "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in records))
+    write_jsonl(path, records)
     return path
 
 
@@ -315,18 +317,9 @@ def episode_files(directory: str, step: int) -> list[str]:
 
 def read_step_records(directory: str, step: int) -> list[Any]:
     """The episode records of `step` from every process's file, task-major in global order."""
-    from librarian_jax.rollout import EpisodeRecord
+    from librarian_jax.rollout import read_jsonl
 
-    out = []
-    for f in episode_files(directory, step):
-        for line_no, line in enumerate(storage.read_text(f).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(EpisodeRecord.from_dict(json.loads(line)))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{f}:{line_no}: bad episode record: {e}") from None
-    return out
+    return [r for f in episode_files(directory, step) for r in read_jsonl(f)]
 
 
 def offsets(counts: Sequence[int]) -> list[int]:

@@ -10,7 +10,8 @@ delta + malformed-call penalties, and the turn-limit penalty on the last turn), 
 snapshots (JSON) at probes and at the end, answers given, and token counts: construction (builder +
 executor + summaries) and reading (answerer).
 
-`write_jsonl(path, records)` / `read_jsonl(path)` round-trip records exactly (arrays become lists).
+`write_jsonl(path, records)` / `read_jsonl(path)` round-trip records exactly (arrays become lists); the path
+is local or a URL such as `gs://...` (`librarian_jax.storage`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from librarian_jax import storage
 from librarian_jax.segment import Segment
 
 
@@ -102,10 +104,8 @@ class EpisodeRecord:
 
 def write_jsonl(path: str | os.PathLike[str], records: Iterable[EpisodeRecord]) -> int:
     """Writes one JSON object per record; returns how many. Creates parent directories."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     n = 0
-    with open(path, "w", encoding="utf-8") as f:
+    with storage.open_file(path, "w") as f:
         for r in records:
             f.write(json.dumps(r.to_dict(), separators=(",", ":")) + "\n")
             n += 1
@@ -113,7 +113,7 @@ def write_jsonl(path: str | os.PathLike[str], records: Iterable[EpisodeRecord]) 
 
 
 def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[EpisodeRecord]:
-    with open(path, encoding="utf-8") as f:
+    with storage.open_file(path, "r") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
