@@ -226,13 +226,10 @@ def test_logits_at_loss_positions_match_all_positions(agg, kl, old):
         if at == "loss":
             assert device_batch["positions"].shape == (1, rows, 64)
         ref = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), trainer.params) if kl else None
-        if kl:
-            trainer.ref_params = ref
-        fn = jax.jit(ts._accumulate, static_argnums=(0, 1))
-        static = ts._static_config(trainer.config)
-        args = (trainer.graphdef, static, trainer.params, trainer.rest, ref, device_batch)
-        out[at] = jax.device_get(fn(*args))
-        cost = fn.lower(*args).compile().cost_analysis()
+        args = (trainer.graphdef, ts._static_config(trainer.config), trainer.params, trainer.rest, ref,
+                device_batch)
+        out[at] = jax.device_get(ts._accumulate_jit(*args))
+        cost = ts._accumulate_jit.lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         flops[at] = float(cost["flops"]) if cost and "flops" in cost else None
     (l0, g0, s0), (l1, g1, s1) = out["all"], out["loss"]
