@@ -44,6 +44,10 @@ def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.skipif(os.environ.get("LIBRARIAN_JAX_GCS_MAIN_TEST") != "1",
+                    reason="opt-in (LIBRARIAN_JAX_GCS_MAIN_TEST=1): passes alone, but 1 of 3 concurrent runs "
+                    "failed in Orbax's OCDBT manifest write on the emulator ('Malformed StorageGeneration'; "
+                    "the emulator ignores ifGenerationMatch), which made the suite flaky")
 def test_checkpoints_save_restore_and_skip_half_written_steps_on_gs(gcs, in_empty_dir):
     d = f"gs://{BUCKET}/run/checkpoints"
     trainer = ts.Trainer(_model(), ts.TrainConfig())
