@@ -641,7 +641,8 @@ def run(config: Any) -> dict[str, Any]:
         logging.info("reward curve: %s", learning["line"])
     final: dict[str, Any] = {}
     t_eval = time.perf_counter()
-    # every process evaluates (its engines are process-local; the restores are collectives), process 0 reports
+    # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
+    # records (eval.cli.execute; every process restores each builder, a collective); process 0 reports
     if config.eval.final_methods and state.heldout:
         final = final_evaluation(workdir, config.eval.final_methods)
         if config.eval.final_samples:
@@ -715,7 +716,8 @@ def evaluate(config: Any, heldout: list[Any], engines: dict[str, Any], tokenizer
              seed: int) -> dict[str, float]:
     """Periodic held-out evaluation (`eval.every`): the eval command's own build and answer code
     (`eval.pipeline.periodic_eval`: greedy builder, no probes, the frozen answerer `eval.repeats` times per
-    question) with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is the same accuracy."""
+    question) with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is the same accuracy.
+    Multi-process: each process evaluates its share of the corpora and every process gets the same metrics."""
     from librarian_jax.eval import pipeline
 
     tasks = heldout[: config.eval.num_tasks]

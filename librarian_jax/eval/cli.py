@@ -6,6 +6,9 @@
 
 Every check of the config, the run directory and its checkpoints happens before any model is loaded; each
 bad input is one `ConfigError("config.<key>: ...")` naming the key and the path.
+
+Multi-process: `run_eval`/`evaluate_run` split the held-out corpora over the processes and gather the records
+(`execute`); `run_build` builds its one workspace on every process (`run_build`).
 """
 
 from __future__ import annotations
@@ -321,13 +324,30 @@ def _rollout_config(plan: Plan) -> Any:
 
 
 def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records)."""
+    """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records).
+
+    Multi-process (every process calls it): each process builds and answers only its contiguous share of
+    the held-out corpora (`pipeline.share`, uneven or empty shares included) on its process-local engines;
+    the per-question records are gathered in the order of a single-process run (`pipeline.gather_sections`;
+    no seed depends on the split), every process analyses all of them (the same results everywhere), and
+    process 0 exports the workspaces and writes the one report. Timing entries are the slowest process's.
+    Every process still loads every builder (restores are collectives), even with an empty share."""
     from librarian_jax import main, tokenizers
 
     c = plan.config
     t_start = time.perf_counter()
     tasks, split_source = heldout_tasks(plan)
     corpora = [t.task_id for t in tasks]
+    part = pipeline.share(len(tasks))
+    mine = tasks[part]
+    logging.info(
+        "eval: process %d of %d builds and answers corpora [%d, %d) of %d",
+        jax.process_index(),
+        jax.process_count(),
+        part.start,
+        part.stop,
+        len(tasks),
+    )
     mesh = main.make_local_mesh(c)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
@@ -340,17 +360,20 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     greedy_builder = cfg.builder.temperature == 0.0
     group = 1 if greedy_builder else c.samples
     repeats = c.samples if greedy_builder else 1
-    jobs: list[pipeline.Job] = []
+    # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
+    # processes' records of a section, concatenated in process order, are that section's records
+    sections: list[tuple[str, list[pipeline.Job]]] = []
     built_by: dict[str, list[pipeline.Built]] = {}
     timing = {"load_s": t_load - t_start}
     for label in plan.methods:
         if label in ("raw", "bm25"):
             continue
         t0 = time.perf_counter()
+        pipeline.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
         models.set_policy(models.builder(label, plan))
         built = pipeline.build_workspaces(
             label,
-            tasks,
+            mine,
             models.engines,
             tokenizer,
             cfg,
@@ -359,44 +382,67 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             batch_tasks=c.batch_tasks,
             reset=models.reset,
             progress=progress,
+            start=part.start,
         )
         built_by[label] = built
-        jobs += [
+        sections.append((f"build/{label}", [
             pipeline.Job(
                 label, b.task, b.workspace, repeats, b.construction_tokens, b.episode, failed=b.failed
             )
             for b in built
-        ]
+        ]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
     from librarian_jax.workspace import Workspace
 
-    for t in tasks:
+    baselines: list[pipeline.Job] = []
+    for t in mine:
         if "raw" in plan.methods:
-            jobs.append(pipeline.Job("raw", t, Workspace.from_documents(list(t.documents)), c.samples))
+            baselines.append(pipeline.Job("raw", t, Workspace.from_documents(list(t.documents)), c.samples))
         if "bm25" in plan.methods:
             pre = pipeline.bm25_preambles(
                 t, pipeline.questions_of(t, cfg), c.bm25.top_k, c.bm25.passage_words
             )
-            jobs.append(
+            baselines.append(
                 pipeline.Job("bm25", t, Workspace.from_documents(list(t.documents)), c.samples, preambles=pre)
             )
+    sections.append(("baselines", baselines))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
+    variants: list[pipeline.Job] = []
     for b in built_by.get("trained", []):
         if ablation and b.episode == 0:
             flat = b.workspace.flattened() if b.workspace is not None else None
             shuf = b.workspace.shuffled(c.ablation.shuffle_seed) if b.workspace is not None else None
-            jobs.append(pipeline.Job("flattened", b.task, flat, 1, b.construction_tokens, failed=b.failed))
-            jobs.append(pipeline.Job("shuffled", b.task, shuf, 1, b.construction_tokens, failed=b.failed))
+            for name, ws in (("flattened", flat), ("shuffled", shuf)):
+                variants.append(pipeline.Job(name, b.task, ws, 1, b.construction_tokens, failed=b.failed))
+    sections.append(("ablation", variants))
+    jobs = [j for _, js in sections for j in js]
     t0 = time.perf_counter()
     answers = pipeline.answer_jobs(
         jobs, models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset, progress=progress
     )
     timing["answer_s"] = time.perf_counter() - t0
-    records = [
-        dict(r, step=plan.step)
-        for j, a in zip(jobs, answers, strict=True)
-        for r in pipeline.job_records(j, a, cfg)
+    answer_of = {id(j): a for j, a in zip(jobs, answers, strict=True)}
+    own = [
+        (name, [dict(r, step=plan.step) for j in js for r in pipeline.job_records(j, answer_of[id(j)], cfg)])
+        for name, js in sections
     ]
+    # what the report needs from every process: its records, failed constructions, times, and (process 0
+    # exports them) the first construction of each of its corpora per method. The workspaces travel to
+    # process 0 as snapshots rather than each process exporting its own: the report directory need not be
+    # shared (a gs:// report's workspaces go to a local stand-in directory; hosts of a pod slice share no
+    # local disk), and process 0 writes one complete tree, as in a single-process run.
+    shares = [*own, ("failed", [{m: sum(1 for b in bs if b.failed) for m, bs in built_by.items()}]),
+              ("timing", [timing])]
+    if c.export_workspaces:
+        shares.append(("workspaces", [
+            [m, b.task.task_id, b.workspace.to_dict(include_raw_text=False)]
+            for m, bs in built_by.items()
+            for b in bs
+            if b.episode == 0 and b.workspace is not None
+        ]))
+    gathered = pipeline.gather_sections(shares, "execute")
+    records = [r for name, _ in own for r in gathered[name]]
+    timing = pipeline.slowest(gathered["timing"])
     results = report.analyse(
         records,
         plan.methods + ablation,
@@ -407,7 +453,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         pass_k=plan.pass_k,
         ablation=ablation,
     )
-    results["failed_constructions"] = {m: sum(1 for b in bs if b.failed) for m, bs in built_by.items()}
+    results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in built_by}
     results["accounting"] = ACCOUNTING
     results["setup"] = {
         "name": c.name,
@@ -424,6 +470,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         else "one answer on the (greedy) construction",
         "preset": c.get("preset", ""),
         "devices": jax.device_count(),
+        "processes": jax.process_count(),
         "mesh": dict(mesh.shape),
     }
     if c.export_workspaces and jax.process_index() == 0:
@@ -433,11 +480,16 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         root = storage.local_cache_dir(storage.join(plan.out_dir, "workspaces"), "workspaces")
         if root != storage.join(plan.out_dir, "workspaces"):
             logging.info("workspaces of %s exported locally to %s", plan.out_dir, root)
-        results["workspaces"] = export_workspaces(root, built_by)
+        by_id = {t.task_id: t for t in tasks}
+        firsts: dict[str, list[pipeline.Built]] = {m: [] for m in built_by}
+        for m, task_id, snap in gathered["workspaces"]:
+            task = by_id[task_id]
+            firsts[m].append(pipeline.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
+        results["workspaces"] = export_workspaces(root, firsts)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
     results["timing"] = timing
-    if jax.process_index() == 0:  # multi-process: every process evaluated alike; one report
+    if jax.process_index() == 0:  # multi-process: every process holds all the records; one report
         report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
     return results, records
 
@@ -552,7 +604,11 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
 def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     """`main --config=configs/build.py`: the trained builder's workspace over `data.path`, exported to `out`
     (README.md, raw_docs/ unchanged, synthetic files with source links and hashes, manifest.json,
-    build.json with the construction's tokens, turns and status)."""
+    build.json with the construction's tokens, turns and status).
+
+    Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
+    shared out, so every process builds the same workspace (same seed, same weights; the restore is a
+    collective) on its process-local engines and process 0 exports it; the others return None."""
     from librarian_jax import main, tokenizers
     from librarian_jax.workspace import Workspace
 
@@ -579,7 +635,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         "trained", [task], models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset
     )[0]
     ws = built.workspace if built.workspace is not None else Workspace.from_documents(list(task.documents))
-    if jax.process_index() != 0:  # multi-process: every process built alike; process 0 exports
+    if jax.process_index() != 0:  # multi-process: every process built the same workspace; process 0 exports
         return None
     res = ws.export(c.out)
     if not res.ok:

@@ -11,19 +11,29 @@ Two phases, each one `Scheduler.run` per batch of corpora (one progress-bar tick
 
 A batch that raises is re-run corpus by corpus on fresh engines; a corpus that still fails is recorded
 (`failed`) and its questions count as incorrect: nothing is dropped from the denominator.
+
+Multi-process runs (DESIGN.md, "Multi-host"): each process builds and answers a contiguous share of the
+corpora (`share`) on its own process-local engines, and the records are gathered (`gather_sections`). No seed
+depends on the split: a construction's episode seeds come from its corpus's global index (`build_workspaces`'s
+`start`), an answer's from its corpus id and construction (`answer_rng`), so the gathered records are those of
+a single-process run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
+from librarian_jax import distributed
 from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, AgentGen, Parallel
 from librarian_jax.rollout import Scheduler, evaluate, run_batch
 from librarian_jax.rollout import rewards as R
@@ -97,6 +107,14 @@ def _guarded(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """A corpus of a build and its index in the global list of corpora (which fixes its episode seeds)."""
+
+    index: int
+    task: Any
+
+
 def build_workspaces(
     method: str,
     tasks: Sequence[Any],
@@ -109,22 +127,38 @@ def build_workspaces(
     batch_tasks: int = 8,
     reset: Callable[[], None] | None = None,
     progress: bool = True,
+    start: int = 0,
 ) -> list[Built]:
     """`group_size` builder episodes per corpus (task-major); `engines()` gives the current engines (after a
-    `reset()` fresh ones)."""
+    `reset()` fresh ones).
+
+    `start`: the global index of `tasks[0]` when `tasks` is one process's share of a longer list (`share`).
+    The episode seeds are those of a build over the whole list: it runs in chunks of `batch_tasks` corpora
+    at global multiples of `batch_tasks`, chunk `k` drawing its episodes' seeds task-major from
+    `default_rng(seed + k * batch_tasks * group_size)` (`rollout.run_batch`); a share that begins or ends
+    inside a chunk runs that chunk's part with the stream advanced past the corpora before it
+    (`distributed.episode_rng`), and a corpus re-run alone after its batch failed gets its seeds too."""
     from librarian_jax.workspace import Workspace
 
     out: list[Built] = []
-    chunks = [list(tasks[i : i + batch_tasks]) for i in range(0, len(tasks), batch_tasks)]
+    slots = [_Slot(start + i, t) for i, t in enumerate(tasks)]
+    chunks: list[list[_Slot]] = []
+    for s in slots:
+        if chunks and chunks[-1][-1].index // batch_tasks == s.index // batch_tasks:
+            chunks[-1].append(s)
+        else:
+            chunks.append([s])
 
-    def run(chunk: Sequence[Any]) -> list[Any]:
-        records = run_batch(
-            [_strip(t) for t in chunk], group_size, engines(), tokenizer, config, rng=seed + len(out)
-        )
+    def run(chunk: Sequence[_Slot]) -> list[Any]:
+        first = chunk[0].index - chunk[0].index % batch_tasks  # global index of its chunk's first corpus
+        rng = distributed.episode_rng(seed + first * group_size, (chunk[0].index - first) * group_size)
+        batch = [_strip(s.task) for s in chunk]
+        records = run_batch(batch, group_size, engines(), tokenizer, config, rng=rng)
         return [[r for r in records if r.group_id == i] for i in range(len(chunk))]
 
     for chunk in tqdm(chunks, desc=f"build {method}", disable=not progress, leave=False):
-        for task, res in zip(chunk, _guarded(chunk, run, reset, f"build {method}"), strict=True):
+        for slot, res in zip(chunk, _guarded(chunk, run, reset, f"build {method}"), strict=True):
+            task = slot.task
             if isinstance(res, Exception):
                 out.extend(
                     Built(method, task, g, failed=f"{type(res).__name__}: {res}") for g in range(group_size)
@@ -163,6 +197,19 @@ def _job_gen(ctx: AgentContext, job: Job, config: R.RolloutConfig) -> AgentGen:
     return (yield Parallel(gens)) if gens else []
 
 
+def task_seed(task_id: str) -> int:
+    """A corpus id as a seed: CRC-32 of its UTF-8 bytes, the same in every process and launch (Python's
+    `hash` of a str is salted per process, PYTHONHASHSEED)."""
+    return zlib.crc32(str(task_id).encode("utf-8"))
+
+
+def answer_rng(seed: int, task_id: str, episode: int) -> np.random.Generator:
+    """The answerer's random stream for the questions of construction `episode` of corpus `task_id`: it
+    depends on nothing else (not the batch, not which process answers), so a split evaluation answers as a
+    single process does."""
+    return np.random.default_rng([int(seed), task_seed(task_id), int(episode)])
+
+
 def answer_jobs(
     jobs: Sequence[Job],
     engines: Callable[[], dict[str, Any]],
@@ -190,7 +237,7 @@ def answer_jobs(
                     tokenizer,
                     template,
                     by_role,
-                    np.random.default_rng([seed, hash(j.task.task_id) % 2**31, j.episode]),
+                    answer_rng(seed, j.task.task_id, j.episode),
                 ),
                 j,
                 cfg,
@@ -274,6 +321,58 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
     return out
 
 
+# ------------------------------------------------------------------------------------------- processes
+
+
+def share(n: int, process: int | None = None, count: int | None = None) -> slice:
+    """Process `process`'s (default: this one's) contiguous share of `n` corpora over `count` processes
+    (default: all): `numpy.array_split`'s, the first `n % count` processes one corpus more; empty when there
+    are fewer corpora than processes. One process: everything."""
+    p = jax.process_index() if process is None else int(process)
+    k = jax.process_count() if count is None else int(count)
+    size, extra = divmod(int(n), k)
+    begin = p * size + min(p, extra)
+    return slice(begin, begin + size + (1 if p < extra else 0))
+
+
+_MEETINGS = itertools.count()  # every process meets in the same order, so the n-th meeting has one name
+
+
+def meet(what: str) -> None:
+    """All processes wait for each other here (a coordination-service barrier, timeout
+    `LIBRARIAN_SYNC_TIMEOUT_S`): before a collective that processes reach at different times, since their
+    shares take different times and a device collective's own timeout is not meant for that wait."""
+    if distributed.is_multi():
+        distributed.wait_for_all(f"eval/{what}/{next(_MEETINGS)}")
+
+
+def gather(obj: Any, what: str) -> list[Any]:
+    """Every process's JSON-serialisable `obj`, in process order (`distributed.allgather_json` after
+    `meet`); one process: `[obj]`."""
+    if not distributed.is_multi():
+        return [obj]
+    meet(what)
+    return distributed.allgather_json(obj)
+
+
+def gather_sections(sections: Sequence[tuple[str, list[Any]]], what: str) -> dict[str, list[Any]]:
+    """Every process's items of each named section, in process order: each process's items of a section
+    come from its contiguous share of the corpora in corpus order, so the concatenation is the section of a
+    single-process run. Every process must pass the same section names in the same order."""
+    gathered = gather([[name, items] for name, items in sections], what)
+    out: dict[str, list[Any]] = {name: [] for name, _ in sections}
+    for per_process in gathered:
+        for name, items in per_process:
+            out[name].extend(items)
+    return out
+
+
+def slowest(timings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Processes' timing entries as the job's: each the slowest process's (the job waits for it)."""
+    keys = list(dict.fromkeys(k for t in timings for k in t))
+    return {k: max(float(t[k]) for t in timings if k in t) for k in keys}
+
+
 # ------------------------------------------------------------------------------------------- BM25
 
 
@@ -318,29 +417,39 @@ def periodic_eval(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The evaluation `main` runs every `eval.every` steps: the current policy builds a workspace for each
     held-out corpus (greedy), the frozen answerer answers `repeats` times per question; returns (question
-    records, metrics) with the metric names of the eval command's TensorBoard scalars for "trained"."""
+    records, metrics) with the metric names of the eval command's TensorBoard scalars for "trained".
+
+    Multi-process (every process calls it, with its own process-local `engines`): each process builds and
+    answers its share of `tasks` (`share`); every process returns all the records (gathered, in the order
+    of a single-process run) and the same metrics, the times the slowest process's."""
     from librarian_jax.eval import stats
 
     cfg = eval_rollout_config(config, builder_temperature=0.0)
+    part = share(len(tasks))
     t0 = time.perf_counter()
-    built = build_workspaces("trained", tasks, lambda: engines, tokenizer, cfg, seed=seed, progress=False)
+    built = build_workspaces(
+        "trained", tasks[part], lambda: engines, tokenizer, cfg, seed=seed, progress=False, start=part.start
+    )
     t1 = time.perf_counter()
     jobs = [
         Job("trained", b.task, b.workspace, repeats, b.construction_tokens, b.episode, failed=b.failed)
         for b in built
     ]
-    records = [
+    mine = [
         r
         for j, a in zip(
             jobs, answer_jobs(jobs, lambda: engines, tokenizer, cfg, seed=seed, progress=False), strict=True
         )
         for r in job_records(j, a, cfg)
     ]
+    timing = {"eval/build_s": t1 - t0, "eval/answer_s": time.perf_counter() - t1}
+    gathered = gather_sections([("records", mine), ("timing", [timing])], "periodic")
+    records = gathered["records"]
     corpora = [t.task_id for t in tasks]
     sums = stats.corpus_sums(records, ["trained"], corpora)
     table = stats.accuracy_table(sums, np.ones((1, len(corpora))), base=None)
     metrics = scalar_metrics(table)
-    metrics.update({"eval/build_s": t1 - t0, "eval/answer_s": time.perf_counter() - t1})
+    metrics.update(slowest(gathered["timing"]))
     return records, metrics
 
 
