@@ -321,6 +321,10 @@ class OptimSection(Section):
     logits_chunk: int = spec(1024, lo=0)  # logits of this many positions at a time; 0 = all at once
     # with logits_chunk > 0: the LM head runs only at the loss positions ("loss") or at every one ("all")
     logits_at: str = spec("loss", choices=train_step.LOGITS_AT)
+    # the decoder layers that repeat a pattern run under one lax.scan: the step compiles each distinct layer
+    # once, not once per layer (same values); pays on deep models (CPU: 36 layers compile 2.3x faster), not on
+    # the 4-6 layer CPU presets (BENCHMARKS.md)
+    scan_layers: bool = spec(False)
     max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
 
     def optim_config(self) -> train_step.OptimConfig:
@@ -359,7 +363,7 @@ class TrainSection(OptimSection):
                                    temperature=temperature, aggregation=self.aggregation),
             optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs=self.old_logprobs,
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            moe_aux_loss_coef=self.moe_aux_loss_coef)
+            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +378,8 @@ class SFTTrainSection(OptimSection):
         return train_step.TrainConfig(
             loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
             optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs="trainer",
-            remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at)
+            remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
+            scan_layers=self.scan_layers)
 
 
 # ------------------------------------------------------------------------------------------- the rest

@@ -3,16 +3,25 @@
     logits, cache = model(tokens, positions=None, cache=None, mask=None)
 
 One call serves training/scoring (no cache), chunked prefill and single-token decode (with a cache whose rows
-may hold different lengths); see `Transformer.__call__`.
+may hold different lengths); see `Transformer.__call__`. Without a cache, `scan_layers=True` runs the decoder
+layers under one `lax.scan` per repeating layer pattern, so a compiled program holds each distinct layer once
+instead of once per layer (see `Transformer.hidden`, `scan_plan` and `run_layer_scan`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import re
+from typing import Any
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax.nnx import graphlib
 from jax.sharding import Mesh
 
 from librarian_jax.models.cache import Cache
@@ -81,6 +90,200 @@ class DecoderLayer(nnx.Module):
         return x, new_cache
 
 
+# ----------------------------------------------------------------------------------------------- layer scan
+
+
+def remat_call(layer: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+    """`layer(*args, **kwargs)` under `jax.checkpoint` with nothing saved but its inputs (the backward pass
+    recomputes the layer). The layer is split and merged inside the checkpoint, so modules that write to
+    themselves when called (qwix's LoRA interception) stay in one trace; what the layer sows
+    (`nnx.Intermediate`: MoE router statistics) is put back into `layer`. Array leaves of the arguments go
+    through the checkpoint; anything else (python scalars, strings, None) is closed over as static."""
+    graphdef, state = nnx.split(layer)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+
+    @jax.checkpoint
+    def call(state: Any, arrays: list) -> Any:
+        it = iter(arrays)
+        a, kw = jax.tree.unflatten(treedef, [next(it) if arr else x for x, arr in zip(leaves, is_array,
+                                                                                     strict=True)])
+        m = nnx.merge(graphdef, state)
+        return m(*a, **kw), nnx.pop(m, nnx.Intermediate)
+
+    out, sown = call(state, [x for x, arr in zip(leaves, is_array, strict=True) if arr])
+    nnx.update(layer, sown)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPlan:
+    """How `Transformer.hidden` runs its layers without a cache: layers [0, period * periods) as `periods`
+    iterations of one `lax.scan` whose body calls `period` layers (layer k + j * period at iteration j), the
+    rest one by one. `period == 0`: every layer one by one, `reason` says why."""
+
+    period: int
+    periods: int
+    reason: str = ""
+
+    @property
+    def scanned(self) -> int:
+        return self.period * self.periods
+
+
+def _qwix_rules(model: nnx.Module) -> list[Any] | None:
+    """The LoRA / quantization rules of a qwix-wrapped model (found in the closure of its intercepted
+    methods), or None where they cannot be found."""
+    stack: list[Any] = [getattr(type(model), n, None) for n in ("hidden", "__call__")]
+    seen: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen or len(seen) > 1000:
+            continue
+        seen.add(id(obj))
+        rules = getattr(obj, "_rules", None)
+        if isinstance(rules, list | tuple) and all(hasattr(r, "module_path") for r in rules):
+            return list(rules)
+        if isinstance(obj, functools.partial):
+            stack += [obj.func, *obj.args, *obj.keywords.values()]
+        elif callable(obj):
+            stack += [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
+                      if c is not None and _cell_filled(c)]
+            stack.append(getattr(obj, "__wrapped__", None))
+    return None
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _layer_signature(layer: nnx.Module) -> tuple[Any, ...]:
+    """What two layers must share to run as the same scan body: layer type, graph (static attributes: norms,
+    windows, MoE mesh, ...; qwix's per-module `qwix_path` with its layer index dropped) and every variable's
+    path, type, shape and dtype."""
+    graphdef, state = nnx.split(layer)
+    attributes = []
+    for name, attr in graphdef.attributes:
+        if name == "qwix_path" and isinstance(attr, graphlib.Static) and isinstance(attr.value, tuple):
+            attr = graphlib.Static(tuple(None if i == 1 else x for i, x in enumerate(attr.value)))
+        attributes.append((name, attr))
+    graphdef = dataclasses.replace(graphdef, attributes=attributes)
+    leaves = tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+    return (getattr(layer, "layer_type", None), graphdef, jax.tree.structure(state), leaves)
+
+
+def _rule_matches(layer: nnx.Module, rules: list[Any]) -> list[tuple[int, ...]]:
+    """For each module of `layer` (graph order): the indices of the qwix rules whose module_path matches its
+    `qwix_path` (what qwix looks up when the module runs)."""
+    out = []
+    for _, m in nnx.iter_graph(layer):
+        if isinstance(m, nnx.Module):
+            path = "/".join(map(str, getattr(m, "qwix_path", ())))
+            out.append(tuple(i for i, r in enumerate(rules) if re.fullmatch(r.module_path, path)))
+    return out
+
+
+def scan_plan(layers: list[nnx.Module], model: nnx.Module | None = None) -> ScanPlan:
+    """The scan of `layers` that leaves the fewest layers for XLA to compile.
+
+    Each layer gets a signature (`_layer_signature`). For each period p, periods(p) is the number of whole
+    periods from layer 0 over which signature[i] == signature[i % p]; among the p with periods(p) >= 2 the
+    plan takes the one minimising p + (layers - p * periods(p)) (body plus unrolled remainder), the smallest
+    p on ties: Qwen3 / Llama 3 p = 1 over every layer; Gemma 3 (5 sliding, 1 global) p = 6 with the
+    remainder (26 layers: 4 periods + 2) unrolled; Qwen3.5 (3 DeltaNet, 1 attention) p = 4.
+
+    Not scanned (period 0, `reason` set): fewer than 2 periods of any pattern; a layer that already holds
+    `nnx.Intermediate` values (a scan could not append to them as `sow` does); a qwix model whose rules
+    cannot be found or match the modules of two layers of the same period position differently (the body
+    runs layer k's modules, whose `qwix_path` selects the rule, for every layer k + j * p). `model` is the
+    top module, for its qwix rules.
+    """
+    n = len(layers)
+    if n < 2:
+        return ScanPlan(0, 0, f"{n} layer(s)")
+    for i, layer in enumerate(layers):
+        if jax.tree.leaves(nnx.state(layer, nnx.Intermediate)):
+            return ScanPlan(0, 0, f"layer {i} holds nnx.Intermediate values")
+    sigs = [_layer_signature(x) for x in layers]
+    best: tuple[int, int, int] | None = None  # (compiled layers, period, periods)
+    for p in range(1, n // 2 + 1):
+        periods = 0
+        while (periods + 1) * p <= n and all(sigs[periods * p + k] == sigs[k] for k in range(p)):
+            periods += 1
+        if periods >= 2:
+            cost = p + n - p * periods
+            if best is None or cost < best[0]:
+                best = (cost, p, periods)
+    if best is None:
+        return ScanPlan(0, 0, "no layer pattern repeats twice from layer 0")
+    _, p, periods = best
+    if model is not None and hasattr(type(model), "_unquantized_type"):  # qwix-wrapped
+        rules = _qwix_rules(model)
+        if rules is None:
+            return ScanPlan(0, 0, "a qwix model whose rules were not found")
+        for i in range(p, p * periods):
+            if _rule_matches(layers[i], rules) != _rule_matches(layers[i % p], rules):
+                return ScanPlan(0, 0, f"qwix rules match layer {i} and layer {i % p} differently")
+    return ScanPlan(p, periods)
+
+
+class _StructureChanged(Exception):
+    """A layer's graph changed while it ran inside the scan body (e.g. it created a variable)."""
+
+
+def run_layer_scan(layers: list[nnx.Module], plan: ScanPlan, x: jax.Array, ropes: dict[str, Any],
+                   mask: jax.Array, *, remat: bool = False) -> jax.Array:
+    """Runs layers [0, plan.scanned) over x `[batch, seq, hidden]` (no cache) under one `lax.scan`; returns
+    `[batch, seq, hidden]`. Raises `_StructureChanged` (caught by the caller, which then runs the loop)
+    when a layer changes its graph while called.
+
+    Inside the trace each layer is split (`nnx.split`); the states of layers k, k + p, ... (same signature,
+    see `scan_plan`) are stacked along a new leading axis `[periods, ...]`, and the scan body merges
+    iteration j's slice of each of the p states with layer k's graphdef and calls it. Stacking costs one
+    copy of the layers' variables per call (cheap next to a train step's activations and optimizer; the
+    gradient flows back through the stack to each layer's own params). Whatever a layer sows while called
+    (`nnx.Intermediate`: MoE router statistics) leaves the body as a scan output `[periods, ...]` and is
+    put back into its layer, as if called one by one. `remat`: each layer call inside the body is
+    checkpointed with nothing saved but its inputs (train.remat="layer").
+    """
+    p, n = plan.period, plan.periods
+    graphdefs, stacked = [], []
+    for k in range(p):
+        splits = [nnx.split(layers[k + j * p]) for j in range(n)]
+        graphdefs.append(splits[0][0])
+        stacked.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in splits]))
+
+    def one_layer(k: int, state: Any, x: jax.Array, ropes: dict[str, Any], mask: jax.Array) -> Any:
+        m = nnx.merge(graphdefs[k], state)
+        y, _ = m(x, ropes.get(m.layer_type), mask=mask)
+        sown = nnx.pop(m, nnx.Intermediate)
+        if nnx.graphdef(m) != graphdefs[k]:
+            raise _StructureChanged(f"layer {k} changed its graph when called")
+        return y, sown
+
+    calls = [functools.partial(one_layer, k) for k in range(p)]
+    if remat:
+        calls = [jax.checkpoint(c) for c in calls]
+
+    def body(x: jax.Array, states: tuple[Any, ...]) -> tuple[jax.Array, tuple[Any, ...]]:
+        sown = []
+        for k in range(p):
+            x, s = calls[k](states[k], x, ropes, mask)
+            sown.append(s)
+        return x, tuple(sown)
+
+    x, sown = jax.lax.scan(body, x, tuple(stacked))
+    for k in range(p):
+        if jax.tree.leaves(sown[k]):
+            for j in range(n):
+                nnx.update(layers[k + j * p], jax.tree.map(lambda a, j=j: a[j], sown[k]))
+    return x
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: embed_tokens -> layers -> norm -> lm_head (or tied embedding). Logits float32."""
 
@@ -106,6 +309,8 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         cache: Cache | None = None,
         mask: jax.Array | None = None,
+        scan_layers: bool = False,
+        remat_layers: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         """tokens int32 `[batch, seq]` -> (logits float32 `[batch, seq, vocab]`, cache).
 
@@ -116,8 +321,10 @@ class Transformer(nnx.Module):
         so they never change what later tokens see; returns the cache with lengths + mask.sum(1).
         The caller keeps lengths[b] + mask[b].sum() <= max_len (writes past the end are dropped).
         `positions` (int32 `[batch, seq]`) only overrides the RoPE positions.
+        `scan_layers` / `remat_layers`: see `hidden` (the values are the same either way).
         """
-        hidden, cache = self.hidden(tokens, positions=positions, cache=cache, mask=mask)
+        hidden, cache = self.hidden(tokens, positions=positions, cache=cache, mask=mask,
+                                    scan_layers=scan_layers, remat_layers=remat_layers)
         return self.project(hidden), cache
 
     def hidden(
@@ -127,9 +334,21 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         cache: Cache | None = None,
         mask: jax.Array | None = None,
+        scan_layers: bool = False,
+        remat_layers: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         """As `__call__` but returns the final-norm hidden states `[batch, seq, hidden]` (activation dtype)
-        instead of logits, so callers can project only the positions they need (see `project`)."""
+        instead of logits, so callers can project only the positions they need (see `project`).
+
+        `scan_layers` (no cache only; the trainer's `train.scan_layers`): layers that repeat a pattern run
+        under one `lax.scan` (`scan_plan`, `run_layer_scan`), so the compiled forward and backward hold each
+        distinct layer once, not once per layer: compile time stops growing with depth. Same values as the
+        loop; the parameter layout (`self.layers[i]`) is unchanged, the stacking happens inside the trace.
+        A model the plan cannot scan runs the loop (logged at INFO with the reason). With a cache the layers
+        always run one by one (decode and prefill write each layer's cache).
+        `remat_layers`: each layer call is checkpointed with only its input kept (train.remat="layer"), in
+        the scan body as in the loop (`remat_call`).
+        """
         config = self.config
         b, s = tokens.shape
         mask = jnp.ones((b, s), jnp.bool_) if mask is None else mask.astype(jnp.bool_)
@@ -147,12 +366,25 @@ class Transformer(nnx.Module):
             t: rope_tables(positions, rope_inv_freq(config, t))
             for t in sorted(set(config.layer_types)) if t != "linear_attention"
         }
+        start = 0
+        if scan_layers and cache is None:
+            plan = scan_plan(list(self.layers), self)
+            reason = plan.reason
+            if plan.period:
+                try:
+                    x = run_layer_scan(list(self.layers), plan, x, ropes, mask, remat=remat_layers)
+                    start = plan.scanned
+                except _StructureChanged as e:
+                    reason = str(e)
+            if not start:
+                logging.info("scan_layers: running the %d layers one by one: %s", len(self.layers), reason)
         new_layers = []
-        for i, layer in enumerate(self.layers):
+        for i in range(start, len(self.layers)):
+            layer = self.layers[i]
             layer_cache = None if cache is None else cache.layers[i]
-            x, new_layer_cache = layer(
-                x, ropes.get(layer.layer_type), mask=mask, cache=layer_cache, lengths=lengths
-            )
+            call = functools.partial(remat_call, layer) if remat_layers else layer
+            x, new_layer_cache = call(x, ropes.get(layer.layer_type), mask=mask, cache=layer_cache,
+                                      lengths=lengths)
             new_layers.append(new_layer_cache)
         x = self.norm(x)
         if cache is None:

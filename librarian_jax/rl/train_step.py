@@ -13,7 +13,8 @@
 Memory: log-probs come from the final hidden states `logits_chunk` positions at a time
 (`losses.chunked_token_logprobs`, each chunk rematerialised), so no `[rows, seq, vocab]` logits array
 exists in the forward or backward pass; `remat` = "full" checkpoints the whole model call, "layer" each
-decoder layer.
+decoder layer. Compile time: with `scan_layers` a `models.Transformer`'s repeating layers run under one
+`lax.scan` (`Transformer.hidden`): the step compiles each distinct layer once, not once per layer.
 `memory_analysis(batch)` reports what the compiled step needs.
 
 One optimizer update per rollout batch. The PPO ratio's old log-probs are either the trainer's own
@@ -46,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from librarian_jax.models import moe as moe_lib
 from librarian_jax.models import partitioning
+from librarian_jax.models import transformer as transformer_lib
 from librarian_jax.rl import losses as losses_lib
 from librarian_jax.rl.rows import TrainBatch
 
@@ -85,6 +87,13 @@ class TrainConfig:
     # sum_e f_e P_e over every MoE layer's real tokens) added to the loss; 0 = only logged. Models without
     # MoE layers ignore it. Metrics `moe_aux_loss`, `expert_load_max` / `expert_load_min` (1.0 = balanced).
     moe_aux_loss_coef: float = 0.0
+    # `models.Transformer` policies: run the decoder layers that repeat a pattern under one `lax.scan`
+    # (`Transformer.hidden(scan_layers=True)`: params stacked inside the trace, layout unchanged), so the step
+    # compiles each distinct layer once instead of once per layer; same loss and gradients as the loop.
+    # Off by default: on XLA:CPU it pays only for deep models (36 tiny-width layers at 8 x 1152: compile
+    # 118 -> 52 s, temporaries 11.2 -> 3.8 GiB), while the 4-6 layer presets compile no faster and step
+    # 10-17% slower (BENCHMARKS.md, "Compile time: scan over layers").
+    scan_layers: bool = False
 
 
 REMAT_MODES = ("none", "full", "layer")
@@ -285,6 +294,8 @@ class Trainer:
             raise ValueError(f"train.logits_chunk: must be an integer >= 0 (0 = off), got {chunk!r}")
         if config.logits_at not in LOGITS_AT:
             raise ValueError(f"train.logits_at: {config.logits_at!r} is not one of {list(LOGITS_AT)}")
+        if not isinstance(config.scan_layers, bool):
+            raise ValueError(f"train.scan_layers: must be a bool, got {config.scan_layers!r}")
         if chunk and not callable(getattr(model, "hidden", None)):
             raise ValueError(f"train.logits_chunk={chunk} needs a model with hidden()/project() "
                              f"({type(model).__name__} has none); set it to 0")
@@ -450,10 +461,11 @@ class Trainer:
 
 
 class _RematLayer(nnx.Module):
-    """Stands in for one decoder layer inside a traced forward pass: calls it under `jax.checkpoint` with
-    nothing saved but its inputs, so the backward pass recomputes the layer. The layer is split and merged
-    inside the checkpoint (modules that write to themselves when called, as qwix's LoRA does, stay in one
-    trace); other attributes (e.g. `layer_type`) read through to the layer."""
+    """Stands in for one decoder layer inside a traced forward pass of a model that is not a
+    `models.Transformer` (which checkpoints its own layers: `hidden(remat_layers=True)`): calls it under
+    `jax.checkpoint` with nothing saved but its inputs (`transformer.remat_call`: the layer split and merged
+    inside the checkpoint, what it sows put back); other attributes (e.g. `layer_type`) read through to the
+    layer."""
 
     def __init__(self, layer: nnx.Module):
         self.layer = layer
@@ -464,29 +476,14 @@ class _RematLayer(nnx.Module):
         return getattr(self.layer, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        graphdef, state = nnx.split(self.layer)
-        # array leaves of the call's arguments go through the checkpoint; anything else (python scalars,
-        # strings) is closed over as static
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        is_array = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
-
-        @jax.checkpoint
-        def call(state: Any, arrays: list) -> Any:
-            it = iter(arrays)
-            a, kw = jax.tree.unflatten(treedef, [next(it) if arr else x for x, arr in zip(leaves, is_array,
-                                                                                         strict=True)])
-            m = nnx.merge(graphdef, state)
-            return m(*a, **kw), nnx.pop(m, nnx.Intermediate)
-
-        out, sown = call(state, [x for x, arr in zip(leaves, is_array, strict=True) if arr])
-        nnx.update(self.layer, sown)  # what the layer sowed (MoE router statistics) reaches the model
-        return out
+        return transformer_lib.remat_call(self.layer, *args, **kwargs)
 
 
 def _remat_layers(model: nnx.Module) -> None:
     """Swaps every decoder layer of a model merged inside the trace for a `_RematLayer` (the caller's model
-    is never touched: this runs on the trace's own copy). Relies on `Transformer.hidden` calling
-    `self.layers[i](x, ...)` one by one; a models-side `remat` option would replace this."""
+    is never touched: this runs on the trace's own copy), for models other than `models.Transformer` (whose
+    `hidden(remat_layers=True)` does it, in its layer scan too). Relies on the model calling
+    `self.layers[i](x, ...)` one by one."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nnx.List) or not all(isinstance(x, nnx.Module) for x in layers):
         raise ValueError(f"train.remat='layer': {type(model).__name__} has no `layers` list of modules to "
@@ -504,8 +501,7 @@ def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, 
     `logits_chunk > 0`: hidden states `[B, T, H]` then `chunked_token_logprobs` (never a `[B, T, V]` array),
     or with `positions` `[B, K]` (`loss_positions`) `positioned_token_logprobs`: logits only there, 0
     elsewhere; else the model's own logits `[B, T, V]`. `remat` "full" checkpoints the whole model call,
-    "layer" each
-    decoder layer (see TrainConfig)."""
+    "layer" each decoder layer; `scan_layers` scans a Transformer's repeating layers (see TrainConfig)."""
     mode = remat_mode(config.remat)
     chunk = config.logits_chunk
 
@@ -514,9 +510,13 @@ def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, 
         # (qwix's LoRA interception does) stay at one trace level
         model = nnx.merge(graphdef, params, rest)
         moe = router_stats and moe_lib.collect_router_stats(model)
-        if mode == "layer":
+        kwargs = {}
+        if isinstance(model, transformer_lib.Transformer):  # qwix LoRA models are subclasses
+            kwargs = {"scan_layers": config.scan_layers, "remat_layers": mode == "layer"}
+        elif mode == "layer":
             _remat_layers(model)
-        out = model.hidden(tokens, mask=valid)[0] if chunk else model(tokens, mask=valid)[0]
+        call = model.hidden if chunk else model
+        out = call(tokens, mask=valid, **kwargs)[0]
         return out, (moe_lib.pop_router_stats(model) if moe else None)
 
     if mode == "full":
