@@ -7,11 +7,20 @@
     # large vocabulary: logits chunked vs one [rows, seq, vocab] array, with/without per-layer remat
     python -m librarian_jax.bench.train_step --presets=tiny --vocab=65536 --rows=2 --seq=1024 --modes=full \\
         --logits_chunk=0,256 --remat=none,layer
+    # compile time with the layers scanned (train.scan_layers, default) and one by one; compile only for a
+    # deep model (its optimizer state is never allocated: the step is lowered from abstract shapes)
+    python -m librarian_jax.bench.train_step --presets=tiny --modes=full --rows=8 --seq=1152 \\
+        --scan_layers=true,false
+    python -m librarian_jax.bench.train_step --presets=qwen3_4b --modes=full --rows=1 --seq=1024 \\
+        --scan_layers=true,false --compile_only
 
 For each model preset (random weights, fp32 on CPU, the preset's dtype elsewhere; `--vocab` overrides the
 vocabulary), each mode (full, LoRA rank 8 on the attention and MLP projections), each `--remat` and each
 `--logits_chunk`, the update is compiled (`compile` = lower + compile, reported apart), run once to warm up,
-then `repeats` timed updates on the same `[rows, seq]` batch; the median is reported. tokens/s counts every
+then `repeats` timed updates on the same `[rows, seq]` batch; the median is reported. `--scan_layers`
+lists the `train.scan_layers` values to time (each compiles its own program). `--compile_only`: the update is
+lowered from abstract shapes (`jax.ShapeDtypeStruct`: no params, optimizer state or batch is allocated, so a
+4B model's step can be compiled on a small machine) and compiled; nothing runs. tokens/s counts every
 row token (forward + backward over the whole row). `--loss_mask`: "all" (default) puts every position but the
 first in the loss, as transformers' cross-entropy over the whole batch does, so the two columns compute the
 LM head and its softmax at the same positions; "half" masks in only the second half of each row (a GRPO row's
@@ -34,6 +43,8 @@ ours so both see the same machine load. `ratio` = our tokens/s / transformers' t
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -51,6 +62,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("presets", ["tiny", "decode_bench"], "model presets to time")
 flags.DEFINE_list("modes", ["full", "lora"], "full and/or lora")
 flags.DEFINE_integer("vocab", 0, "vocabulary size override (0 = the preset's)")
+flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's; a uniform layer type)")
 flags.DEFINE_integer("rows", 8, "rows per batch")
 flags.DEFINE_integer("seq", 512, "tokens per row")
 flags.DEFINE_integer("micro_batches", 1, "micro-batches per step")
@@ -61,6 +73,10 @@ flags.DEFINE_integer("lora_rank", 8, "LoRA rank")
 flags.DEFINE_list("remat", ["none"], "train.remat values to time: none | full | layer")
 flags.DEFINE_list("logits_chunk", ["1024"], "train.logits_chunk values to time (0 = unchunked logits)")
 flags.DEFINE_bool("memory_only", False, "only compile and report memory (no timed steps)")
+flags.DEFINE_list("scan_layers", ["true"], "train.scan_layers values to time: true (layers under lax.scan) "
+                  "and/or false (one by one)")
+flags.DEFINE_bool("compile_only", False, "lower the update from abstract shapes and compile it (nothing "
+                  "allocated, nothing run): compile time and memory of models too large for this machine")
 flags.DEFINE_bool("transformers", True, "time transformers' forward + backward + AdamW beside ours "
                   "(mode full; needs torch and transformers)")
 flags.DEFINE_float("peak_tflops", 0.0, "the chip's peak for MFU, TFLOP/s (0 = measure a matmul)")
@@ -83,10 +99,17 @@ def model_config(preset: str) -> models.ModelConfig:
     overrides = {"dtype": "float32", "param_dtype": "float32"} if jax.default_backend() == "cpu" else {}
     if FLAGS.vocab:
         overrides["vocab_size"] = FLAGS.vocab
+    if FLAGS.num_layers:
+        overrides["num_layers"] = FLAGS.num_layers
     return models.get_preset(preset, **overrides)
 
 
 def make_model(preset: str, mode: str) -> nnx.Module:
+    if FLAGS.compile_only:  # abstract: shapes and dtypes only
+        model = nnx.eval_shape(lambda: models.Transformer(model_config(preset), rngs=nnx.Rngs(0)))
+        if mode == "lora":
+            raise app.UsageError("--compile_only times mode full only")
+        return model
     model = models.Transformer(model_config(preset), rngs=nnx.Rngs(0))
     if mode == "lora":
         model = ts.apply_lora(model, FLAGS.lora_rank, 2.0 * FLAGS.lora_rank,
@@ -147,14 +170,47 @@ def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) 
     return step
 
 
-def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], None] | None
-              ) -> dict[str, float]:
-    trainer = ts.Trainer(model, ts.TrainConfig(micro_batches=FLAGS.micro_batches, remat=remat,
-                                               logits_chunk=chunk))
+def compile_abstract(model: nnx.Module, config: ts.TrainConfig, batch: dict[str, np.ndarray]
+                     ) -> dict[str, float]:
+    """Lowers and compiles the update of an abstract model (`nnx.eval_shape`) from shapes alone: params,
+    AdamW state and batch are `jax.ShapeDtypeStruct`s, so nothing of the model's size is allocated."""
+    config = ts._static_config(dataclasses.replace(config, remat=ts.remat_mode(config.remat)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = jax.eval_shape(ts.make_optimizer(config.optim).init, params)
+    m = config.micro_batches
+    arrays = dict(batch)
+    if config.logits_chunk and config.logits_at == "loss":
+        mask = np.asarray(arrays["loss_mask"]) > 0
+        capacity = ts.positions_bucket(int(mask[:, 1:].sum(axis=1).max()), arrays["tokens"].shape[1])
+        if capacity:
+            arrays["positions"] = ts.loss_positions(arrays["loss_mask"], capacity)
+    device_batch = {k: jax.ShapeDtypeStruct((m, v.shape[0] // m, *v.shape[1:]), v.dtype)
+                    for k, v in arrays.items()}
+    t0 = time.perf_counter()
+    compiled = ts._update_step.lower(graphdef, config, None, params, opt_state, rest, None, device_batch,
+                                     jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    out = {"compile_s": time.perf_counter() - t0}
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        out["temp_gib"] = stats.temp_size_in_bytes / 2**30
+        out["peak_gib"] = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                           + stats.output_size_in_bytes - stats.alias_size_in_bytes) / 2**30
+    return out
+
+
+def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], None] | None,
+              scan: bool = True) -> dict[str, float]:
+    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, remat=remat, logits_chunk=chunk,
+                            scan_layers=scan)
     batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq, loss_mask=FLAGS.loss_mask)
+    nan = float("nan")
+    if FLAGS.compile_only:
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        return {"trainable": n, "temp_gib": nan, "peak_gib": nan, "step_s": nan, "tokens_per_s": nan,
+                "hf_step_s": nan, **compile_abstract(model, config, batch)}
+    trainer = ts.Trainer(model, config)
     t0 = time.perf_counter()
     mem = trainer.memory_analysis(batch) or {}  # lowers and compiles the update (cached for `update`)
-    nan = float("nan")
     out = {"trainable": trainer.num_trainable, "temp_gib": mem.get("temp_bytes", nan) / 2**30,
            "peak_gib": mem.get("peak_bytes", nan) / 2**30, "compile_s": time.perf_counter() - t0,
            "step_s": nan, "tokens_per_s": nan, "hf_step_s": nan}
@@ -201,23 +257,26 @@ def main(argv: list[str]) -> None:
             model = make_model(preset, mode)
             n = matmul_params(model)
             hf_step = None
-            if mode == "full" and FLAGS.transformers and not FLAGS.memory_only and cpu:
+            if mode == "full" and FLAGS.transformers and not FLAGS.memory_only and not FLAGS.compile_only \
+                    and cpu:
                 hf_step = transformers_step(model.config, make_batch(model.config.vocab_size, FLAGS.rows,
                                                                      FLAGS.seq))
-            for remat in FLAGS.remat:
-                for chunk in (int(c) for c in FLAGS.logits_chunk):
-                    r = time_case(model, remat, chunk, hf_step)
-                    mfu = 6 * n * r["tokens_per_s"] / peak
-                    line = (f"{preset:>12} {mode:>4} V={model.config.vocab_size:<7d} remat={remat:<5} "
-                            f"chunk={chunk:<5d}: {r['trainable']:>10,d} trainable, N={n / 1e6:.1f}M "
-                            f"| compile {r['compile_s']:6.1f}s | temp {r['temp_gib']:7.3f} GiB "
-                            f"peak {r['peak_gib']:7.3f} GiB | step {r['step_s'] * 1000:8.1f} ms "
-                            f"| {r['tokens_per_s']:7.0f} tok/s | MFU {mfu:6.1%}")
-                    if not np.isnan(r["hf_step_s"]):
-                        hf_tps = tokens / r["hf_step_s"]
-                        line += (f" | transformers {r['hf_step_s'] * 1000:8.1f} ms {hf_tps:7.0f} tok/s "
-                                 f"| ratio {r['tokens_per_s'] / hf_tps:5.2f}x")
-                    print(line, flush=True)  # noqa: T201
+            scans = [x.lower() in ("true", "1") for x in FLAGS.scan_layers]
+            chunks = [int(c) for c in FLAGS.logits_chunk]
+            for remat, chunk, scan in itertools.product(FLAGS.remat, chunks, scans):
+                r = time_case(model, remat, chunk, hf_step, scan)
+                mfu = 6 * n * r["tokens_per_s"] / peak
+                line = (f"{preset:>12} {mode:>4} V={model.config.vocab_size:<7d} remat={remat:<5} "
+                        f"chunk={chunk:<5d} scan={'on ' if scan else 'off'}: {r['trainable']:>10,d} "
+                        f"trainable, N={n / 1e6:.1f}M "
+                        f"| compile {r['compile_s']:6.1f}s | temp {r['temp_gib']:7.3f} GiB "
+                        f"peak {r['peak_gib']:7.3f} GiB | step {r['step_s'] * 1000:8.1f} ms "
+                        f"| {r['tokens_per_s']:7.0f} tok/s | MFU {mfu:6.1%}")
+                if not np.isnan(r["hf_step_s"]):
+                    hf_tps = tokens / r["hf_step_s"]
+                    line += (f" | transformers {r['hf_step_s'] * 1000:8.1f} ms {hf_tps:7.0f} tok/s "
+                             f"| ratio {r['tokens_per_s'] / hf_tps:5.2f}x")
+                print(line, flush=True)  # noqa: T201
     print(f"load average after {load_average()}")  # noqa: T201
 
 
