@@ -145,7 +145,7 @@ def test_evaluation_reads_a_gs_run(gcs, in_empty_dir):
     storage.write_text(f"{run}/config.json", json.dumps({"model": {"preset": "tiny", "init": "random"}}))
     trainer = ts.Trainer(_model(), ts.TrainConfig())
     # saved locally, then uploaded file by file: Orbax's own gs:// save is the opt-in test above (the
-    # emulator sometimes rejects its OCDBT manifest write, 'Malformed StorageGeneration'); read from gs:// here
+    # emulator sometimes rejects its OCDBT manifest write, 'Malformed StorageGeneration'); read here
     with tempfile.TemporaryDirectory() as local:
         ck = checkpoint.Checkpointer(os.path.join(local, "checkpoints"), async_save=False)
         ck.save(3, params=trainer.params, opt_state=trainer.opt_state, force=True)
