@@ -1,9 +1,9 @@
 """models.Transformer(scan_layers=True) / train.scan_layers: the decoder layers that repeat a pattern run
 under one `lax.scan` (`transformer.scan_plan`, `run_layer_scan`). The scanned forward and the train step's
-loss, metrics and gradients equal the layer-by-layer loop for Qwen3-like, Gemma-3-like (period 6 plus a
-remainder), Qwen3.5-like (Gated DeltaNet + attention, period 4) and Qwen3.5-MoE-like (router statistics
-sown inside the scan) tiny models, with and without LoRA, for remat none and layer; the lowered train step
-no longer grows with depth; a model the plan cannot scan runs the loop."""
+loss, metrics and gradients equal the layer-by-layer loop for Qwen3-like, Gemma-3-like (sliding + global
+attention, a period plus a remainder), Qwen3.5-like (Gated DeltaNet + attention) and Qwen3.5-MoE-like
+(router statistics sown inside the scan) tiny models, with and without LoRA, for remat none and layer; the
+lowered train step no longer grows with depth; a model the plan cannot scan runs the loop."""
 
 from __future__ import annotations
 
@@ -27,28 +27,32 @@ LINEAR = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_
               linear_value_head_dim=8)
 
 
-def config(kind: str, layers: int) -> models.ModelConfig:
+def config(kind: str, layers: int, period: int = 2) -> models.ModelConfig:
+    """A tiny `kind` model of `layers` layers; gemma3 / qwen3_5 / moe alternate their layer types with
+    `period` (see each branch; the real models use 6 and 4)."""
     if kind == "qwen3":
         return models.get_preset("tiny", num_layers=layers, **SMALL)
-    if kind == "gemma3":  # 5 sliding + 1 global per period of 6
+    if kind == "gemma3":  # (period - 1) sliding + 1 global (the real model: period 6)
         return models.get_preset("gemma3_1b", num_layers=layers, sliding_window=4, query_pre_attn_scalar=16.0,
-                                 layer_types=_pattern(layers, 6, "sliding_attention", "full_attention"),
+                                 layer_types=_pattern(layers, period, "sliding_attention", "full_attention"),
                                  **SMALL)
-    if kind == "qwen3_5":  # 3 Gated DeltaNet + 1 gated attention per period of 4
+    if kind == "qwen3_5":  # (period - 1) Gated DeltaNet + 1 gated attention (the real model: period 4)
         return models.get_preset("qwen3_5_4b", num_layers=layers,
-                                 layer_types=_pattern(layers, 4, "linear_attention", "full_attention"),
+                                 layer_types=_pattern(layers, period, "linear_attention", "full_attention"),
                                  **SMALL, **LINEAR)
     if kind == "moe":  # qwen3_5 layers with a sparse MoE each (8 experts, top 2, shared expert)
         return models.get_preset("tiny_moe", num_layers=layers,
-                                 layer_types=_pattern(layers, 4, "linear_attention", "full_attention"),
+                                 layer_types=_pattern(layers, period, "linear_attention", "full_attention"),
                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                  shared_expert_intermediate_size=16, **SMALL, **LINEAR)
     raise ValueError(kind)
 
 
-# (kind, layers, expected (period, periods)): every case really scans; gemma3 and qwen3_5 leave a remainder
-# (14 = 2 periods of 6 + 2 sliding layers unrolled; 9 = 2 periods of 4 + 1 DeltaNet layer)
-CASES = [("qwen3", 3, (1, 3)), ("gemma3", 14, (6, 2)), ("qwen3_5", 9, (4, 2)), ("moe", 8, (4, 2))]
+# (kind, layers, expected (period, periods), LoRA): every case really scans; gemma3 and qwen3_5 leave a
+# remainder (5 = 2 periods of 2 + 1 layer unrolled). Small periods and depths keep the file within the
+# suite's budget (each case compiles 2 forwards and 4 train steps); LoRA with a period 1 and a period 2.
+CASES = [("qwen3", 3, (1, 3), False), ("qwen3", 3, (1, 3), True), ("gemma3", 5, (2, 2), True),
+         ("qwen3_5", 5, (2, 2), False), ("moe", 4, (2, 2), False)]
 
 
 def model_for(kind: str, layers: int, lora: bool) -> nnx.Module:
@@ -77,8 +81,8 @@ def train_config(scan: bool, remat: str) -> ts.TrainConfig:
                           logits_at="all", scan_layers=scan, moe_aux_loss_coef=0.01)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("kind,layers,plan", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kind,layers,plan,lora", CASES,
+                         ids=[f"{c[0]}-{'lora' if c[3] else 'full'}" for c in CASES])
 def test_scanned_forward_and_train_step_equal_the_loop(kind, layers, plan, lora):
     model = model_for(kind, layers, lora)
     got = transformer_lib.scan_plan(list(model.layers), model)
@@ -99,7 +103,8 @@ def test_scanned_forward_and_train_step_equal_the_loop(kind, layers, plan, lora)
 
     logits, steps = jax.device_get(everything(base.params, base.rest, device_batch))
     assert np.all(np.isfinite(logits[0])) and np.std(logits[0]) > 0
-    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    real = np.asarray(data["valid"])  # padded positions' logits are never read
+    np.testing.assert_allclose(logits[1][real], logits[0][real], rtol=1e-5, atol=2e-5)
     for remat in ("none", "layer"):
         (l0, g0, s0), (l1, g1, s1) = steps[False, remat], steps[True, remat]
         assert np.isfinite(float(l0)) and float(l0) != 0.0
@@ -117,7 +122,7 @@ def test_scanned_forward_and_train_step_equal_the_loop(kind, layers, plan, lora)
         assert layers_with_grad == set(range(layers)), (remat, layers_with_grad)
         for (p0, a), (p1, b) in zip(flat0, flat1, strict=True):
             assert p0 == p1
-            # float32 rounding: XLA fuses a while-loop body differently from unrolled layers, and 14 layers
+            # float32 rounding: XLA fuses a while-loop body differently from unrolled layers, and deep stacks
             # of LoRA'd Gemma amplify it to ~1e-4 of a leaf's largest entry (a 1e-7 relative nudge of the
             # params moves the loop's own gradient by a fifth of that); a wrong layer slice moves it by ~1
             a, b = a.get_value(), b.get_value()
@@ -158,7 +163,8 @@ def test_unscannable_models_run_the_loop(monkeypatch):
     plan = transformer_lib.scan_plan(list(models.Transformer(config("qwen3", 1), rngs=nnx.Rngs(0)).layers))
     assert plan.period == 0 and "1 layer" in plan.reason
     # qwen3_5 with 6 layers: (3 DeltaNet + 1 attention) once, then 2 DeltaNet; p = 1 repeats 3 times
-    plan = transformer_lib.scan_plan(list(models.Transformer(config("qwen3_5", 6), rngs=nnx.Rngs(0)).layers))
+    hybrid = models.Transformer(config("qwen3_5", 6, period=4), rngs=nnx.Rngs(0))
+    plan = transformer_lib.scan_plan(list(hybrid.layers))
     assert (plan.period, plan.periods) == (1, 3)
     # two qwix rules with the same rank and different alpha: every layer has the same adapters, but layer 0
     # scales them differently, so one body cannot serve every layer
