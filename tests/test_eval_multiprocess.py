@@ -248,7 +248,8 @@ def _flags(run: str, out: str) -> list[str]:
     ]
 
 
-def _start(run: str, out: str, log: str, process_id: int | None, port: int, cache: str) -> subprocess.Popen:
+def _start(run: str, out: str, log: str, process_id: int | None, port: int, cache: str,
+           flags: list[str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", LIBRARIAN_JAX_COMPILATION_CACHE=cache,
                LIBRARIAN_HEARTBEAT_TIMEOUT_S="30",
@@ -258,8 +259,8 @@ def _start(run: str, out: str, log: str, process_id: int | None, port: int, cach
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                    JAX_PROCESS_ID=str(process_id))
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "librarian_jax.main", *_flags(run, out)], cwd=ROOT,
-                                env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "librarian_jax.main", *(flags or _flags(run, out))],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[str], timeout: float = 300) -> None:
@@ -330,3 +331,32 @@ def test_two_processes_evaluate_their_shares_and_report_what_one_process_does(tm
         if r["method"] == "trained":
             tokens.setdefault(r["corpus"], set()).add(r["construction_tokens"])
     assert sum(len(v) > 1 for v in tokens.values()) >= 2, tokens
+
+
+@pytest.mark.slow
+def test_build_on_two_processes_exports_what_one_process_does(tmp_path):
+    """`configs/build.py` launched as 2 processes x 4 devices (one construction: every process builds it,
+    process 0 exports) writes the workspace a 1-process run writes, and only process 0 writes it."""
+    run = _run_dir(str(tmp_path / "run"))
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("Orlen Vask works at the Amber Institute in Tarn.\n")
+    (folder / "b.md").write_text("# Lab\nThe Tarn lab studies glass and is run by Orlen Vask.\n")
+    outs = {n: str(tmp_path / n) for n in ("two", "one")}
+
+    def flags(out: str) -> list[str]:
+        return ["--config=configs/build.py", f"--config.run={run}", f"--config.out={out}",
+                f"--config.data.path={folder}"]
+
+    cache = str(tmp_path / "jax_cache")
+    logs = [str(tmp_path / f"build.p{i}.log") for i in range(2)]
+    port = _free_port()
+    _wait([_start(run, outs["two"], logs[i], i, port, cache, flags(outs["two"])) for i in range(2)], logs)
+    slog = str(tmp_path / "build1.log")
+    _wait([_start(run, outs["one"], slog, None, 0, cache, flags(outs["one"]))], [slog])
+    assert "workspace: " in open(logs[0]).read() and "workspace: " not in open(logs[1]).read()
+    assert open(os.path.join(outs["two"], "manifest.json")).read() == \
+        open(os.path.join(outs["one"], "manifest.json")).read()
+    built = {n: json.load(open(os.path.join(d, "build.json"))) for n, d in outs.items()}
+    for key in ("documents", "step", "failed", "construction_tokens", "turns", "stopped", "stats"):
+        assert built["two"][key] == built["one"][key], key
