@@ -84,6 +84,9 @@ def train_config(scan: bool, remat: str) -> ts.TrainConfig:
 @pytest.mark.parametrize("kind,layers,plan,lora", CASES,
                          ids=[f"{c[0]}-{'lora' if c[3] else 'full'}" for c in CASES])
 def test_scanned_forward_and_train_step_equal_the_loop(kind, layers, plan, lora):
+    # remat "layer" (a checkpoint per layer inside the scan body) on the attention-only models; the DeltaNet
+    # and MoE models' programs are the slowest to compile, and their scan bodies are checked without it
+    remats = ("none", "layer") if kind in ("qwen3", "gemma3") else ("none",)
     model = model_for(kind, layers, lora)
     got = transformer_lib.scan_plan(list(model.layers), model)
     assert (got.period, got.periods) == plan, got
@@ -98,14 +101,14 @@ def test_scanned_forward_and_train_step_equal_the_loop(kind, layers, plan, lora)
         m = nnx.merge(graphdef, params, rest)
         logits = [m(tokens, mask=valid, scan_layers=s)[0] for s in (False, True)]
         steps = {(s, r): ts._accumulate(graphdef, train_config(s, r), params, rest, None, device_batch)
-                 for s in (False, True) for r in ("none", "layer")}
+                 for s in (False, True) for r in remats}
         return logits, steps
 
     logits, steps = jax.device_get(everything(base.params, base.rest, device_batch))
     assert np.all(np.isfinite(logits[0])) and np.std(logits[0]) > 0
     real = np.asarray(data["valid"])  # padded positions' logits are never read
     np.testing.assert_allclose(logits[1][real], logits[0][real], rtol=1e-5, atol=2e-5)
-    for remat in ("none", "layer"):
+    for remat in remats:
         (l0, g0, s0), (l1, g1, s1) = steps[False, remat], steps[True, remat]
         assert np.isfinite(float(l0)) and float(l0) != 0.0
         np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7, err_msg=remat)
