@@ -50,9 +50,9 @@ def config(kind: str, layers: int, period: int = 2) -> models.ModelConfig:
 
 # (kind, layers, expected (period, periods), LoRA): every case really scans; gemma3 and qwen3_5 leave a
 # remainder (5 = 2 periods of 2 + 1 layer unrolled). Small periods and depths keep the file within the
-# suite's budget (each case compiles 2 forwards and 4 train steps); LoRA with a period 1 and a period 2.
-CASES = [("qwen3", 3, (1, 3), False), ("qwen3", 3, (1, 3), True), ("gemma3", 5, (2, 2), True),
-         ("qwen3_5", 5, (2, 2), False), ("moe", 4, (2, 2), False)]
+# suite's budget (each case compiles 2 forwards and 4 train steps); LoRA on a period-1 and a period-2 model.
+# (The MoE case's layers are Qwen3.5's, Gated DeltaNet and attention, so it covers that model too.)
+CASES = [("qwen3", 3, (1, 3), True), ("gemma3", 5, (2, 2), True), ("moe", 4, (2, 2), False)]
 
 
 def model_for(kind: str, layers: int, lora: bool) -> nnx.Module:
