@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from multiproc import free_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
@@ -205,11 +205,6 @@ def test_periodic_eval_on_two_processes_returns_the_one_process_records_and_metr
 # ------------------------------------------------------------------------------ 2 processes vs 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run_dir(path: str) -> str:
     """A training workdir whose step 1 is the warm-start fixture (config.json of the embedded preset on
@@ -263,17 +258,6 @@ def _start(run: str, out: str, log: str, process_id: int | None, port: int, cach
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _wait(procs: list[subprocess.Popen], logs: list[str], timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    for p, log in zip(procs, logs, strict=True):
-        try:
-            rc = p.wait(max(deadline - time.time(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert rc == 0, f"{log} exited {rc}:\n{open(log).read()[-3000:]}"
-
 
 def _table(log: str) -> str:
     """The held-out table `run_eval` prints (between the tqdm/absl lines and the `report:` line)."""
@@ -293,13 +277,13 @@ def test_two_processes_evaluate_their_shares_and_report_what_one_process_does(tm
     run = _run_dir(str(tmp_path / "run"))
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     logs = [str(tmp_path / f"two.p{i}.log") for i in range(2)]
-    port = _free_port()
+    port = free_port()
     t0 = time.time()
     cache = str(tmp_path / "jax_cache")
-    _wait([_start(run, two, logs[i], i, port, cache) for i in range(2)], logs)
+    wait_all([_start(run, two, logs[i], i, port, cache) for i in range(2)], logs, 300)
     t1 = time.time()
     slog = str(tmp_path / "one.log")
-    _wait([_start(run, one, slog, None, 0, cache)], [slog])
+    wait_all([_start(run, one, slog, None, 0, cache)], [slog], 300)
     print(f"2 processes {t1 - t0:.1f}s, 1 process {time.time() - t1:.1f}s")  # noqa: T201
 
     # each process built and answered its own share: [0, 3) and [3, 5), 2 constructions per corpus
@@ -350,10 +334,11 @@ def test_build_on_two_processes_exports_what_one_process_does(tmp_path):
 
     cache = str(tmp_path / "jax_cache")
     logs = [str(tmp_path / f"build.p{i}.log") for i in range(2)]
-    port = _free_port()
-    _wait([_start(run, outs["two"], logs[i], i, port, cache, flags(outs["two"])) for i in range(2)], logs)
+    port = free_port()
+    two = [_start(run, outs["two"], logs[i], i, port, cache, flags(outs["two"])) for i in range(2)]
+    wait_all(two, logs, 300)
     slog = str(tmp_path / "build1.log")
-    _wait([_start(run, outs["one"], slog, None, 0, cache, flags(outs["one"]))], [slog])
+    wait_all([_start(run, outs["one"], slog, None, 0, cache, flags(outs["one"]))], [slog], 300)
     assert "workspace: " in open(logs[0]).read() and "workspace: " not in open(logs[1]).read()
     assert open(os.path.join(outs["two"], "manifest.json")).read() == \
         open(os.path.join(outs["one"], "manifest.json")).read()

@@ -22,13 +22,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from multiproc import free_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
@@ -64,11 +64,6 @@ def _env(cache: str, devices: int) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start(workdir: str, cache: str, process_id: int | None, port: int, log: str,
            flags: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -85,20 +80,9 @@ def _start(workdir: str, cache: str, process_id: int | None, port: int, log: str
 
 def _run_two(workdir: str, cache: str, logs: list[str], flags: list[str],
              env: dict[str, str] | None = None, timeout: float = 600) -> None:
-    port = _free_port()
-    _wait([_start(workdir, cache, i, port, logs[i], flags, env) for i in range(2)], logs, timeout)
+    port = free_port()
+    wait_all([_start(workdir, cache, i, port, logs[i], flags, env) for i in range(2)], logs, timeout)
 
-
-def _wait(procs: list[subprocess.Popen], logs: list[str], timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    for p, log in zip(procs, logs, strict=True):
-        try:
-            rc = p.wait(max(deadline - time.time(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert rc == 0, f"{log} exited {rc}:\n{open(log).read()[-3000:]}"
 
 
 def _committed(workdir: str) -> list[int]:
@@ -148,7 +132,7 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     log = str(tmp_path / "full.log")
     with open(log, "w") as f:
         launcher = subprocess.run(
-            ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={_free_port()}",
+            ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={free_port()}",
              f"--python={sys.executable}", "--", *_flags(full)[1:]],
             cwd=ROOT, env=_env(cache, 4), stdout=f, stderr=subprocess.STDOUT, timeout=900)
     assert launcher.returncode == 0, open(log).read()[-3000:]
@@ -166,7 +150,7 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
 
     # 2. the same run, process 1 killed in step 3 (after step 2's checkpoint committed)
     resumed = str(tmp_path / "resumed")
-    port = _free_port()
+    port = free_port()
     logs = [str(tmp_path / f"kill.p{i}.log") for i in range(2)]
     procs = [_start(resumed, cache, i, port, logs[i]) for i in range(2)]
     deadline = time.time() + 900
@@ -189,9 +173,9 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     # (data order, RNG, sampled tokens) and the same params up to the summation order of XLA:CPU's device
     # reductions, which is not fixed from one launch to the next: two launches of the same 2-process run
     # (with or without a restart) give one of two values in the last bits (seen: max |diff| 2.5e-6 at step 4)
-    port = _free_port()
+    port = free_port()
     logs = [str(tmp_path / f"restart.p{i}.log") for i in range(2)]
-    _wait([_start(resumed, cache, i, port, logs[i]) for i in range(2)], logs)
+    wait_all([_start(resumed, cache, i, port, logs[i]) for i in range(2)], logs, 900)
     with open(logs[0]) as f:
         assert "resumed from step 2" in f.read()
     assert _committed(resumed)[-1] == STEPS
@@ -205,7 +189,7 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     # float32, lr 2e-4: observed max |diff| ~4e-6 after one step)
     single = str(tmp_path / "single")
     slog = str(tmp_path / "single.log")
-    _wait([_start(single, cache, None, 0, slog)], [slog])
+    wait_all([_start(single, cache, None, 0, slog)], [slog], 900)
     for step in range(1, STEPS + 1):
         assert _episodes(single, step) == _episodes(full, step), step
     for a, b in zip(_params(single, STEPS), _params(full, STEPS), strict=True):
@@ -232,7 +216,7 @@ def _launch_local(workdir: str, env: dict[str, str], log: str) -> subprocess.Pop
     """The 2-process run through `launch/gpu_multinode.sh --local=2` (coordinator on localhost)."""
     with open(log, "w") as f:
         return subprocess.Popen(
-            ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={_free_port()}",
+            ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={free_port()}",
              f"--python={sys.executable}", "--", *_fast_flags(workdir)],
             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
@@ -290,7 +274,8 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     written = glob.glob(os.path.join(run, "episodes", f"step_{STEPS}*"))
     assert sorted(map(os.path.basename, written)) == [f"step_{STEPS}.jsonl", f"step_{STEPS}.p1.jsonl"]
     slog = str(tmp_path / "single.log")
-    _wait([_start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single)])], [slog])
+    one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single)])
+    wait_all([one], [slog], 900)
     for step in range(1, STEPS + 1):
         assert _episodes(run, step) == _episodes(single, step), step
     a, b = _params(run, STEPS), _params(single, STEPS)
@@ -333,7 +318,7 @@ def test_sft_on_two_processes_resumes_after_a_kill_and_matches_one_process(tmp_p
     more than that."""
     cache = str(tmp_path / "jax_cache")  # the restarted launch reads the first one's programs
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
-    port = _free_port()
+    port = free_port()
     logs = [str(tmp_path / f"sft.p{i}.log") for i in range(2)]
     procs = [_start(two, cache, i, port, logs[i], _sft_flags(two)) for i in range(2)]
     deadline = time.time() + 600
@@ -359,7 +344,7 @@ def test_sft_on_two_processes_resumes_after_a_kill_and_matches_one_process(tmp_p
     slog = str(tmp_path / "sft1.log")
     given = [f"--config.data.path={os.path.join(two, 'demos.jsonl')}",
              f"--config.model.tokenizer={tokenizer[0]}"]
-    _wait([_start(one, cache, None, 0, slog, _sft_flags(one) + given)], [slog])
+    wait_all([_start(one, cache, None, 0, slog, _sft_flags(one) + given)], [slog], 900)
     resumed, single = first[:2] + _losses(logs[0]), _losses(slog)
     np.testing.assert_allclose(resumed, single, rtol=0, atol=1e-4)
     a, b = _params(two, STEPS), _params(one, STEPS)
@@ -387,7 +372,7 @@ def test_a_dead_process_stops_the_others_naming_it(tmp_path):
     cheaply: 2 processes start; process 0 waits at a barrier that process 1 never reaches; process 1 is
     killed (SIGKILL). Process 0 must not hang at the barrier (its own timeout is 600 s): it stops within the
     heartbeat timeout, with an error naming process 1."""
-    port = _free_port()
+    port = free_port()
     ready = str(tmp_path / "p")
     procs, logs = [], []
     for i in range(2):
