@@ -167,13 +167,19 @@ class Localizer:
 # ------------------------------------------------------------------------------------------- batches
 
 
-def process_slice(n: int) -> slice:
-    """This process's contiguous share of `n` items (a global batch of tasks); `n` must divide evenly."""
-    p, count = jax.process_index(), jax.process_count()
-    if n % count:
-        raise ValueError(f"{n} tasks per batch cannot be split evenly over {count} processes")
-    k = n // count
-    return slice(p * k, (p + 1) * k)
+def process_slice(n: int, process: int | None = None, count: int | None = None, *,
+                  even: bool = True) -> slice:
+    """Process `process`'s (default: this one's) contiguous share of `n` items over `count` processes
+    (default: all). `even` (a global batch of tasks or rows, one global array): `n` must divide evenly;
+    else `numpy.array_split`'s shares, the first `n % count` processes one item more, empty ones when there
+    are fewer items than processes (evaluation's corpora)."""
+    p = jax.process_index() if process is None else int(process)
+    k = jax.process_count() if count is None else int(count)
+    size, extra = divmod(int(n), k)
+    if even and extra:
+        raise ValueError(f"{n} tasks per batch cannot be split evenly over {k} processes")
+    begin = p * size + min(p, extra)
+    return slice(begin, begin + size + (1 if p < extra else 0))
 
 
 def episode_rng(seed: int, skip: int) -> np.random.Generator:

@@ -28,7 +28,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
@@ -328,11 +327,7 @@ def share(n: int, process: int | None = None, count: int | None = None) -> slice
     """Process `process`'s (default: this one's) contiguous share of `n` corpora over `count` processes
     (default: all): `numpy.array_split`'s, the first `n % count` processes one corpus more; empty when there
     are fewer corpora than processes. One process: everything."""
-    p = jax.process_index() if process is None else int(process)
-    k = jax.process_count() if count is None else int(count)
-    size, extra = divmod(int(n), k)
-    begin = p * size + min(p, extra)
-    return slice(begin, begin + size + (1 if p < extra else 0))
+    return distributed.process_slice(n, process, count, even=False)
 
 
 _MEETINGS = itertools.count()  # every process meets in the same order, so the n-th meeting has one name
