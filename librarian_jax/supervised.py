@@ -55,7 +55,8 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
         logging.info("sft: %d rows a step (train.batch_rows=%d rounded up to a multiple of %d)", batch_rows,
                      t.batch_rows, multiple)
     share = distributed.process_slice(batch_rows)  # this process's rows of every global batch
-    stream = sft.RowStream(counts["rows"], batch_rows, config.seed)
+    group = t.group_by_length
+    stream = sft.RowStream(counts["rows"], batch_rows, config.seed, lengths=valid.sum(axis=1), group=group)
     ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     rng = jax.random.key(config.seed)
@@ -79,8 +80,10 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
         bar = tqdm(total=t.num_steps, initial=start, desc="sft", unit="step",
                    disable=None if distributed.is_primary() else True)
         while trainer.step < t.num_steps:
-            idx = stream.next()[share]  # every process draws the global batch and keeps its share
-            batch = sft.batch_arrays(tokens[idx], valid[idx], mask[idx])
+            rows = stream.next()  # every process draws the global batch and keeps its share
+            idx = rows[share]
+            seq = sft.batch_seq(valid[rows]) if group else tokens.shape[1]  # the same on every process
+            batch = sft.batch_arrays(tokens[idx, :seq], valid[idx, :seq], mask[idx, :seq])
             out = trainer.update(batch)
             step = trainer.step
             losses_seen.append(out["loss"])

@@ -112,6 +112,37 @@ def test_row_stream_resumes_where_it_stopped():
     assert sorted(first[0] + first[1][:2]) == [0, 1, 2, 3, 4]  # an epoch is a permutation
 
 
+
+def test_row_stream_groups_rows_of_similar_length():
+    lengths = np.random.default_rng(0).integers(100, 1200, size=64)
+    grouped = sft.RowStream(64, 4, seed=3, lengths=lengths, group=4)
+    plain = sft.RowStream(64, 4, seed=3)
+    g = [grouped.next() for _ in range(16)]  # one epoch
+    p = [plain.next() for _ in range(16)]
+    assert sorted(np.concatenate(g).tolist()) == list(range(64))  # still every row once an epoch
+    # each window of 4 batches is sorted by length, so a batch's rows are close in length ...
+    assert sum(np.ptp(lengths[b]) for b in g) < 0.5 * sum(np.ptp(lengths[b]) for b in p)
+    # ... and padding each batch to its own longest row costs far less than the plain order does
+    assert sum(lengths[b].max() for b in g) < 0.9 * sum(lengths[b].max() for b in p)
+    # the batch order is shuffled, not the sorted windows one after the other
+    assert [lengths[b].max() for b in g] != sorted(lengths[b].max() for b in g)
+    state = grouped.get_state()
+    later = [grouped.next().tolist() for _ in range(5)]
+    again = sft.RowStream(64, 4, seed=3, lengths=lengths, group=4)
+    again.set_state(state)
+    assert [again.next().tolist() for _ in range(5)] == later
+    with pytest.raises(ValueError, match="lengths"):
+        sft.RowStream(64, 4, seed=3, group=2)
+
+
+def test_batch_seq_pads_a_batch_to_its_longest_row():
+    valid = np.zeros((3, 1152), bool)
+    valid[0, :500], valid[1, :700], valid[2, :10] = True, True, True
+    assert sft.batch_seq(valid) == 768
+    assert sft.batch_seq(valid[2:]) == 128
+    valid[1, :1100] = True
+    assert sft.batch_seq(valid) == 1152  # never wider than the rows
+
 def _sft_config(workdir: str, steps: int):
     c = sft_configs.get_config()
     c.workdir = workdir

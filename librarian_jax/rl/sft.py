@@ -144,14 +144,34 @@ def make_rows(examples: Sequence[Example], max_seq_len: int, packing: str = "non
 
 class RowStream:
     """Batches of row indices over epochs, reshuffled per epoch with a seed; its state is `(epoch, pos)`, so a
-    resumed run continues with the next batch it would have drawn."""
+    resumed run continues with the next batch it would have drawn.
 
-    def __init__(self, num_rows: int, batch_rows: int, seed: int):
+    `group > 0` (with `lengths [num_rows]`) groups rows of similar length: each epoch's shuffled order is cut
+    into windows of `group` batches, each window sorted by length and cut into batches, and the batches of the
+    epoch shuffled again, so a batch padded to its own longest row (`batch_seq`) carries little padding while
+    every row is still seen once an epoch in a random batch order.
+    """
+
+    def __init__(self, num_rows: int, batch_rows: int, seed: int, lengths: np.ndarray | None = None,
+                 group: int = 0):
+        if group and (lengths is None or len(lengths) != num_rows):
+            raise ValueError(f"RowStream: group={group} needs lengths of all {num_rows} rows")
         self.n, self.b, self.seed = num_rows, batch_rows, seed
+        self.lengths, self.group = lengths, group
         self.epoch, self.pos = 0, 0
 
     def _order(self) -> np.ndarray:
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(self.n)
+        if not self.group:
+            return order
+        window = self.b * self.group
+        batches: list[np.ndarray] = []
+        for w in range(0, self.n, window):
+            chunk = order[w : w + window]
+            chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
+            batches += [chunk[i : i + self.b] for i in range(0, len(chunk), self.b)]
+        return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
 
     def next(self) -> np.ndarray:
         out: list[int] = []
@@ -169,6 +189,13 @@ class RowStream:
 
     def set_state(self, state: Mapping[str, int]) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def batch_seq(valid: np.ndarray, multiple: int = 128) -> int:
+    """Columns a batch of rows `valid [R, S]` needs: its longest row rounded up to `multiple`, at most `S`
+    (few distinct lengths, so few compiled shapes)."""
+    longest = int(valid.sum(axis=1).max()) if valid.size else 0
+    return min(valid.shape[1], max(multiple, -(-longest // multiple) * multiple))
 
 
 def batch_arrays(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray) -> dict[str, np.ndarray]:
