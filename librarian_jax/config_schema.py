@@ -372,8 +372,8 @@ class SFTTrainSection(OptimSection):
 
     num_steps: int = spec(200, lo=1)
     batch_rows: int = spec(8, lo=1)
-    # > 0: batches of rows of similar length (windows of this many batches sorted by length, rl.sft.RowStream),
-    # each padded only to its own longest row; 0: every batch padded to the longest row of the data
+    # > 0: batches of rows of similar length (windows of this many batches sorted by length,
+    # rl.sft.RowStream), each padded only to its own longest row; 0: every batch padded to the data's longest
     group_by_length: int = spec(0, lo=0)
     log_every: int = spec(10, lo=1)
 
