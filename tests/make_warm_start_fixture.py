@@ -4,7 +4,7 @@ SFT of configs/sft.py on the scripted demonstrations) and its tokenizer, for tes
     python tests/make_warm_start_fixture.py [--workdir /tmp/ws_fixture]
 
 It runs the real SFT command (`python -m librarian_jax.main --config=configs/sft.py`, the embedded preset,
-about 10 minutes on 2 cores) unless the workdir already holds its final step, then copies the newest step's
+about 6 minutes on 2 cores) unless the workdir already holds its final step, then copies the newest step's
 params (Orbax, float32, ~4.5 MB) and the tokenizer file here. Run by hand; the tests only read the result.
 """
 

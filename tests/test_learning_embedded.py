@@ -1,6 +1,6 @@
 """The embedded default learns (issue 11), in a version that fits the suite.
 
-The warm start itself (200 SFT steps, ~10 minutes on 2 cores) is too long for the suite; its checkpoint is a
+The warm start itself (150 SFT steps, ~6 minutes on 2 cores) is too long for the suite; its checkpoint is a
 fixture made by `tests/make_warm_start_fixture.py` with the real SFT command (tests/test_sft.py checks the SFT
 code itself on a small config). From it: the warm-started builder writes valid tool calls in most turns, and a
 few GRPO steps of main's own loop raise the mean reward of the sampled policy on fixed tasks and seeds.
