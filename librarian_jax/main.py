@@ -609,7 +609,22 @@ def run(config: Any) -> dict[str, Any]:
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
     metrics: dict[str, float] = {}
     curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
+    initial: dict[str, float] = {}
     try:
+        if config.eval.every and state.heldout and state.step == 0 and num_steps > 0:
+            # the starting policy on the same held-out tasks, so the held-out curve has its step-0 point;
+            # greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
+            t1 = time.perf_counter()
+            initial = evaluate(config, state.heldout, state.engines, state.tokenizer, state.rollout_config,
+                               int(config.seed))
+            totals["eval_s"] += time.perf_counter() - t1
+            if primary:
+                logging.info("step 0/%d (the starting policy) | held-out acc %.3f (%.1fs)", num_steps,
+                             initial["eval/accuracy"], time.perf_counter() - t1)
+            if writer is not None:
+                for k, v in initial.items():
+                    if np.isfinite(v):
+                        writer.add_scalar(k, v, 0)
         while state.step < num_steps:
             records, metrics = train_one_step(state)
             step = state.step
@@ -654,6 +669,7 @@ def run(config: Any) -> dict[str, Any]:
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
                "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
+               "initial_eval": {k: v for k, v in initial.items() if np.isfinite(v)},
                "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
                  state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])

@@ -159,7 +159,12 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     from librarian_jax import main
 
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    main.run(tiny_run_config(straight, num_steps=2))
+    config = tiny_run_config(straight, num_steps=2)
+    # the straight run also evaluates, the starting policy (step 0) and after each step: evaluating must
+    # leave training untouched (the episodes and checkpoints below equal the killed run's, which does not)
+    config.eval.update(every=1, num_tasks=1, repeats=1)
+    out = main.run(config)
+    assert "eval/accuracy" in out["initial_eval"] and "eval/accuracy" in out["metrics"]
     first = main.run(tiny_run_config(killed, num_steps=1))
     assert (first["start_step"], first["last_step"]) == (0, 1)
     # step 1 updated the weights (weight decay alone moves each one), so a missed hand-off cannot pass unseen
@@ -174,6 +179,7 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     second = main.run(config)
     assert (second["start_step"], second["last_step"]) == (1, 2)
     assert "eval/accuracy" in second["metrics"] and second["eval_s"] > 0
+    assert second["initial_eval"] == {}  # a resumed run does not evaluate its starting point again
     with open(os.path.join(killed, "summary.json")) as f:
         assert json.load(f)["last_step"] == 2
     assert _episodes(killed, 2) == _episodes(straight, 2)
