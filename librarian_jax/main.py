@@ -577,6 +577,20 @@ def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
     return config, summary
 
 
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics with a finite value (NaN marks "not measured this step", e.g. probe accuracy)."""
+    return {k: v for k, v in metrics.items() if np.isfinite(v)}
+
+
+def _write_scalars(writer: Any, metrics: dict[str, float], step: int) -> None:
+    """The finite metrics to TensorBoard at `step` (a no-op without a writer: processes other than 0)."""
+    if writer is None:
+        return
+    for k, v in _finite(metrics).items():
+        writer.add_scalar(k, v, step)
+    writer.flush()
+
+
 def run(config: Any) -> dict[str, Any]:
     """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
     from tensorboardX import SummaryWriter
@@ -617,14 +631,12 @@ def run(config: Any) -> dict[str, Any]:
             t1 = time.perf_counter()
             initial = evaluate(config, state.heldout, state.engines, state.tokenizer, state.rollout_config,
                                int(config.seed))
-            totals["eval_s"] += time.perf_counter() - t1
+            took = time.perf_counter() - t1
+            totals["eval_s"] += took
             if primary:
                 logging.info("step 0/%d (the starting policy) | held-out acc %.3f (%.1fs)", num_steps,
-                             initial["eval/accuracy"], time.perf_counter() - t1)
-            if writer is not None:
-                for k, v in initial.items():
-                    if np.isfinite(v):
-                        writer.add_scalar(k, v, 0)
+                             initial["eval/accuracy"], took)
+            _write_scalars(writer, initial, 0)
         while state.step < num_steps:
             records, metrics = train_one_step(state)
             step = state.step
@@ -634,11 +646,7 @@ def run(config: Any) -> dict[str, Any]:
             if primary:  # metrics are already reduced over the processes: one line for the job
                 logging.info("%s", progress_line(step, num_steps, metrics))
             curve.append((step, metrics["reward/mean"]))
-            if writer is not None:
-                for k, v in metrics.items():
-                    if np.isfinite(v):
-                        writer.add_scalar(k, v, step)
-                writer.flush()
+            _write_scalars(writer, metrics, step)
             # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
             distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
             due = step == num_steps or ck.should_save(step)
@@ -669,8 +677,7 @@ def run(config: Any) -> dict[str, Any]:
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
                "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
-               "initial_eval": {k: v for k, v in initial.items() if np.isfinite(v)},
-               "metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}}
+               "initial_eval": _finite(initial), "metrics": _finite(metrics)}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
                  state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
     if primary:

@@ -112,7 +112,6 @@ def test_row_stream_resumes_where_it_stopped():
     assert sorted(first[0] + first[1][:2]) == [0, 1, 2, 3, 4]  # an epoch is a permutation
 
 
-
 def test_row_stream_groups_rows_of_similar_length():
     lengths = np.random.default_rng(0).integers(100, 1200, size=64)
     grouped = sft.RowStream(64, 4, seed=3, lengths=lengths, group=4)
@@ -142,6 +141,7 @@ def test_batch_seq_pads_a_batch_to_its_longest_row():
     assert sft.batch_seq(valid[2:]) == 128
     valid[1, :1100] = True
     assert sft.batch_seq(valid) == 1152  # never wider than the rows
+
 
 def _sft_config(workdir: str, steps: int):
     c = sft_configs.get_config()
