@@ -178,3 +178,26 @@ def test_grpo_learns_target_token_with_engine_sampling():
     assert mean_rewards[0] < 0.15
     assert np.mean(mean_rewards[-3:]) > 0.5, mean_rewards
 
+
+
+def test_kl_reference_is_the_starting_policy_through_updates_and_a_restore(model):
+    """`kl_beta > 0` (the embedded default's): the reference is the params the trainer started from. The KL
+    is 0 at the first update (policy = reference), positive after the policy moved, and a restored state
+    (`set_state`, as main's resume does on the warm-started trainer) keeps that reference."""
+    cfg = ts.TrainConfig(loss=losses.LossConfig(kl_beta=0.1, tis_cap=2.0),
+                         optim=ts.OptimConfig(learning_rate=3e-2, decay="constant", grad_clip=1.0))
+    trainer = ts.Trainer(model, cfg)
+    start = jax.tree.map(np.asarray, trainer.params)
+    batch = random_batch()
+    assert trainer.update(batch)["kl"] == pytest.approx(0.0, abs=1e-7)
+    for _ in range(2):
+        trainer.update(batch)
+    kl = trainer.update(batch)["kl"]
+    assert kl > 1e-5
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(trainer.ref_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a)
+    state = jax.tree.map(np.asarray, trainer.get_state())
+    resumed = ts.Trainer(model, cfg)  # built from the same starting policy, as a resumed run is
+    resumed.set_state(state["params"], state["opt_state"], state["step"])
+    again = resumed.update(batch)["kl"]
+    assert again > 1e-5 and again == pytest.approx(trainer.update(batch)["kl"], rel=1e-5)
