@@ -7,8 +7,8 @@
     # large vocabulary: logits chunked vs one [rows, seq, vocab] array, with/without per-layer remat
     python -m librarian_jax.bench.train_step --presets=tiny --vocab=65536 --rows=2 --seq=1024 --modes=full \\
         --logits_chunk=0,256 --remat=none,layer
-    # compile time with the layers scanned (train.scan_layers, default) and one by one; compile only for a
-    # deep model (its optimizer state is never allocated: the step is lowered from abstract shapes)
+    # compile time with the layers scanned (train.scan_layers) and one by one (the default); compile only
+    # for a deep model (its optimizer state is never allocated: the step is lowered from abstract shapes)
     python -m librarian_jax.bench.train_step --presets=tiny --modes=full --rows=8 --seq=1152 \\
         --scan_layers=true,false
     python -m librarian_jax.bench.train_step --presets=qwen3_4b --modes=full --rows=1 --seq=1024 \\
@@ -73,8 +73,8 @@ flags.DEFINE_integer("lora_rank", 8, "LoRA rank")
 flags.DEFINE_list("remat", ["none"], "train.remat values to time: none | full | layer")
 flags.DEFINE_list("logits_chunk", ["1024"], "train.logits_chunk values to time (0 = unchunked logits)")
 flags.DEFINE_bool("memory_only", False, "only compile and report memory (no timed steps)")
-flags.DEFINE_list("scan_layers", ["true"], "train.scan_layers values to time: true (layers under lax.scan) "
-                  "and/or false (one by one)")
+flags.DEFINE_list("scan_layers", ["false"], "train.scan_layers values to time: true (layers under lax.scan) "
+                  "and/or false (one by one: train.scan_layers' default)")
 flags.DEFINE_bool("compile_only", False, "lower the update from abstract shapes and compile it (nothing "
                   "allocated, nothing run): compile time and memory of models too large for this machine")
 flags.DEFINE_bool("transformers", True, "time transformers' forward + backward + AdamW beside ours "
