@@ -109,7 +109,8 @@ def _base() -> ml_collections.ConfigDict:
         dual_clip=3.0,
         tis_cap=2.0,
         kl_beta=0.1,            # k3 KL to the warm start: at this lr, without it one world's run collapsed
-                                # (reward 0.84 -> 0.20 by step 6) and another's learned (BENCHMARKS, issue 11)
+                                # (reward 0.81 -> 0.24 in the update after step 5) and another's learned
+                                # (BENCHMARKS, issue 11)
         aggregation="token_mean",  # rl.losses.AGGREGATIONS
         old_logprobs="trainer",    # the ratio against the trainer's log-probs ("sampler": the sampler's)
         advantage="paper",         # rl.advantages registry

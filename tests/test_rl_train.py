@@ -179,7 +179,6 @@ def test_grpo_learns_target_token_with_engine_sampling():
     assert np.mean(mean_rewards[-3:]) > 0.5, mean_rewards
 
 
-
 def test_kl_reference_is_the_starting_policy_through_updates_and_a_restore(model):
     """`kl_beta > 0` (the embedded default's): the reference is the params the trainer started from. The KL
     is 0 at the first update (policy = reference), positive after the policy moved, and a restored state
