@@ -168,15 +168,17 @@ def demo_tasks(config: Any) -> list[Any]:
 
 
 def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
-    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and the tokenizer,
-    trained on the run's tasks and the demonstrations' worlds together (GRPO and eval then load that file).
-    Each is scored with the `config.rollout` answerer."""
+    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and the tokenizer
+    (GRPO and eval then load that file). Each is scored with the `config.rollout` answerer.
+
+    The tokenizer is trained on the demonstrations' worlds only, never on the run's tasks: no held-out text
+    reaches the warm start, and the warm start does not depend on the run's world size or split (runs that
+    differ only in `data.num_tasks` / `data.heldout_fraction` start from the same policy)."""
     from librarian_jax import main as main_lib
     from librarian_jax.data import demos
 
-    train_tasks, heldout = main_lib.build_tasks(config)
     pool = demo_tasks(config)
-    tokenizer = main_lib.build_tokenizer(config, train_tasks + heldout + pool, demos.tokenizer_texts(pool))
+    tokenizer = main_lib.build_tokenizer(config, pool, demos.tokenizer_texts(pool))
     rollout_cfg = config_validation.rollout_config(config)
     d = config.demos
     key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),

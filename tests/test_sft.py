@@ -182,6 +182,18 @@ def test_sft_learns_resumes_and_is_a_grpo_start(tmp_path):
     assert min(diffs) > 0.0
 
 
+def test_warm_start_tokenizer_and_demonstrations_do_not_depend_on_the_runs_tasks(tmp_path):
+    # trained on the demonstrations' worlds only: no held-out text reaches the warm start, and runs that
+    # differ only in their world size or split share one tokenizer and one set of demonstrations
+    out = []
+    for i, (num_tasks, heldout) in enumerate(((4, 0.25), (9, 0.5))):
+        c = _sft_config(str(tmp_path / f"w{i}"), 1)
+        c.data.update(num_tasks=num_tasks, heldout_fraction=heldout)
+        convs, tok = supervised.embedded_demonstrations(c)
+        out.append((os.path.basename(tok.path), [cv["messages"] for cv in convs]))
+    assert out[0] == out[1]
+
+
 def test_sft_config_errors_name_the_key(tmp_path):
     from librarian_jax.config_validation import ConfigError
 

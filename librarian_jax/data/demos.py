@@ -158,7 +158,9 @@ def make_demonstrations(
     """Runs `per_task` scripted builders per task (styles drawn from `mix`, seeded) through the real protocol.
 
     Returns one record per conversation: `{"messages": [...], "style", "task_id", "reward", "terminal"}`.
-    The rollout config should be the training run's (its answerer scores each demonstration). Each record
+    The rollout config should be the training run's (its answerer scores each demonstration at the end:
+    `"terminal"`; probes are skipped, since they never change what the builder sees, so `"reward"` is the
+    terminal reward plus the turn penalties). Each record
     also holds `"_segment"`: the builder session's own training segment (ids and loss mask as the scripted
     engine held them), which `write_jsonl` leaves out and tests compare with `rl.sft.encode_conversation`.
     """
@@ -168,7 +170,8 @@ def make_demonstrations(
 
     mix = dict(mix or DEFAULT_MIX)
     template = template or chat_template(tokenizer)
-    cfg = dataclasses.replace(rollout_config, record_conversations=True, record_snapshots=False)
+    cfg = dataclasses.replace(rollout_config, record_conversations=True, record_snapshots=False, max_probes=0,
+                              probe_at_start=False)
     counts = style_counts(len(tasks) * per_task, mix)
     order = np.random.default_rng(seed).permutation([s for s in STYLES for _ in range(counts.get(s, 0))])
     jobs: dict[str, list[Any]] = {}
