@@ -6,6 +6,11 @@ SFT of configs/sft.py on the scripted demonstrations) and its tokenizer, for tes
 It runs the real SFT command (`python -m librarian_jax.main --config=configs/sft.py`, the embedded preset,
 about 6 minutes on 2 cores) unless the workdir already holds its final step, then copies the newest step's
 params (Orbax, float32, ~4.5 MB) and the tokenizer file here. Run by hand; the tests only read the result.
+
+The committed fixture predates the warm start's tokenizer moving to the demonstrations' worlds only
+(2026-12-01, fourth session): it is the same SFT with the tokenizer of the 48-task default. Remade from the
+new default's warm start (run 15 in BENCHMARKS.md), `test_learning_embedded`'s sampled builder made 16 valid
+calls of 23 (0.70 required), so it was kept.
 """
 
 from __future__ import annotations
