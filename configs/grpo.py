@@ -47,8 +47,8 @@ def _base() -> ml_collections.ConfigDict:
         source="synthetic",     # a generated world ("file": data.path)
         path="",                # tasks file/folder for source="file" (data.load_tasks)
         format="auto",
-        num_tasks=64,           # synthetic world size: 33 training tasks and 31 held-out corpora (15 held-out
-                                # corpora left the warm start's lead over raw navigation inside its CI)
+        num_tasks=64,           # synthetic world size: at seed 0, 33 training tasks and 31 held-out corpora
+                                # (15 held-out corpora left the warm start's lead over raw inside its CI)
         docs_per_task=6,        # more than the answerer can read in its turns
         min_words=40,
         max_words=80,

@@ -37,7 +37,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.data.path = ""  # JSONL conversations; "" = the embedded demonstrations (synthetic world only)
     c.data.packing = "none"  # one conversation per row ("concat": several per row, see rl.sft)
     c.train.update(dict(
-        num_steps=150,          # the tiny model writes valid tool calls from ~100 steps on
+        num_steps=150,          # 100 steps (or 6 rows a step) made warm starts GRPO could not sharpen
+                                # (BENCHMARKS, issue 11: X2, R1a)
         batch_rows=8,
         group_by_length=0,      # 8 cut the demonstrations' padding ~17%, but their lengths follow the style,
                                 # so batches of one style made a poor warm start (BENCHMARKS, run 7)
