@@ -28,6 +28,15 @@ def first_and_best(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return first, best_time(fn, repeats)[0] if repeats > 0 else first
 
 
+def compile_seconds(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """Lowers and compiles a `jax.jit` function ahead of time for these arguments (static ones included, by
+    their names): (the compiled executable, called with the non-static arguments only; the wall seconds of
+    lowering + compiling). Benches report this apart from the steady state's run time."""
+    t = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - t
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages, e.g. "1.43 1.81 2.44" (figures on a shared machine need them)."""
     one, five, fifteen = os.getloadavg()

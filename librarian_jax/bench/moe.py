@@ -11,6 +11,8 @@ untied; random weights, fp32.
 Prefill: one cached call over `seq` tokens at batch 1, all logits computed (as HF's forward). Decode:
 `decode_steps` greedy tokens after a `decode_prompt`-token prefill; ours one jitted on-device `lax.scan`,
 transformers a Python loop over `model(input_ids=tok, cache=cache)`. Best of `repeats` after a warm-up.
+Our side compiles ahead of time first; the `compile s` columns are that lowering + compile, apart from the
+run times.
 
 Routing share: one MoE layer alone on `seq` hidden states (batch 1): `moe` is the whole block (router,
 routed experts, shared expert); `routing` is everything of it that is not an expert matmul: router logits,
@@ -37,7 +39,7 @@ from flax import nnx
 
 from librarian_jax import models
 from librarian_jax.bench.cached_lm import ours_decode, ours_prefill
-from librarian_jax.bench.common import best_time, load_average
+from librarian_jax.bench.common import best_time, compile_seconds, load_average
 from librarian_jax.models import moe as moe_lib
 
 FLAGS = flags.FLAGS
@@ -81,13 +83,18 @@ def _routing_only(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
 
-def ours_routing_share(model: models.Transformer, x: np.ndarray, repeats: int) -> tuple[float, float]:
-    """(seconds of one MoE block, seconds of its routing alone) on hidden states x `[1, seq, hidden]`."""
+def ours_routing_share(
+    model: models.Transformer, x: np.ndarray, repeats: int
+) -> tuple[float, float, float]:
+    """(compile seconds of the block, seconds of one MoE block, seconds of its routing alone) on hidden states
+    x `[1, seq, hidden]`."""
     graphdef, state = nnx.split(model.layers[0].mlp)
     xs = jnp.asarray(x)
-    t_moe, _ = best_time(lambda: jax.block_until_ready(_moe_block(graphdef, state, xs)), repeats)
-    t_route, _ = best_time(lambda: jax.block_until_ready(_routing_only(graphdef, state, xs)), repeats)
-    return t_moe, t_route
+    block, compile_s = compile_seconds(_moe_block, graphdef, state, xs)
+    routing, _ = compile_seconds(_routing_only, graphdef, state, xs)
+    t_moe, _ = best_time(lambda: jax.block_until_ready(block(graphdef, state, xs)), repeats)
+    t_route, _ = best_time(lambda: jax.block_until_ready(routing(graphdef, state, xs)), repeats)
+    return compile_s, t_moe, t_route
 
 
 # ----------------------------------------------------------------------------------------------- transformers
@@ -176,15 +183,15 @@ def main(argv: list[str]) -> None:
         "transformers side: " + (hf.version if hf.available else
                                   "not measured (torch/transformers not importable in this python)"),
         "",
-        f"{'prefill seq':>11} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | {'HF tok/s':>10} | "
-        f"{'HF/ours':>7} | {'max|dlogit|':>11}",
+        f"{'prefill seq':>11} | {'compile s':>9} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | "
+        f"{'HF tok/s':>10} | {'HF/ours':>7} | {'max|dlogit|':>11}",
     ]
     rng = np.random.default_rng(0)
     seqs = [int(s) for s in FLAGS.seq_lens.split(",")]
     for seq in seqs:
         tokens = rng.integers(0, config.vocab_size, size=(1, seq))
-        t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
-        row = f"{seq:>11} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
+        c_ours, t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
+        row = f"{seq:>11} | {c_ours:9.2f} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
         if hf.available:
             t_hf, last_hf = hf.prefill(tokens, FLAGS.repeats)
             diff = float(np.abs(last_ours - last_hf).max())
@@ -197,13 +204,14 @@ def main(argv: list[str]) -> None:
     lines += [
         "",
         f"decode: {FLAGS.decode_steps} greedy steps after a {FLAGS.decode_prompt}-token prefill",
-        f"{'batch':>11} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | same tokens",
+        f"{'batch':>11} | {'compile s':>9} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | "
+        "same tokens",
     ]
     for batch in [int(b) for b in FLAGS.decode_batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.decode_prompt))
         n = batch * FLAGS.decode_steps
-        t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
-        row = f"{batch:>11} | {n / t_ours:10.1f} | "
+        c_ours, t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
+        row = f"{batch:>11} | {c_ours:9.2f} | {n / t_ours:10.1f} | "
         if hf.available:
             t_hf, toks_hf = hf.decode(prompts, FLAGS.decode_steps, FLAGS.repeats)
             same = float(np.mean(toks_ours == toks_hf))
@@ -216,13 +224,14 @@ def main(argv: list[str]) -> None:
     lines += [
         "",
         "one MoE block alone (batch 1, x ~ N(0, 1)): routing = router + top-k + grouping + scatter/gather",
-        f"{'tokens':>11} | {'ours moe ms':>11} | {'routing ms':>10} | {'share':>6} | {'HF moe ms':>9} | "
-        f"{'HF router ms':>12} | {'share':>6}",
+        f"{'tokens':>11} | {'compile s':>9} | {'ours moe ms':>11} | {'routing ms':>10} | {'share':>6} | "
+        f"{'HF moe ms':>9} | {'HF router ms':>12} | {'share':>6}",
     ]
     for seq in [1, 8, *seqs]:
         x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
-        t_moe, t_route = ours_routing_share(model, x, 5 * FLAGS.repeats)
-        row = f"{seq:>11} | {t_moe * 1e3:11.3f} | {t_route * 1e3:10.3f} | {t_route / t_moe:6.0%} | "
+        c_moe, t_moe, t_route = ours_routing_share(model, x, 5 * FLAGS.repeats)
+        row = (f"{seq:>11} | {c_moe:9.2f} | {t_moe * 1e3:11.3f} | {t_route * 1e3:10.3f} | "
+               f"{t_route / t_moe:6.0%} | ")
         if hf.available:
             h_moe, h_route = hf.routing_share(x, 5 * FLAGS.repeats)
             row += f"{h_moe * 1e3:9.3f} | {h_route * 1e3:12.3f} | {h_route / h_moe:6.0%}"

@@ -14,6 +14,8 @@ DynamicCache, best of 5 x `repeats`), which isolates the delta rule from the den
 Decode: `decode_steps` greedy tokens after a `decode_prompt`-token prefill, one token per call (the DeltaNet
 layers run the recurrent form); ours is one jitted on-device `lax.scan` over the steps, transformers a Python
 loop over `model(input_ids=tok, cache=cache)` with argmax. Times are the best of `repeats` after a warm-up.
+Our side compiles ahead of time first; the `compile s` columns are that lowering + compile, apart from the
+run times.
 
 The transformers side (`Qwen3_5ForCausalLM` loaded from our `save_hf` export, so the weights are identical;
 torch CPU with `torch.set_num_threads(torch_threads)`) runs only when torch and transformers import, e.g.
@@ -35,7 +37,7 @@ from flax import nnx
 
 from librarian_jax import models
 from librarian_jax.bench.cached_lm import ours_decode, ours_prefill
-from librarian_jax.bench.common import best_time, load_average
+from librarian_jax.bench.common import best_time, compile_seconds, load_average
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("seq_lens", "256,512,1024,2048,4096", "comma-separated prefill lengths (batch 1)")
@@ -67,19 +69,24 @@ def _layer_prefill(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, cache
     return nnx.merge(graphdef, state)(x, cache=cache)
 
 
-def ours_layer_prefill(model: models.Transformer, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
-    """The first DeltaNet layer alone (the part this benchmark is about, without MLPs, attention, logits)."""
+def ours_layer_prefill(
+    model: models.Transformer, x: np.ndarray, repeats: int
+) -> tuple[float, float, np.ndarray]:
+    """The first DeltaNet layer alone (the part this benchmark is about, without MLPs, attention, logits):
+    (compile seconds, best run seconds, output `[batch, seq, hidden]`)."""
     from librarian_jax.models.gated_deltanet import GatedDeltaNet
 
     graphdef, state = nnx.split(model.layers[0].linear_attn)
     xs = jnp.asarray(x)
     cache = GatedDeltaNet.init_cache(model.config, xs.shape[0])
+    layer, compile_s = compile_seconds(_layer_prefill, graphdef, state, xs, cache)
 
     def run():
-        y, _ = _layer_prefill(graphdef, state, xs, cache)
+        y, _ = layer(graphdef, state, xs, cache)
         return np.asarray(jax.block_until_ready(y))
 
-    return best_time(run, repeats)
+    seconds, y = best_time(run, repeats)
+    return compile_s, seconds, y
 
 
 # ----------------------------------------------------------------------------------------------- transformers
@@ -169,14 +176,14 @@ def main(argv: list[str]) -> None:
         "transformers side: " + (hf.version if hf.available else
                                   "not measured (torch/transformers not importable in this python)"),
         "",
-        f"{'prefill seq':>11} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | {'HF tok/s':>10} | "
-        f"{'HF/ours':>7} | {'max|dlogit|':>11}",
+        f"{'prefill seq':>11} | {'compile s':>9} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | "
+        f"{'HF tok/s':>10} | {'HF/ours':>7} | {'max|dlogit|':>11}",
     ]
     rng = np.random.default_rng(0)
     for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
         tokens = rng.integers(0, config.vocab_size, size=(1, seq))
-        t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
-        row = f"{seq:>11} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
+        c_ours, t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
+        row = f"{seq:>11} | {c_ours:9.2f} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
         if hf.available:
             t_hf, last_hf = hf.prefill(tokens, FLAGS.repeats)
             diff = float(np.abs(last_ours - last_hf).max())
@@ -189,12 +196,13 @@ def main(argv: list[str]) -> None:
     lines += [
         "",
         "one Gated DeltaNet layer alone (chunked prefill filling its cache, batch 1, x ~ N(0, 1))",
-        f"{'layer seq':>11} | {'ours ms':>9} | {'HF ms':>9} | {'HF/ours':>7} | {'max|dy|':>9}",
+        f"{'layer seq':>11} | {'compile s':>9} | {'ours ms':>9} | {'HF ms':>9} | {'HF/ours':>7} | "
+        f"{'max|dy|':>9}",
     ]
     for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
         x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
-        t_ours, y_ours = ours_layer_prefill(model, x, 5 * FLAGS.repeats)  # cheap calls: more repeats
-        row = f"{seq:>11} | {t_ours * 1e3:9.2f} | "
+        c_ours, t_ours, y_ours = ours_layer_prefill(model, x, 5 * FLAGS.repeats)  # cheap calls: more repeats
+        row = f"{seq:>11} | {c_ours:9.2f} | {t_ours * 1e3:9.2f} | "
         if hf.available:
             t_hf, y_hf = hf.layer_prefill(x, 5 * FLAGS.repeats)
             diff = float(np.abs(y_ours - y_hf).max())
@@ -207,13 +215,14 @@ def main(argv: list[str]) -> None:
     lines += [
         "",
         f"decode: {FLAGS.decode_steps} greedy steps after a {FLAGS.decode_prompt}-token prefill",
-        f"{'batch':>11} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | same tokens",
+        f"{'batch':>11} | {'compile s':>9} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | "
+        "same tokens",
     ]
     for batch in [int(b) for b in FLAGS.decode_batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.decode_prompt))
         n = batch * FLAGS.decode_steps
-        t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
-        row = f"{batch:>11} | {n / t_ours:10.1f} | "
+        c_ours, t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
+        row = f"{batch:>11} | {c_ours:9.2f} | {n / t_ours:10.1f} | "
         if hf.available:
             t_hf, toks_hf = hf.decode(prompts, FLAGS.decode_steps, FLAGS.repeats)
             same = float(np.mean(toks_ours == toks_hf))
