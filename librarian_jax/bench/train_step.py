@@ -39,6 +39,12 @@ transformers column (mode full, when torch and transformers import): `Qwen3ForCa
 config (Qwen3-style presets: RoPE, qk-norm, GQA, tied embeddings), fp32, sdpa attention, next-token
 cross-entropy over the whole batch, `clip_grad_norm_(1.0)`, `torch.optim.AdamW`; its steps alternate with
 ours so both see the same machine load. `ratio` = our tokens/s / transformers' tokens/s.
+
+GEMM line (with the transformers column): the step's largest matrix product, the MLP's `[rows * seq,
+hidden] x [hidden, intermediate]`, in its forward form (`x @ W`) and its weight-gradient form (`x^T @ g`),
+jitted by XLA and run by torch on the same threads, alternately, best of 10 each. Their ratio bounds what
+the whole step can reach against transformers while XLA:CPU's matrix products are what they are: a step
+made only of such products runs at that ratio.
 """
 
 from __future__ import annotations
@@ -135,6 +141,37 @@ def measured_peak_flops(dtype: jnp.dtype, size: int = 1024, repeats: int = 5) ->
         mm(a, a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best
+
+
+def gemm_ceiling(config: models.ModelConfig, tokens: int, repeats: int = 10) -> dict[str, float] | None:
+    """Seconds of the MLP's `[tokens, hidden] x [hidden, intermediate]` product and of its weight gradient
+    `[hidden, tokens] x [tokens, intermediate]`, XLA (jitted) and torch, timed alternately (best of
+    `repeats`); None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((tokens, config.hidden_size), np.float32)
+    w = rng.standard_normal((config.hidden_size, config.intermediate_size), np.float32)
+    g = rng.standard_normal((tokens, config.intermediate_size), np.float32)
+    jx, jw, jg = jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+    tx, tw, tg = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(g)
+    fwd, wgrad = jax.jit(lambda a, b: a @ b), jax.jit(lambda a, b: a.T @ b)
+    cases = {"xla_fwd": lambda: fwd(jx, jw).block_until_ready(),
+             "torch_fwd": lambda: tx @ tw,
+             "xla_wgrad": lambda: wgrad(jx, jg).block_until_ready(),
+             "torch_wgrad": lambda: tx.T @ tg}
+    best = dict.fromkeys(cases, float("inf"))
+    for fn in cases.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) -> Callable[[], None] | None:
@@ -261,6 +298,17 @@ def main(argv: list[str]) -> None:
                     and cpu:
                 hf_step = transformers_step(model.config, make_batch(model.config.vocab_size, FLAGS.rows,
                                                                      FLAGS.seq))
+            if hf_step is not None:
+                gemm = gemm_ceiling(model.config, tokens)
+                if gemm is not None:
+                    c = model.config
+                    print(f"{preset:>12} GEMM [{tokens}, {c.hidden_size}] x [{c.hidden_size}, "  # noqa: T201
+                          f"{c.intermediate_size}]: x@W XLA {gemm['xla_fwd'] * 1e3:.1f} ms / torch "
+                          f"{gemm['torch_fwd'] * 1e3:.1f} ms "
+                          f"(ratio {gemm['torch_fwd'] / gemm['xla_fwd']:.2f}x)"
+                          f"; x^T@g XLA {gemm['xla_wgrad'] * 1e3:.1f} ms / torch "
+                          f"{gemm['torch_wgrad'] * 1e3:.1f} ms (ratio "
+                          f"{gemm['torch_wgrad'] / gemm['xla_wgrad']:.2f}x)")
             scans = [x.lower() in ("true", "1") for x in FLAGS.scan_layers]
             chunks = [int(c) for c in FLAGS.logits_chunk]
             for remat, chunk, scan in itertools.product(FLAGS.remat, chunks, scans):
