@@ -44,6 +44,8 @@ flags.DEFINE_integer("new_tokens", 128, "new tokens per row")
 flags.DEFINE_integer("prompt_len", 16, "prompt tokens per row")
 flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
 flags.DEFINE_string("preset", "decode_bench", "model preset")
+flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's; a uniform layer type): how "
+                     "compile time grows with depth")
 compile_cache.define_flag()
 
 
@@ -240,11 +242,12 @@ def alternate_best(
 def main(argv: list[str]) -> None:
     del argv
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)
-    config = models.get_preset(FLAGS.preset)
+    config = models.get_preset(FLAGS.preset, **({"num_layers": FLAGS.num_layers} if FLAGS.num_layers else {}))
     model = models.Transformer(config, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     lines = [
-        f"decode bench: preset {FLAGS.preset} ({params / 1e6:.1f}M params), prompt {FLAGS.prompt_len}, "
+        f"decode bench: preset {FLAGS.preset} ({config.num_layers} layers, {params / 1e6:.1f}M params), "
+        f"prompt {FLAGS.prompt_len}, "
         f"{FLAGS.new_tokens} new tokens, greedy, {jax.devices()[0].platform} x{jax.device_count()}, "
         f"load average before {load_average()}; compilation cache {cache_dir or 'off'}"
     ]
