@@ -28,6 +28,25 @@ def first_and_best(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return first, best_time(fn, repeats)[0] if repeats > 0 else first
 
 
+def alternate_best(
+    fns: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, tuple[float, float, Any]]:
+    """Per name (first call's wall time, best of ``repeats`` further calls, the last call's result), the
+    calls of different names alternating so that a change of the shared machine's load hits them alike."""
+    first, out = {}, {}
+    for name, fn in fns.items():
+        t = time.perf_counter()
+        out[name] = fn()
+        first[name] = time.perf_counter() - t
+    best = dict(first) if repeats < 1 else dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: (first[name], best[name], out[name]) for name in fns}
+
+
 def compile_seconds(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     """Lowers and compiles a `jax.jit` function ahead of time for these arguments (static ones included, by
     their names): (the compiled executable, called with the non-static arguments only; the wall seconds of

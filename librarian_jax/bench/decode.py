@@ -24,7 +24,6 @@ produced the same tokens. Without tunix the line says it was not measured.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import compile_cache, models
-from librarian_jax.bench.common import best_time, load_average
+from librarian_jax.bench.common import alternate_best, best_time, load_average
 from librarian_jax.engine import generate
 
 FLAGS = flags.FLAGS
@@ -218,25 +217,6 @@ def tunix_generate(
         return [np.asarray(t).tolist() for t in out.tokens]
 
     return run, f"tunix {getattr(tunix, '__version__', '?')}"
-
-
-def alternate_best(
-    fns: dict[str, Callable[[], Any]], repeats: int
-) -> dict[str, tuple[float, float, Any]]:
-    """Per name (first call's wall time, best of ``repeats`` further calls, the last call's result), the
-    calls of different names alternating so that a change of the shared machine's load hits them alike."""
-    first, out = {}, {}
-    for name, fn in fns.items():
-        t = time.perf_counter()
-        out[name] = fn()
-        first[name] = time.perf_counter() - t
-    best = dict(first) if repeats < 1 else dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            out[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return {name: (first[name], best[name], out[name]) for name in fns}
 
 
 def main(argv: list[str]) -> None:

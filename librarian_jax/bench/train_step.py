@@ -62,6 +62,7 @@ from absl import app, flags
 from flax import nnx
 
 from librarian_jax import models
+from librarian_jax.bench.common import alternate_best, load_average
 from librarian_jax.rl import train_step as ts
 
 FLAGS = flags.FLAGS
@@ -163,15 +164,7 @@ def gemm_ceiling(config: models.ModelConfig, tokens: int, repeats: int = 10) -> 
              "torch_fwd": lambda: tx @ tw,
              "xla_wgrad": lambda: wgrad(jx, jg).block_until_ready(),
              "torch_wgrad": lambda: tx.T @ tg}
-    best = dict.fromkeys(cases, float("inf"))
-    for fn in cases.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    return {name: best for name, (_, best, _) in alternate_best(cases, repeats).items()}
 
 
 def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) -> Callable[[], None] | None:
@@ -276,8 +269,6 @@ def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], N
 
 def main(argv: list[str]) -> None:
     del argv
-    from librarian_jax.bench.common import load_average
-
     tokens = FLAGS.rows * FLAGS.seq
     cpu = jax.default_backend() == "cpu"
     print(f"backend {jax.default_backend()} x{jax.device_count()}, batch [{FLAGS.rows}, {FLAGS.seq}], "  # noqa: T201
