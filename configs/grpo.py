@@ -73,6 +73,7 @@ def _base() -> ml_collections.ConfigDict:
         frozen_slots=16,        # answerer/executor engine slots
         max_seq_len=2048,       # tokens one session may hold (the embedded episodes stay under ~1,400)
         round_steps=32,         # decode steps per engine.step()
+        scan_layers=False,      # engines scan repeating layers: faster compiles, slower CPU decode
         probe_repeats=1,
         probe_min_gap=1,
         max_probes=1,

@@ -43,7 +43,8 @@ DATA_SOURCES = ("synthetic", "file")
 DATA_FORMATS = ("auto", *data_lib.FORMATS)
 EVAL_METHODS = ("trained", "base", "raw", "bm25")  # plus "run:/other/workdir"
 EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
-ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps")
+ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps",
+                       "scan_layers")
 
 
 class ConfigError(ValueError):
@@ -279,6 +280,10 @@ class RolloutSection(Section):
     frozen_slots: int = spec(16, lo=1)  # answerer/executor engine slots
     max_seq_len: int = spec(4096, lo=16)  # tokens one session may hold
     round_steps: int = spec(32, lo=1)  # decode steps per engine.step()
+    # the engines' prefill and decode programs run the repeating decoder layers under one lax.scan
+    # (`Engine(scan_layers=True)`): each program compiles each distinct layer once (CPU, 36 layers: decode
+    # 2.2x, prefill 4x faster to compile), but the CPU decode step runs slower (BENCHMARKS.md)
+    scan_layers: bool = spec(False)
     config: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     @classmethod

@@ -391,7 +391,7 @@ def build_role_engines(config: Any, mesh: Any, base: Any, tokenizer: Any,
         model = models[(weights, mesh_spec)]
         engine = Engine(model, max(roles[x]["slots"] for x in members),
                         max(roles[x]["max_seq_len"] for x in members), role_mesh,
-                        round_steps=config.rollout.round_steps)
+                        round_steps=config.rollout.round_steps, scan_layers=config.rollout.scan_layers)
         for role in members:
             out[role] = engine
     return out
@@ -433,7 +433,8 @@ def build(config: Any) -> Run:
     policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
         if m.lora_rank else base
     roles = config_validation.resolve_roles(config)
-    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, emesh, round_steps=r.round_steps)}
+    engines = {"policy": Engine(policy, r.policy_slots, r.max_seq_len, emesh, round_steps=r.round_steps,
+                                scan_layers=r.scan_layers)}
     engines.update(build_role_engines(config, emesh, base, tokenizer, roles))
     engines["frozen"] = engines["answerer"]
     logging.info("roles:\n%s", role_table(config, roles))

@@ -100,6 +100,24 @@ def test_sharded_equals_unsharded(reference, shape):
 
 
 @needs8
+def test_scanned_sharded_equals_unsharded(reference):
+    # Engine(scan_layers=True) on a mesh: the stacked K/V keep the slot on "data" (the layer axis, 1, is
+    # replicated), the stacked weights keep their "tensor" split; same tokens as the unsharded loop
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    engine = Engine(_model(0), mesh=mesh, scan_layers=True, **KW)
+    assert engine.scan_layers
+    k_spec = tuple(engine.cache.groups[0]["k"].sharding.spec)
+    assert k_spec[:2] == ("data", None), k_spec
+    q = engine._stacked[0]["self_attn"]["q_proj"]["kernel"]
+    assert q.shape[0] == CONFIG.num_layers and tuple(q.sharding.spec)[0] is None
+    assert "tensor" in tuple(q.sharding.spec)
+    got = _run(engine)
+    for (toks, lps), (ref_toks, ref_lps) in zip(got, reference, strict=True):
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, atol=1e-4)
+
+
+@needs8
 def test_two_engines_share_a_mesh():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     policy = Engine(_model(0), mesh=mesh, **KW)

@@ -1,7 +1,7 @@
 """Decode throughput: ``engine.generate`` vs Hugging Face ``generate`` vs the matmul-only limit.
 
     python -m librarian_jax.bench.decode [--batches=32,1] [--new_tokens=128] [--prompt_len=16] [--repeats=3]
-        [--compilation_cache_dir=none]
+        [--num_layers=0] [--scan_layers=false] [--compilation_cache_dir=none]
 
 Model: the ``decode_bench`` preset (Qwen3-style, ~12M params: hidden 384, 6 layers, 6 heads / 2 KV heads,
 head_dim 64, intermediate 1024, vocab 8000, tied embeddings), random weights, fp32, greedy, KV cache on.
@@ -13,7 +13,8 @@ sampling or cache updates.
 
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
-steady state's ratio to the limit and to transformers.
+steady state's ratio to the limit and to transformers. `--scan_layers=false,true` times the engine with its
+layers run one by one and under one `lax.scan` (`Engine(scan_layers=...)`), alternately, one line each.
 
 When ``google-tunix`` imports (e.g. a venv with ``pip install google-tunix`` and this package), a Tunix column
 runs Tunix's ``Sampler`` (``tunix.generate``) on Tunix's Qwen3 holding the same weights (mapped from ours),
@@ -45,6 +46,8 @@ flags.DEFINE_integer("repeats", 3, "timed repeats (best is reported)")
 flags.DEFINE_string("preset", "decode_bench", "model preset")
 flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's; a uniform layer type): how "
                      "compile time grows with depth")
+flags.DEFINE_list("scan_layers", ["false"], "Engine scan_layers values to time, each its own line: true "
+                  "(the layers under one lax.scan) and/or false (one by one)")
 compile_cache.define_flag()
 
 
@@ -233,42 +236,48 @@ def main(argv: list[str]) -> None:
     ]
     tunix_run, tunix_note = tunix_generate(model, FLAGS.prompt_len, FLAGS.new_tokens)
     lines.append(f"Tunix sampler: {'' if tunix_run else 'not measured, '}{tunix_note}")
+    scans = [x.strip().lower() in ("true", "1") for x in FLAGS.scan_layers]
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in FLAGS.batches.split(",")]:
         prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.prompt_len))
         tokens = batch * FLAGS.new_tokens
 
-        def ours(prompts: np.ndarray = prompts) -> list[list[int]]:
-            out = generate(model, prompts.tolist(), FLAGS.new_tokens)
+        def ours(scan: bool, prompts: np.ndarray = prompts) -> list[list[int]]:
+            out = generate(model, prompts.tolist(), FLAGS.new_tokens, scan_layers=scan)
             assert all(len(o) == FLAGS.new_tokens for o in out)
             return out
 
-        fns: dict[str, Callable[[], Any]] = {"ours": ours}
+        fns: dict[str, Callable[[], Any]] = {f"ours {s}": functools.partial(ours, s) for s in scans}
         if tunix_run is not None:
             fns["tunix"] = functools.partial(tunix_run, prompts)
         times = alternate_best(fns, FLAGS.repeats)
-        t_first, t_ours, ours_out = times["ours"]
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
         t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats)
-        line = (
-            f"batch {batch:3d}: first call {t_first:6.2f} s (compile {max(t_first - t_ours, 0.0):6.2f} s) | "
-            f"generate {tokens / t_ours:9.1f} tok/s | "
-            f"matmul limit {tokens / t_limit:9.1f} tok/s "
-            f"(ours = {t_limit / t_ours:.2f} of limit)"
-        )
-        if t_hf is None:
-            line += " | transformers: not measured (torch/transformers not importable in this python)"
-        else:
-            line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
-        if tunix_run is not None:
-            tunix_first, t_tunix, tunix_out = times["tunix"]
-            same = sum(a == b for a, b in zip(ours_out, tunix_out, strict=True))
-            line += (
-                f" | Tunix {tokens / t_tunix:9.1f} tok/s (ours = {t_tunix / t_ours:.2f}x; "
-                f"first call {tunix_first:.2f} s; greedy tokens equal in {same}/{batch} rows)"
+        for scan in scans:
+            t_first, t_ours, ours_out = times[f"ours {scan}"]
+            line = (
+                f"batch {batch:3d}{' scanned' if scan else ''}: first call {t_first:6.2f} s "
+                f"(compile {max(t_first - t_ours, 0.0):6.2f} s) | "
+                f"generate {tokens / t_ours:9.1f} tok/s | "
+                f"matmul limit {tokens / t_limit:9.1f} tok/s "
+                f"(ours = {t_limit / t_ours:.2f} of limit)"
             )
-        lines.append(line)
-        logging.info(line)
+            if t_hf is None:
+                line += " | transformers: not measured (torch/transformers not importable in this python)"
+            else:
+                line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
+            if tunix_run is not None:
+                tunix_first, t_tunix, tunix_out = times["tunix"]
+                same = sum(a == b for a, b in zip(ours_out, tunix_out, strict=True))
+                line += (
+                    f" | Tunix {tokens / t_tunix:9.1f} tok/s (ours = {t_tunix / t_ours:.2f}x; "
+                    f"first call {tunix_first:.2f} s; greedy tokens equal in {same}/{batch} rows)"
+                )
+            if len(scans) > 1 and scan:
+                same = sum(a == b for a, b in zip(ours_out, times["ours False"][2], strict=True))
+                line += f" | tokens equal to the loop's in {same}/{batch} rows"
+            lines.append(line)
+            logging.info(line)
     lines.append(f"load average after {load_average()}")
     print("\n".join(lines))  # noqa: T201 - a CLI report
 

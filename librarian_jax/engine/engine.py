@@ -35,11 +35,18 @@ from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
-from librarian_jax.models.cache import live_len, live_lens
+from librarian_jax.models.cache import live_len, live_lens, stack_cache
 from librarian_jax.models.moe import bind_mesh
-from librarian_jax.models.partitioning import normalize_rules, state_shardings, tree_shardings
+from librarian_jax.models.partitioning import (
+    normalize_rules,
+    stacked_sharding,
+    state_shardings,
+    tree_shardings,
+)
+from librarian_jax.models.transformer import ScanPlan, scan_plan, stack_layers
 
 DEFAULT_PREFILL_BUCKETS: tuple[int, ...] = (32, 128, 512)
+SCAN_LAYERS = False  # Engine's default for `scan_layers`
 
 
 @dataclasses.dataclass
@@ -93,22 +100,34 @@ class _Lane:
     upto: int | None = None  # prefill only this many record tokens for now (a prefix-sharing leader)
 
 
-def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any) -> Any:
-    if dtype is None:
-        return models.init_cache(config, num_slots, capacity)
-    return models.init_cache(config, num_slots, capacity, dtype)
+def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any, plan: ScanPlan | None = None) -> Any:
+    cache = models.init_cache(config, num_slots, capacity, *([] if dtype is None else [dtype]))
+    return cache if plan is None else stack_cache(cache, plan.period, plan.periods)
 
 
 @functools.lru_cache(maxsize=64)
 def _cache_allocator(
-    config: Any, num_slots: int, capacity: int, dtype: Any, shardings: tuple, treedef: Any
+    config: Any, num_slots: int, capacity: int, dtype: Any, shardings: tuple, treedef: Any,
+    plan: ScanPlan | None = None,
 ) -> Callable[[], Any]:
     """A jitted function allocating the slot cache straight into its shardings (cached: one compile per
     layout, so short-lived engines such as ``generate``'s do not recompile)."""
     return jax.jit(
-        functools.partial(_make_cache, config, num_slots, capacity, dtype),
+        functools.partial(_make_cache, config, num_slots, capacity, dtype, plan),
         out_shardings=jax.tree.unflatten(treedef, shardings),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_stacker(graphdef: nnx.GraphDef, plan: ScanPlan, shardings: tuple,
+                   treedef: Any) -> Callable[..., Any]:
+    """A jitted ``state -> the scanned layers' stacked states`` (``transformer.stack_layers``), straight into
+    ``shardings`` (cached per model structure and layout)."""
+
+    def stack(state: nnx.State) -> tuple[Any, ...]:
+        return stack_layers(list(nnx.merge(graphdef, state).layers), plan).states
+
+    return jax.jit(stack, out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
 def _mesh_of(state: Any) -> Mesh:
@@ -150,6 +169,14 @@ class Engine:
         nor transfers them.
       share_prefix: sessions admitted together whose records share at least this many leading tokens prefill
         the common prefix once and copy it into each other's slots (``_share_prefixes``); 0 turns it off.
+      scan_layers: run the model's repeating layers under one ``lax.scan`` in the prefill and decode programs
+        (``Transformer.hidden``, ``transformer.scan_plan``), so each program compiles each distinct layer
+        once instead of once per layer: compile time stops growing with depth. Same tokens and log-probs as
+        the loop. The engine then keeps the slot cache as a ``models.cache.ScanCache`` and a stacked copy
+        of the scanned layers' weights (made when the engine is built and on each ``update_params``: one
+        more copy of those weights in device memory). A model the plan cannot scan runs the loop (logged).
+        Off by default: on the CPU the scanned decode step is slower (each layer's weights and K/V are
+        sliced out of the stack every step), see BENCHMARKS.md.
     """
 
     def __init__(
@@ -167,6 +194,7 @@ class Engine:
         stats_window: int = 10_000,
         processed_logprobs: bool = False,
         share_prefix: int = 32,
+        scan_layers: bool = SCAN_LAYERS,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
@@ -200,20 +228,47 @@ class Engine:
         self._param_shardings = state_shardings(state, self.mesh, self.rules)
         self.params = jax.device_put(state, self._param_shardings)
 
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"Engine: scan_layers must be a bool, got {scan_layers!r}")
+        self._plan: ScanPlan | None = None
+        if scan_layers:
+            plan = scan_plan(list(model.layers), model)
+            if plan.period:
+                self._plan = plan
+            else:
+                logging.info("Engine: scan_layers: running the %d layers one by one: %s", len(model.layers),
+                             plan.reason)
+        self.scan_layers = self._plan is not None  # whether the programs really scan
+        self._stacked: tuple[Any, ...] | None = None
+        if self._plan is not None:
+            # stacked layer k: layer k's param shardings with a replicated leading axis
+            abstract_stack = jax.eval_shape(lambda: stack_layers(list(model.layers), self._plan).states)
+            on_axis0 = functools.partial(stacked_sharding, axis=0)
+            shardings = [jax.tree.map(on_axis0, self._param_shardings["layers"][k])
+                         for k in range(self._plan.period)]
+            self._stacker = _layer_stacker(self.graphdef, self._plan, tuple(jax.tree.leaves(shardings)),
+                                           jax.tree.structure(abstract_stack))
+            self._stacked = self._stacker(self.params)
+
         make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype)
         abstract = jax.eval_shape(make)
         shardings = tree_shardings(abstract, models.cache_logical_axes(config), self.mesh, self.rules)
+        if self._plan is not None:
+            shardings = stack_cache(shardings, self._plan.period, self._plan.periods, stacked_sharding)
+            abstract = jax.eval_shape(functools.partial(make, plan=self._plan))
         self._cache_sharding = tuple(jax.tree.leaves(shardings))
         self._cache_treedef = jax.tree.structure(abstract)
         self.cache = _cache_allocator(
-            config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef
+            config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
+            self._plan,
         )()
 
         self.processed_logprobs = bool(processed_logprobs)
         self.share_prefix = int(share_prefix)
         self._copy = slot_programs.copy_program(self._cache_sharding)
         self._programs = slot_programs.programs(
-            self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps, self.processed_logprobs
+            self.graphdef, self._cache_sharding, self.max_seq_len, self.round_steps, self.processed_logprobs,
+            self.scan_layers,
         )
 
         self._owner: list[Session | None] = [None] * self.num_slots
@@ -360,6 +415,14 @@ class Engine:
             if new.shape != old.shape:
                 raise ValueError(f"update_params: leaf shape {new.shape} != the engine's {old.shape}")
         self.params = jax.device_put(state, self._param_shardings)
+        if self._plan is not None:
+            self._stacked = None  # the old stack's memory goes before the new one is made
+            self._stacked = self._stacker(self.params)
+
+    @property
+    def _program_params(self) -> Any:
+        """What the programs take as ``params``: the state, or (state, stacked layer states) when scanning."""
+        return self.params if self._plan is None else (self.params, self._stacked)
 
     def warmup(self) -> float:
         """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
@@ -369,12 +432,13 @@ class Engine:
         for live in live_lens(self.capacity):  # each program is compiled per attended cache length
             for chunk in self.prefill_buckets:
                 self.cache = self._programs.prefill_all(
-                    self.params, self.cache, np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
+                    self._program_params, self.cache, np.zeros((n, chunk), np.int32),
+                    np.zeros((n, chunk), bool),
                     np.zeros((n,), bool), attend_len=live,
                 )
                 for k in self._slot_buckets[:-1]:
                     self.cache = self._programs.prefill(
-                        self.params,
+                        self._program_params,
                         self.cache,
                         np.full((k,), self.num_slots, np.int32),
                         np.zeros((k, chunk), np.int32),
@@ -384,7 +448,7 @@ class Engine:
                     )
             zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
             self.cache, out = self._programs.decode(
-                self.params, self.cache, zi, np.zeros((n,), bool), zi,
+                self._program_params, self.cache, zi, np.zeros((n,), bool), zi,
                 np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi, attend_len=live,
             )
             jax.block_until_ready(out)
@@ -560,11 +624,12 @@ class Engine:
                     live = live_len(reach, self.capacity)  # attention reads only the live positions
                     if full:
                         self.cache = self._programs.prefill_all(
-                            self.params, self.cache, tokens, mask, reset, attend_len=live
+                            self._program_params, self.cache, tokens, mask, reset, attend_len=live
                         )
                     else:
                         args = (slots, tokens, mask, reset)
-                        self.cache = self._programs.prefill(self.params, self.cache, *args, attend_len=live)
+                        self.cache = self._programs.prefill(self._program_params, self.cache, *args,
+                                                            attend_len=live)
                     calls.append(chunk)
             work = [s for s in work if lanes[s.id].cached < self._prefill_end(s)]
         st.prefill_calls += len(calls)
@@ -596,7 +661,8 @@ class Engine:
             seeds[i] = np.uint32(sp.seed & 0xFFFFFFFF).view(np.int32)
             streams[i] = np.uint32(sp.stream & 0xFFFFFFFF).view(np.int32)
         self.cache, out = self._programs.decode(
-            self.params, self.cache, tokens, active, budget, stops, temperature, top_p, top_k, seeds, streams,
+            self._program_params, self.cache, tokens, active, budget, stops, temperature, top_p, top_k, seeds,
+            streams,
             attend_len=live_len(reach, self.capacity),  # attention reads only the live positions
         )
         out = jax.device_get(out)
@@ -646,6 +712,7 @@ def generate(
     seed: int = 0,
     stop_ids: Iterable[int] = (),
     mesh: Mesh | None = None,
+    scan_layers: bool = SCAN_LAYERS,
 ) -> list[list[int]]:
     """Generates a continuation of every prompt (the contract entry point).
 
@@ -660,6 +727,7 @@ def generate(
       temperature, top_p, top_k, seed: see ``SamplingParams``.
       stop_ids: ids that end a row (included in its output).
       mesh: optional mesh (default: one device).
+      scan_layers: see ``Engine``.
     Returns:
       ``list[list[int]]``, one list of new token ids per prompt.
     """
@@ -680,6 +748,7 @@ def generate(
         prefill_buckets=_generate_buckets(longest - 1),
         round_steps=max_new_tokens,
         max_stop_ids=max(1, len(stops)),
+        scan_layers=scan_layers,
     )
     requests = []
     for i, p in enumerate(prompts):

@@ -35,6 +35,16 @@ REASONS = {STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
 _constrain = partitioning.constrain  # the cache keeps the engine's slot sharding through every program
 
 
+def _model(graphdef: nnx.GraphDef, params: Any, scan: bool) -> tuple[nnx.Module, Any]:
+    """(model, layer stack or None) from a program's ``params``: the model's ``nnx.State``, or with ``scan``
+    the pair (state, the scanned layers' stacked states, see ``Engine(scan_layers=True)``)."""
+    if not scan:
+        return nnx.merge(graphdef, params), None
+    state, stacked = params
+    model = nnx.merge(graphdef, state)
+    return model, model.layer_stack(stacked)
+
+
 def prefill(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -46,6 +56,7 @@ def prefill(
     *,
     cache_sharding: tuple | None = None,
     attend_len: int | None = None,
+    scan_layers: bool = False,
 ) -> Any:
     """Writes a chunk of new tokens into several slots at their current lengths.
 
@@ -59,10 +70,13 @@ def prefill(
         or re-admitted session takes over.
       attend_len: static; the rows' cache positions the model reads and writes (``models.cache.live_len``:
         at least every row's length + chunk); None = the whole cache.
+      scan_layers: static; run the model's repeating layers under one ``lax.scan`` (``Transformer.hidden``),
+        so the program compiles each distinct layer once: ``params`` is then (state, stacked layer states)
+        and ``cache`` a ``models.cache.ScanCache`` (see ``Engine(scan_layers=True)``).
     Returns:
       The updated slot cache (rows not in ``slots`` unchanged).
     """
-    model = nnx.merge(graphdef, params)
+    model, layer_stack = _model(graphdef, params, scan_layers)
     view = cache_lib.live_view(cache, attend_len)
     rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), view)
     keep = ~reset
@@ -71,7 +85,7 @@ def prefill(
         return x * keep.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
 
     rows = jax.tree.map(zero, rows)
-    _, rows = model(tokens, cache=rows, mask=mask)
+    _, rows = model(tokens, cache=rows, mask=mask, layer_stack=layer_stack)
     # With attend_len, a reset row's positions beyond it keep the previous session's K/V: attention never
     # reads them (only indices < the row's length), and later writes overwrite them.
     cache = cache_lib.merge_live(cache, rows, slots)
@@ -88,6 +102,7 @@ def prefill_all(
     *,
     cache_sharding: tuple | None = None,
     attend_len: int | None = None,
+    scan_layers: bool = False,
 ) -> Any:
     """``prefill`` for (nearly) every slot at once: row ``i`` is slot ``i``, no gather/scatter of cache rows.
 
@@ -97,11 +112,11 @@ def prefill_all(
     Returns:
       The updated slot cache.
     """
-    model = nnx.merge(graphdef, params)
+    model, layer_stack = _model(graphdef, params, scan_layers)
     n = tokens.shape[0]
     rows = jnp.where(reset, jnp.arange(n), n)  # out of range for slots not reset: dropped
     cache = jax.tree.map(lambda x: x.at[rows].set(jnp.zeros((), x.dtype), mode="drop"), cache)
-    _, view = model(tokens, cache=cache_lib.live_view(cache, attend_len), mask=mask)
+    _, view = model(tokens, cache=cache_lib.live_view(cache, attend_len), mask=mask, layer_stack=layer_stack)
     return _constrain(cache_lib.merge_live(cache, view), cache_sharding)
 
 
@@ -124,6 +139,7 @@ def decode(
     cache_sharding: tuple | None = None,
     processed_logprobs: bool = False,
     attend_len: int | None = None,
+    scan_layers: bool = False,
 ) -> tuple[Any, dict[str, jax.Array]]:
     """Advances every active slot, one token per step, inside one ``lax.while_loop``.
 
@@ -145,13 +161,15 @@ def decode(
       attend_len: static; the cache positions the loop reads and writes (``models.cache.live_len``: at least
         every active slot's length + its steps this round); None = the whole cache. The loop carries only
         this view and writes it back once at the end.
+      scan_layers: static; as in ``prefill`` (``params`` = (state, stacked layer states), ``cache`` a
+        ``models.cache.ScanCache``).
     Returns:
       ``(cache, out)`` with ``out["tokens"]`` int32 ``[slots, num_steps]`` (slot ``s`` produced
       ``out["tokens"][s, :out["count"][s]]``), ``out["logprobs"]`` (and, when asked for,
       ``out["processed_logprobs"]``) float32 ``[slots, num_steps]``, ``out["count"]`` int32 ``[slots]``,
       ``out["reason"]`` int32 ``[slots]``.
     """
-    model = nnx.merge(graphdef, params)
+    model, layer_stack = _model(graphdef, params, scan_layers)
     num_slots = tokens.shape[0]
     zeros_f = jnp.zeros((num_slots, num_steps), jnp.float32)
     full_cache, cache = cache, cache_lib.live_view(cache, attend_len)
@@ -174,7 +192,8 @@ def decode(
     def body(c: dict) -> dict:
         act = c["active"]
         position = c["cache"].lengths + 1  # absolute position of the token sampled now
-        logits, new_cache = model(c["tok"][:, None], cache=c["cache"], mask=act[:, None])
+        logits, new_cache = model(c["tok"][:, None], cache=c["cache"], mask=act[:, None],
+                                  layer_stack=layer_stack)
         new_cache = _constrain(new_cache, cache_sharding)
         tok, lp, plp = sampling.sample(
             logits[:, -1],
@@ -254,15 +273,16 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _prefill_programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None) -> tuple[Callable, Callable]:
+def _prefill_programs(graphdef: nnx.GraphDef, cache_sharding: tuple | None,
+                      scan_layers: bool = False) -> tuple[Callable, Callable]:
     # Prefill does not depend on max_len or the decode settings: engines that differ only in those share it.
     def prefill_fn(params, cache, slots, tokens, mask, reset, attend_len=None):
         return prefill(graphdef, params, cache, slots, tokens, mask, reset, cache_sharding=cache_sharding,
-                       attend_len=attend_len)
+                       attend_len=attend_len, scan_layers=scan_layers)
 
     def prefill_all_fn(params, cache, tokens, mask, reset, attend_len=None):
         return prefill_all(graphdef, params, cache, tokens, mask, reset, cache_sharding=cache_sharding,
-                           attend_len=attend_len)
+                           attend_len=attend_len, scan_layers=scan_layers)
 
     static = dict(donate_argnums=(1,), static_argnames=("attend_len",))
     return jax.jit(prefill_fn, **static), jax.jit(prefill_all_fn, **static)
@@ -275,16 +295,18 @@ def programs(
     max_len: int,
     num_steps: int,
     processed_logprobs: bool = False,
+    scan_layers: bool = False,
 ) -> Programs:
-    """The jitted prefill and decode programs for one model structure and slot layout."""
+    """The jitted prefill and decode programs for one model structure and slot layout (`scan_layers`: see
+    ``decode``)."""
 
     def decode_fn(params, cache, *args, attend_len=None):
         return decode(
             graphdef, params, cache, *args,
             max_len=max_len, num_steps=num_steps, cache_sharding=cache_sharding,
-            processed_logprobs=processed_logprobs, attend_len=attend_len,
+            processed_logprobs=processed_logprobs, attend_len=attend_len, scan_layers=scan_layers,
         )
 
-    prefill_fn, prefill_all_fn = _prefill_programs(graphdef, cache_sharding)
+    prefill_fn, prefill_all_fn = _prefill_programs(graphdef, cache_sharding, scan_layers)
     decode_jit = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("attend_len",))
     return Programs(prefill=prefill_fn, prefill_all=prefill_all_fn, decode=decode_jit)

@@ -257,7 +257,8 @@ class Models:
         from librarian_jax.engine import Engine
 
         s = self.sizes
-        return Engine(model, slots, s["max_seq_len"], self.mesh, round_steps=s["round_steps"])
+        return Engine(model, slots, s["max_seq_len"], self.mesh, round_steps=s["round_steps"],
+                      scan_layers=bool(self.run_cfg.rollout.get("scan_layers", False)))
 
     def set_policy(self, model: Any) -> None:
         from flax import nnx

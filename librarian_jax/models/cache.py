@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,6 +35,58 @@ class Cache:
             if "v" in layer:
                 return int(layer["v"].shape[2])
         raise ValueError("Cache has no attention layer, so no max_len")
+
+
+@struct.dataclass
+class ScanCache:
+    """A `Cache` laid out for a layer scan (`Transformer.hidden` with a `LayerStack` of this `period`):
+    `groups[k]` holds the caches of layers k, k + period, ..., k + (periods - 1) * period, each leaf stacked
+    on a new axis 1 (`[batch, periods, ...]`, the rest of each leaf's layout as in `Cache`: the slot stays
+    on axis 0, so whatever treats a cache row by row treats this one alike); `rest` holds layers
+    period * periods onwards, one dict each. `stack_cache` / `unstack_cache` convert (one copy each way);
+    the engine keeps its slot cache in this form when it scans (`Engine(scan_layers=True)`).
+    """
+
+    lengths: Any
+    groups: tuple[dict[str, Any], ...]
+    rest: tuple[dict[str, Any], ...]
+
+    @property
+    def period(self) -> int:
+        return len(self.groups)
+
+    @property
+    def periods(self) -> int:
+        return int(jax.tree.leaves(self.groups)[0].shape[1])
+
+    @property
+    def max_len(self) -> int:
+        for layer in (*self.groups, *self.rest):
+            if "v" in layer:
+                return int(layer["v"].shape[-2])
+        raise ValueError("Cache has no attention layer, so no max_len")
+
+
+def stack_cache(cache: Cache, period: int, periods: int,
+                stack: Callable[..., Any] = lambda *xs: jnp.stack(xs, axis=1)) -> ScanCache:
+    """`cache` as a `ScanCache` whose first `period * periods` layers are stacked by `period`.
+
+    `stack(*leaves)` stacks the leaves of one group on axis 1 (default `jnp.stack`); another `stack` maps
+    trees that mirror a cache (e.g. its shardings, see `partitioning.stacked_sharding`) the same way.
+    """
+    if period < 1 or periods < 1 or period * periods > len(cache.layers):
+        raise ValueError(f"stack_cache: period {period} x periods {periods} does not fit "
+                         f"{len(cache.layers)} layers")
+    groups = tuple(jax.tree.map(stack, *[cache.layers[k + j * period] for j in range(periods)])
+                   for k in range(period))
+    return ScanCache(lengths=cache.lengths, groups=groups, rest=tuple(cache.layers[period * periods:]))
+
+
+def unstack_cache(cache: ScanCache) -> Cache:
+    """The `Cache` a `ScanCache` stands for: layer k + j * period is `groups[k]` at index j of axis 1."""
+    p, n = cache.period, cache.periods
+    layers = [jax.tree.map(lambda a, j=i // p: a[:, j], cache.groups[i % p]) for i in range(p * n)]
+    return Cache(lengths=cache.lengths, layers=(*layers, *cache.rest))
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
@@ -101,7 +154,7 @@ def _is_kv(path: tuple) -> str | None:
     return name if name in ("k", "v") else None
 
 
-def live_view(cache: Cache, length: int | None) -> Cache:
+def live_view(cache: Cache | ScanCache, length: int | None) -> Cache | ScanCache:
     """`cache` with its K/V cut to the first `length` positions (static; None = all): what attention reads.
 
     Decode and prefill programs run the model on this view so attention reads only the live part of the
@@ -114,15 +167,16 @@ def live_view(cache: Cache, length: int | None) -> Cache:
     def cut(path: tuple, x: jax.Array) -> jax.Array:
         kind = _is_kv(path)
         if kind == "k":
-            return x[..., :length]  # [batch, kv_heads, head_dim, length]
+            return x[..., :length]  # [batch, (layers,) kv_heads, head_dim, length]
         if kind == "v":
-            return x[:, :, :length]  # [batch, kv_heads, length, head_dim]
+            return x[..., :length, :]  # [batch, (layers,) kv_heads, length, head_dim]
         return x
 
     return jax.tree_util.tree_map_with_path(cut, cache)
 
 
-def merge_live(full: Cache, part: Cache, slots: jax.Array | None = None) -> Cache:
+def merge_live(full: Cache | ScanCache, part: Cache | ScanCache,
+               slots: jax.Array | None = None) -> Cache | ScanCache:
     """Writes `part` (a `live_view` of some rows) back into `full`.
 
     Args:
@@ -141,9 +195,9 @@ def merge_live(full: Cache, part: Cache, slots: jax.Array | None = None) -> Cach
                 return p
             return jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
         if kind == "k":
-            return f.at[slots, :, :, : p.shape[-1]].set(p, mode="drop")
+            return f.at[slots, ..., : p.shape[-1]].set(p, mode="drop")
         if kind == "v":
-            return f.at[slots, :, : p.shape[2]].set(p, mode="drop")
+            return f.at[slots, ..., : p.shape[-2], :].set(p, mode="drop")
         return f.at[slots].set(p, mode="drop")
 
     return jax.tree_util.tree_map_with_path(put, full, part)

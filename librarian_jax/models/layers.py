@@ -305,8 +305,10 @@ class Attention(nnx.Module):
         x `[batch, seq, hidden]`; rope = (cos, sin) `[batch, seq, rotary_dim // 2]`; mask bool `[batch, seq]`
         (True = real token, padding a suffix). Without a cache, token s sees tokens t <= s that are real.
         With `cache` = {"k": `[batch, kv_heads, head_dim, max_len]`, "v": `[batch, kv_heads, max_len,
-        head_dim]`} (see `models.cache.Cache`) and `lengths` int32 `[batch]`: new token t of row b is written
-        at cache index lengths[b] + t (padded tokens and indices >= max_len are not written) and attends
+        head_dim]`} (see `models.cache.Cache`; or, in a layer scan, K/V stacked `[batch, layers, ...]` and
+        "layer": the int32 index of this layer's slice, written in place) and `lengths` int32 `[batch]`: new
+        token t of row b is written at cache index lengths[b] + t (padded tokens and indices >= max_len are
+        not written) and attends
         to cache indices <= lengths[b] + t. Sliding layers also drop keys whose index is `window` or more
         below the query's (HF: kv_idx > q_idx - sliding_window). Returns (y `[batch, seq, hidden]`, new cache
         or None).
@@ -330,17 +332,27 @@ class Attention(nnx.Module):
             out = attend_causal(q, k, v, key_valid=mask, window=self.window, scale=self.scale)
             return self._output(out, gate), None
 
-        max_len = cache["v"].shape[2]
+        max_len = cache["v"].shape[-2]
         q_key_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
         write_idx = jnp.where(mask, q_key_idx, max_len)  # padded tokens -> out of range -> dropped
         rows = jnp.arange(b)[:, None]
         # cache[b, :, (:,) write_idx[b, t]] = k[b, t]: the advanced indices (rows, write_idx) lead, so the
         # update is k as computed, `[batch, seq, kv_heads, head_dim]`, for both layouts.
-        new_cache = {
-            "k": cache["k"].at[rows, :, :, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
-            "v": cache["v"].at[rows, :, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
-        }
-        k, v = new_cache["k"], new_cache["v"]
+        layer = cache.get("layer")
+        if layer is None:
+            new_cache = {
+                "k": cache["k"].at[rows, :, :, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
+                "v": cache["v"].at[rows, :, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
+            }
+            k, v = new_cache["k"], new_cache["v"]
+        else:  # K/V of every layer of a scan group, stacked `[batch, layers, ...]`: write ours in place
+            new_cache = {
+                "k": cache["k"].at[rows, layer, :, :, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
+                "v": cache["v"].at[rows, layer, :, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
+                "layer": layer,
+            }
+            k = jax.lax.dynamic_index_in_dim(new_cache["k"], layer, 1, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(new_cache["v"], layer, 1, keepdims=False)
         if k.dtype != q.dtype:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         # every index <= q_key_idx was written by a real token of this row: no key_valid

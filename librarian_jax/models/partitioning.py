@@ -187,6 +187,16 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mes
     )
 
 
+def stacked_sharding(*shardings: NamedSharding, axis: int = 1) -> NamedSharding:
+    """The sharding of `jnp.stack(..., axis)` of arrays laid out as `shardings` (all alike): the new axis
+    replicated, the others as before (`models.cache.stack_cache` maps a cache's shardings with it, on axis 1;
+    layer params stack on axis 0)."""
+    spec = tuple(shardings[0].spec)
+    if len(spec) >= axis:
+        spec = (*spec[:axis], None, *spec[axis:])
+    return NamedSharding(shardings[0].mesh, PartitionSpec(*spec))
+
+
 def constrain(tree: Any, shardings: Sequence[NamedSharding] | None) -> Any:
     """`with_sharding_constraint` on each leaf of `tree` (inside jit), given one sharding per leaf in
     `jax.tree.leaves` order; `tree` unchanged when `shardings` is None."""

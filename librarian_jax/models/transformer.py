@@ -3,9 +3,10 @@
     logits, cache = model(tokens, positions=None, cache=None, mask=None)
 
 One call serves training/scoring (no cache), chunked prefill and single-token decode (with a cache whose rows
-may hold different lengths); see `Transformer.__call__`. Without a cache, `scan_layers=True` runs the decoder
-layers under one `lax.scan` per repeating layer pattern, so a compiled program holds each distinct layer once
-instead of once per layer (see `Transformer.hidden`, `scan_plan` and `run_layer_scan`).
+may hold different lengths); see `Transformer.__call__`. `scan_layers=True` runs the decoder layers under one
+`lax.scan` per repeating layer pattern, with or without a cache, so a compiled program holds each distinct
+layer once instead of once per layer (see `Transformer.hidden`, `scan_plan`, `run_layer_scan` and
+`models.cache.ScanCache`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import struct
 from flax.nnx import graphlib
 from jax.sharding import Mesh
 
-from librarian_jax.models.cache import Cache
+from librarian_jax.models.cache import Cache, ScanCache, stack_cache, unstack_cache
 from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.gated_deltanet import GatedDeltaNet
 from librarian_jax.models.layers import INIT_STD, MLP, Attention, RMSNorm, dense, rope_inv_freq, rope_tables
@@ -235,53 +237,111 @@ class _StructureChanged(Exception):
     """A layer's graph changed while it ran inside the scan body (e.g. it created a variable)."""
 
 
-def run_layer_scan(layers: list[nnx.Module], plan: ScanPlan, x: jax.Array, ropes: dict[str, Any],
-                   mask: jax.Array, *, remat: bool = False) -> jax.Array:
-    """Runs layers [0, plan.scanned) over x `[batch, seq, hidden]` (no cache) under one `lax.scan`; returns
-    `[batch, seq, hidden]`. Raises `_StructureChanged` (caught by the caller, which then runs the loop)
-    when a layer changes its graph while called.
+@struct.dataclass
+class LayerStack:
+    """The layers a `ScanPlan` scans, with their variables stacked: `states[k]` holds layers k, k + period,
+    k + 2 * period, ... along a new leading axis `[periods, ...]`, `graphdefs[k]` is layer k's graph.
 
-    Inside the trace each layer is split (`nnx.split`); the states of layers k, k + p, ... (same signature,
-    see `scan_plan`) are stacked along a new leading axis `[periods, ...]`, and the scan body merges
-    iteration j's slice of each of the p states with layer k's graphdef and calls it. Stacking costs one
-    copy of the layers' variables per call (cheap next to a train step's activations and optimizer; the
-    gradient flows back through the stack to each layer's own params). Whatever a layer sows while called
-    (`nnx.Intermediate`: MoE router statistics) leaves the body as a scan output `[periods, ...]` and is
-    put back into its layer, as if called one by one. `remat`: each layer call inside the body is
-    checkpointed with nothing saved but its inputs (train.remat="layer").
+    `Transformer.layer_stack()` builds one. A program that calls the model many times (the engine's decode
+    loop) builds it once, outside its loop, and passes it to every call (`hidden(layer_stack=...)`), so the
+    variables are stacked once per program run instead of once per call.
     """
-    p, n = plan.period, plan.periods
-    graphdefs, stacked = [], []
-    for k in range(p):
-        splits = [nnx.split(layers[k + j * p]) for j in range(n)]
-        graphdefs.append(splits[0][0])
-        stacked.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in splits]))
 
-    def one_layer(k: int, state: Any, x: jax.Array, ropes: dict[str, Any], mask: jax.Array) -> Any:
-        m = nnx.merge(graphdefs[k], state)
-        y, _ = m(x, ropes.get(m.layer_type), mask=mask)
+    states: tuple[Any, ...]
+    graphdefs: tuple[Any, ...] = struct.field(pytree_node=False)
+    plan: ScanPlan = struct.field(pytree_node=False)
+
+
+def stack_layers(layers: list[nnx.Module], plan: ScanPlan,
+                 states: tuple[Any, ...] | None = None) -> LayerStack:
+    """`layers`' variables stacked for `plan` (see `LayerStack`; a copy of the scanned layers' variables),
+    or, given `states` (the `states` of a `LayerStack` of the same layers, stacked before), those with the
+    layers' graphdefs."""
+    p, n = plan.period, plan.periods
+    graphdefs = tuple(nnx.graphdef(layers[k]) for k in range(p))
+    if states is None:
+        states = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[nnx.state(layers[k + j * p])
+                                                               for j in range(n)])
+                       for k in range(p))
+    elif len(states) != p:
+        raise ValueError(f"stack_layers: {len(states)} stacked states for a period of {p}")
+    return LayerStack(states=tuple(states), graphdefs=graphdefs, plan=plan)
+
+
+def _layer_slot(group: dict[str, jax.Array], j: jax.Array) -> dict[str, jax.Array]:
+    """What a scanned layer gets as its cache from the stacked `group` at iteration `j`: attention layers the
+    whole stacked K/V and the index (`Attention` writes its new tokens in place and reads its own slice);
+    other layers (Gated DeltaNet, whose state is rewritten whole each call) their slice."""
+    if "v" in group:
+        return {"k": group["k"], "v": group["v"], "layer": j}
+    return {name: jax.lax.dynamic_index_in_dim(a, j, 1, keepdims=False) for name, a in group.items()}
+
+
+def _put_layer_slot(group: dict[str, jax.Array], new: dict[str, jax.Array],
+                    j: jax.Array) -> dict[str, jax.Array]:
+    """The stacked `group` after the layer at iteration `j` returned `new` (from a `_layer_slot` cache)."""
+    if "v" in group:
+        return {"k": new["k"], "v": new["v"]}
+    return {name: jax.lax.dynamic_update_index_in_dim(a, new[name].astype(a.dtype), j, 1)
+            for name, a in group.items()}
+
+
+def run_layer_scan(layers: list[nnx.Module], stack: LayerStack, x: jax.Array, ropes: dict[str, Any],
+                   mask: jax.Array, *, remat: bool = False,
+                   cache_groups: tuple[dict[str, Any], ...] | None = None,
+                   lengths: jax.Array | None = None) -> tuple[jax.Array, tuple[dict[str, Any], ...] | None]:
+    """Runs layers [0, plan.scanned) over x `[batch, seq, hidden]` under one `lax.scan`; returns (`[batch,
+    seq, hidden]`, the new cache groups or None). Raises `_StructureChanged` (caught by the caller, which
+    then runs the loop) when a layer changes its graph while called.
+
+    `stack` holds the layers' variables stacked (`stack_layers`: the states of layers k, k + p, ..., same
+    signature, see `scan_plan`, along a new leading axis `[periods, ...]`); the scan body merges iteration
+    j's slice of each of the p states with layer k's graphdef and calls it. Stacking costs one copy of the
+    layers' variables (cheap next to a train step's activations and optimizer; the gradient flows back
+    through the stack to each layer's own params). Whatever a layer sows while called (`nnx.Intermediate`:
+    MoE router statistics) leaves the body as a scan output `[periods, ...]` and is put back into its layer,
+    as if called one by one. `remat`: each layer call inside the body is checkpointed with nothing saved but
+    its inputs (train.remat="layer").
+
+    With `cache_groups` (the `groups` of a `models.cache.ScanCache`: group k's leaves `[batch, periods,
+    ...]` hold the caches of layers k, k + p, ...) and `lengths` int32 `[batch]`, the layers read and write
+    their caches as in the loop; the groups are carried through the scan and updated in place (attention
+    writes only its new tokens' K/V, at `[row, j, ..., position]`; each layer reads its own K/V slice).
+    """
+    p, n = stack.plan.period, stack.plan.periods
+
+    def one_layer(k: int, state: Any, x: jax.Array, ropes: dict[str, Any], mask: jax.Array,
+                  cache: dict[str, Any] | None, lengths: jax.Array | None) -> Any:
+        m = nnx.merge(stack.graphdefs[k], state)
+        y, new_cache = m(x, ropes.get(m.layer_type), mask=mask, cache=cache, lengths=lengths)
         sown = nnx.pop(m, nnx.Intermediate)
-        if nnx.graphdef(m) != graphdefs[k]:
+        if nnx.graphdef(m) != stack.graphdefs[k]:
             raise _StructureChanged(f"layer {k} changed its graph when called")
-        return y, sown
+        return y, new_cache, sown
 
     calls = [functools.partial(one_layer, k) for k in range(p)]
     if remat:
         calls = [jax.checkpoint(c) for c in calls]
 
-    def body(x: jax.Array, states: tuple[Any, ...]) -> tuple[jax.Array, tuple[Any, ...]]:
-        sown = []
+    def body(carry: tuple[jax.Array, Any], xs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Any, Any]:
+        x, groups = carry
+        states, j = xs
+        sown, new_groups = [], []
         for k in range(p):
-            x, s = calls[k](states[k], x, ropes, mask)
+            if groups is None:
+                x, _, s = calls[k](states[k], x, ropes, mask, None, None)
+            else:
+                x, new, s = calls[k](states[k], x, ropes, mask, _layer_slot(groups[k], j), lengths)
+                new_groups.append(_put_layer_slot(groups[k], new, j))
             sown.append(s)
-        return x, tuple(sown)
+        return (x, None if groups is None else tuple(new_groups)), tuple(sown)
 
-    x, sown = jax.lax.scan(body, x, tuple(stacked))
+    (x, groups), sown = jax.lax.scan(body, (x, cache_groups), (stack.states, jnp.arange(n, dtype=jnp.int32)))
     for k in range(p):
         if jax.tree.leaves(sown[k]):
             for j in range(n):
                 nnx.update(layers[k + j * p], jax.tree.map(lambda a, j=j: a[j], sown[k]))
-    return x
+    return x, groups
 
 
 class Transformer(nnx.Module):
@@ -311,7 +371,8 @@ class Transformer(nnx.Module):
         mask: jax.Array | None = None,
         scan_layers: bool = False,
         remat_layers: bool = False,
-    ) -> tuple[jax.Array, Cache | None]:
+        layer_stack: LayerStack | None = None,
+    ) -> tuple[jax.Array, Cache | ScanCache | None]:
         """tokens int32 `[batch, seq]` -> (logits float32 `[batch, seq, vocab]`, cache).
 
         Without `cache`: positions default to arange(seq), causal attention, `mask` (bool `[batch, seq]`,
@@ -321,10 +382,12 @@ class Transformer(nnx.Module):
         so they never change what later tokens see; returns the cache with lengths + mask.sum(1).
         The caller keeps lengths[b] + mask[b].sum() <= max_len (writes past the end are dropped).
         `positions` (int32 `[batch, seq]`) only overrides the RoPE positions.
-        `scan_layers` / `remat_layers`: see `hidden` (the values are the same either way).
+        `scan_layers` / `remat_layers` / `layer_stack`, and a `ScanCache` for `cache`: see `hidden` (the
+        values are the same either way).
         """
         hidden, cache = self.hidden(tokens, positions=positions, cache=cache, mask=mask,
-                                    scan_layers=scan_layers, remat_layers=remat_layers)
+                                    scan_layers=scan_layers, remat_layers=remat_layers,
+                                    layer_stack=layer_stack)
         return self.project(hidden), cache
 
     def hidden(
@@ -332,20 +395,23 @@ class Transformer(nnx.Module):
         tokens: jax.Array,
         *,
         positions: jax.Array | None = None,
-        cache: Cache | None = None,
+        cache: Cache | ScanCache | None = None,
         mask: jax.Array | None = None,
         scan_layers: bool = False,
         remat_layers: bool = False,
-    ) -> tuple[jax.Array, Cache | None]:
+        layer_stack: LayerStack | None = None,
+    ) -> tuple[jax.Array, Cache | ScanCache | None]:
         """As `__call__` but returns the final-norm hidden states `[batch, seq, hidden]` (activation dtype)
         instead of logits, so callers can project only the positions they need (see `project`).
 
-        `scan_layers` (no cache only; the trainer's `train.scan_layers`): layers that repeat a pattern run
-        under one `lax.scan` (`scan_plan`, `run_layer_scan`), so the compiled forward and backward hold each
+        `scan_layers` (the trainer's `train.scan_layers`, the engine's `scan_layers`): layers that repeat a
+        pattern run under one `lax.scan` (`scan_plan`, `run_layer_scan`), so the compiled program holds each
         distinct layer once, not once per layer: compile time stops growing with depth. Same values as the
-        loop; the parameter layout (`self.layers[i]`) is unchanged, the stacking happens inside the trace.
-        A model the plan cannot scan runs the loop (logged at INFO with the reason). With a cache the layers
-        always run one by one (decode and prefill write each layer's cache).
+        loop; the parameter layout (`self.layers[i]`) is unchanged, the stacking happens inside the trace
+        (`layer_stack`: the stack a caller built once with `self.layer_stack()`, implies `scan_layers`).
+        A model the plan cannot scan runs the loop (logged at INFO with the reason).
+        With a cache: a `Cache` is stacked for the scan and unstacked after it (one copy of the cache each
+        way; `ScanCache` in, `ScanCache` out, with no copy: what a loop of calls carries).
         `remat_layers`: each layer call is checkpointed with only its input kept (train.remat="layer"), in
         the scan body as in the loop (`remat_call`).
         """
@@ -366,22 +432,38 @@ class Transformer(nnx.Module):
             t: rope_tables(positions, rope_inv_freq(config, t))
             for t in sorted(set(config.layer_types)) if t != "linear_attention"
         }
+        stacked_in = isinstance(cache, ScanCache)
+        if stacked_in and layer_stack is None:
+            layer_stack = self.layer_stack()
+        if layer_stack is None and scan_layers:
+            layer_stack = self.layer_stack()
+        layers: list[dict[str, Any]] | None = None  # the per-layer caches of the layers the loop runs
+        groups = None
         start = 0
-        if scan_layers and cache is None:
-            plan = scan_plan(list(self.layers), self)
-            reason = plan.reason
-            if plan.period:
-                try:
-                    x = run_layer_scan(list(self.layers), plan, x, ropes, mask, remat=remat_layers)
-                    start = plan.scanned
-                except _StructureChanged as e:
-                    reason = str(e)
-            if not start:
-                logging.info("scan_layers: running the %d layers one by one: %s", len(self.layers), reason)
+        if layer_stack is not None:
+            plan = layer_stack.plan
+            if stacked_in:
+                if (cache.period, cache.periods) != (plan.period, plan.periods):
+                    raise ValueError(f"ScanCache of period {cache.period} x {cache.periods} != the layer "
+                                     f"scan's {plan.period} x {plan.periods}")
+                groups, layers = cache.groups, list(cache.rest)
+            elif cache is not None:
+                scan_cache = stack_cache(cache, plan.period, plan.periods)
+                groups, layers = scan_cache.groups, list(scan_cache.rest)
+            try:
+                x, groups = run_layer_scan(list(self.layers), layer_stack, x, ropes, mask, remat=remat_layers,
+                                           cache_groups=groups, lengths=lengths)
+                start = plan.scanned
+            except _StructureChanged as e:
+                logging.info("scan_layers: running the %d layers one by one: %s", len(self.layers), e)
+                layers = None
+        if cache is not None and layers is None:
+            full = unstack_cache(cache) if stacked_in else cache
+            layers = list(full.layers)
         new_layers = []
         for i in range(start, len(self.layers)):
             layer = self.layers[i]
-            layer_cache = None if cache is None else cache.layers[i]
+            layer_cache = None if cache is None else layers[i - start]
             call = functools.partial(remat_call, layer) if remat_layers else layer
             x, new_layer_cache = call(x, ropes.get(layer.layer_type), mask=mask, cache=layer_cache,
                                       lengths=lengths)
@@ -389,7 +471,24 @@ class Transformer(nnx.Module):
         x = self.norm(x)
         if cache is None:
             return x, None
-        return x, Cache(lengths=lengths + mask.sum(axis=1, dtype=jnp.int32), layers=tuple(new_layers))
+        new_lengths = lengths + mask.sum(axis=1, dtype=jnp.int32)
+        if not start:  # the loop ran every layer
+            out = Cache(lengths=new_lengths, layers=tuple(new_layers))
+            if stacked_in:
+                return x, stack_cache(out, cache.period, cache.periods)
+            return x, out
+        out = ScanCache(lengths=new_lengths, groups=groups, rest=tuple(new_layers))
+        return x, out if stacked_in else unstack_cache(out)
+
+    def layer_stack(self, states: tuple[Any, ...] | None = None) -> LayerStack | None:
+        """This model's layers stacked for a layer scan (`scan_plan`, `stack_layers`; `states`: already
+        stacked, e.g. by the engine once per weight update), or None (logged at INFO with the reason) where
+        no pattern repeats or the plan cannot scan it."""
+        plan = scan_plan(list(self.layers), self)
+        if not plan.period:
+            logging.info("scan_layers: running the %d layers one by one: %s", len(self.layers), plan.reason)
+            return None
+        return stack_layers(list(self.layers), plan, states)
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden `[..., hidden]` -> logits float32 `[..., vocab]` (tied embedding or lm_head, softcapped)."""
