@@ -44,7 +44,7 @@ def test_cached_scan_equals_the_loop(kind, layers):
         scan_cache = cache_lib.stack_cache(cache, plan.period, plan.periods)
         step1, scan_cache = model(tokens[:, :1], cache=scan_cache, layer_stack=model.layer_stack())
         assert isinstance(scan_cache, cache_lib.ScanCache)
-        step2, scan_cache = model(tokens[:, 1:3], cache=scan_cache)  # stacks its own layers
+        step2, scan_cache = model(tokens[:, 1:3], cache=scan_cache)  # no scan: one by one, in place
         return prefill, step1, step2, cache_lib.unstack_cache(scan_cache)
 
     graphdef, state = nnx.split(model)

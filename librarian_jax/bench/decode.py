@@ -14,7 +14,8 @@ sampling or cache updates.
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
 steady state's ratio to the limit and to transformers. `--scan_layers=false,true` times the engine with its
-layers run one by one and under one `lax.scan` (`Engine(scan_layers=...)`), alternately, one line each.
+layers run one by one and under one `lax.scan` (`Engine(scan_layers=...)`), alternately, one line each, and
+adds each setting's decode-round and prefill programs' own compile time (lowered and compiled ahead of time).
 
 When ``google-tunix`` imports (e.g. a venv with ``pip install google-tunix`` and this package), a Tunix column
 runs Tunix's ``Sampler`` (``tunix.generate``) on Tunix's Qwen3 holding the same weights (mapped from ours),
@@ -35,8 +36,8 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import compile_cache, models
-from librarian_jax.bench.common import alternate_best, best_time, load_average
-from librarian_jax.engine import generate
+from librarian_jax.bench.common import alternate_best, best_time, compile_seconds, load_average
+from librarian_jax.engine import Engine, generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("batches", "32,1", "comma-separated batch sizes")
@@ -222,6 +223,24 @@ def tunix_generate(
     return run, f"tunix {getattr(tunix, '__version__', '?')}"
 
 
+def program_compile_seconds(model: nnx.Module, batch: int, scan: bool) -> tuple[float, float]:
+    """Seconds to lower + compile (ahead of time) the engine's decode round and its all-slot prefill for
+    this bench's shapes, with the layers scanned or not: (decode, prefill)."""
+    longest = FLAGS.prompt_len + FLAGS.new_tokens
+    engine = Engine(model, num_slots=batch, max_seq_len=-(-longest // 16) * 16,
+                    prefill_buckets=(max(8, 1 << (FLAGS.prompt_len - 1).bit_length()),),
+                    round_steps=FLAGS.new_tokens, scan_layers=scan)
+    n, chunk = batch, engine.prefill_buckets[0]
+    zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
+    _, decode_s = compile_seconds(engine._programs.decode, engine._program_params, engine.cache, zi,
+                                  np.zeros((n,), bool), zi, np.full((n, engine.max_stop_ids), -1, np.int32),
+                                  zf, zf + 1, zi, zi, zi)
+    _, prefill_s = compile_seconds(engine._programs.prefill_all, engine._program_params, engine.cache,
+                                   np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
+                                   np.zeros((n,), bool))
+    return decode_s, prefill_s
+
+
 def main(argv: list[str]) -> None:
     del argv
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)
@@ -276,6 +295,9 @@ def main(argv: list[str]) -> None:
             if len(scans) > 1 and scan:
                 same = sum(a == b for a, b in zip(ours_out, times["ours False"][2], strict=True))
                 line += f" | tokens equal to the loop's in {same}/{batch} rows"
+            if len(scans) > 1:
+                decode_s, prefill_s = program_compile_seconds(model, batch, scan)
+                line += f" | programs compile: decode {decode_s:.2f} s, prefill {prefill_s:.2f} s"
             lines.append(line)
             logging.info(line)
     lines.append(f"load average after {load_average()}")

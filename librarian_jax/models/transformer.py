@@ -411,7 +411,9 @@ class Transformer(nnx.Module):
         (`layer_stack`: the stack a caller built once with `self.layer_stack()`, implies `scan_layers`).
         A model the plan cannot scan runs the loop (logged at INFO with the reason).
         With a cache: a `Cache` is stacked for the scan and unstacked after it (one copy of the cache each
-        way; `ScanCache` in, `ScanCache` out, with no copy: what a loop of calls carries).
+        way); a `ScanCache` (what the engine keeps when it scans) is carried through as it is, and returned
+        as a `ScanCache`. Without the scan a `ScanCache`'s layers run one by one, each writing its slice in
+        place.
         `remat_layers`: each layer call is checkpointed with only its input kept (train.remat="layer"), in
         the scan body as in the loop (`remat_call`).
         """
@@ -433,52 +435,62 @@ class Transformer(nnx.Module):
             for t in sorted(set(config.layer_types)) if t != "linear_attention"
         }
         stacked_in = isinstance(cache, ScanCache)
-        if stacked_in and layer_stack is None:
-            layer_stack = self.layer_stack()
         if layer_stack is None and scan_layers:
             layer_stack = self.layer_stack()
-        layers: list[dict[str, Any]] | None = None  # the per-layer caches of the layers the loop runs
-        groups = None
+        layers: list[Any] = [] if cache is None or stacked_in else list(cache.layers)
+        groups: list[Any] = list(cache.groups) if stacked_in else []
+        rest: list[Any] = list(cache.rest) if stacked_in else []
+        grouped = cache.period * cache.periods if stacked_in else 0  # layers held in `groups`
         start = 0
         if layer_stack is not None:
             plan = layer_stack.plan
+            if stacked_in and (cache.period, cache.periods) != (plan.period, plan.periods):
+                raise ValueError(f"ScanCache of period {cache.period} x {cache.periods} != the layer "
+                                 f"scan's {plan.period} x {plan.periods}")
+            scan_groups = None
             if stacked_in:
-                if (cache.period, cache.periods) != (plan.period, plan.periods):
-                    raise ValueError(f"ScanCache of period {cache.period} x {cache.periods} != the layer "
-                                     f"scan's {plan.period} x {plan.periods}")
-                groups, layers = cache.groups, list(cache.rest)
-            elif cache is not None:
-                scan_cache = stack_cache(cache, plan.period, plan.periods)
-                groups, layers = scan_cache.groups, list(scan_cache.rest)
+                scan_groups = tuple(groups)
+            elif cache is not None:  # one copy of the cache each way
+                scan_groups = stack_cache(cache, plan.period, plan.periods).groups
             try:
-                x, groups = run_layer_scan(list(self.layers), layer_stack, x, ropes, mask, remat=remat_layers,
-                                           cache_groups=groups, lengths=lengths)
+                x, new_groups = run_layer_scan(list(self.layers), layer_stack, x, ropes, mask,
+                                               remat=remat_layers, cache_groups=scan_groups, lengths=lengths)
                 start = plan.scanned
+                if stacked_in:
+                    groups = list(new_groups)
+                elif cache is not None:
+                    scanned = unstack_cache(ScanCache(lengths=cache.lengths, groups=new_groups, rest=()))
+                    layers[:start] = scanned.layers
             except _StructureChanged as e:
                 logging.info("scan_layers: running the %d layers one by one: %s", len(self.layers), e)
-                layers = None
-        if cache is not None and layers is None:
-            full = unstack_cache(cache) if stacked_in else cache
-            layers = list(full.layers)
-        new_layers = []
+        # The rest one by one; a ScanCache's stacked layers by their static index into their group.
         for i in range(start, len(self.layers)):
             layer = self.layers[i]
-            layer_cache = None if cache is None else layers[i - start]
+            k, j = (i % cache.period, i // cache.period) if i < grouped else (0, 0)
+            if cache is None:
+                layer_cache = None
+            elif i < grouped:
+                layer_cache = _layer_slot(groups[k], j)
+            else:
+                layer_cache = rest[i - grouped] if stacked_in else layers[i]
             call = functools.partial(remat_call, layer) if remat_layers else layer
             x, new_layer_cache = call(x, ropes.get(layer.layer_type), mask=mask, cache=layer_cache,
                                       lengths=lengths)
-            new_layers.append(new_layer_cache)
+            if cache is None:
+                continue
+            if i < grouped:
+                groups[k] = _put_layer_slot(groups[k], new_layer_cache, j)
+            elif stacked_in:
+                rest[i - grouped] = new_layer_cache
+            else:
+                layers[i] = new_layer_cache
         x = self.norm(x)
         if cache is None:
             return x, None
         new_lengths = lengths + mask.sum(axis=1, dtype=jnp.int32)
-        if not start:  # the loop ran every layer
-            out = Cache(lengths=new_lengths, layers=tuple(new_layers))
-            if stacked_in:
-                return x, stack_cache(out, cache.period, cache.periods)
-            return x, out
-        out = ScanCache(lengths=new_lengths, groups=groups, rest=tuple(new_layers))
-        return x, out if stacked_in else unstack_cache(out)
+        if stacked_in:
+            return x, ScanCache(lengths=new_lengths, groups=tuple(groups), rest=tuple(rest))
+        return x, Cache(lengths=new_lengths, layers=tuple(layers))
 
     def layer_stack(self, states: tuple[Any, ...] | None = None) -> LayerStack | None:
         """This model's layers stacked for a layer scan (`scan_plan`, `stack_layers`; `states`: already
