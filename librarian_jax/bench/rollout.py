@@ -1,6 +1,7 @@
 """Benchmark: one full rollout batch (B tasks x G builder episodes, their probes) on the tiny preset.
 
     python -m librarian_jax.bench.rollout [--num_tasks=4 --group_size=4 --max_turns=4 ...]
+        [--num_layers=0] [--scan_layers=false]
 
 A warm-up batch compiles every program first (or reads them from the persistent compilation cache at
 `--compilation_cache_dir`); its wall time less the timed batch's is reported as compile time. The timed batch
@@ -36,6 +37,10 @@ flags.DEFINE_integer("policy_slots", 16, "slots of the builder engine")
 flags.DEFINE_integer("frozen_slots", 64, "slots of the answerer/executor engine")
 flags.DEFINE_integer("round_steps", 16, "decode steps per engine.step()")
 flags.DEFINE_string("preset", "tiny", "model preset")
+flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's): how the first batch's "
+                     "compile time grows with depth")
+flags.DEFINE_bool("scan_layers", False, "engines run the repeating layers under one lax.scan "
+                  "(rollout.scan_layers)")
 compile_cache.define_flag()
 flags.DEFINE_string(
     "cache_dir", os.path.join(tempfile.gettempdir(), "librarian_jax_bench"), "tokenizer cache"
@@ -76,9 +81,12 @@ def main(argv: list[str]) -> None:
     cache_dir = compile_cache.enable(f.compilation_cache_dir)
     tasks = generate_world(0, f.num_tasks, questions_per_task=f.questions, reuse_questions_per_task=0)
     tok = cached_tokenizer(world_texts(generate_world(0, 64)) + prompt_text.all_texts(), f.cache_dir, 2048)
-    model = Transformer(get_preset(f.preset), rngs=nnx.Rngs(0))
-    policy = Engine(model, num_slots=f.policy_slots, max_seq_len=4096, round_steps=f.round_steps)
-    frozen = Engine(model, num_slots=f.frozen_slots, max_seq_len=2048, round_steps=f.round_steps)
+    model = Transformer(get_preset(f.preset, **({"num_layers": f.num_layers} if f.num_layers else {})),
+                        rngs=nnx.Rngs(0))
+    policy = Engine(model, num_slots=f.policy_slots, max_seq_len=4096, round_steps=f.round_steps,
+                    scan_layers=f.scan_layers)
+    frozen = Engine(model, num_slots=f.frozen_slots, max_seq_len=2048, round_steps=f.round_steps,
+                    scan_layers=f.scan_layers)
     cfg = RolloutConfig(
         builder=BuilderConfig(
             max_turns=f.max_turns,
@@ -113,7 +121,8 @@ def main(argv: list[str]) -> None:
     prefilled = p["prefill_tokens"] + fz["prefill_tokens"]
     print(
         f"rollout batch: B={f.num_tasks} x G={f.group_size} episodes, H={f.max_turns}, Q={f.questions}, "
-        f"R={f.repeats}, preset={f.preset}; load average {load_average()}; "
+        f"R={f.repeats}, preset={f.preset} ({model.config.num_layers} layers), "
+        f"scan_layers={policy.scan_layers}; load average {load_average()}; "
         f"compilation cache {cache_dir or 'off'}"
     )
     print(f"  first batch {warm:.1f}s = compile {max(warm - wall, 0.0):.1f}s + run; timed batch {wall:.1f}s")
