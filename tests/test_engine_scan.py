@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_scan_layers import VOCAB, config
+from test_scan_layers import VOCAB, config, model_for
 
 from librarian_jax import config_schema, models
-from librarian_jax.engine import Engine, SamplingParams
+from librarian_jax.engine import Engine, SamplingParams, generate
 from librarian_jax.models import cache as cache_lib
 
 
@@ -112,18 +112,27 @@ def _assert_same(got: list, want: list) -> None:
 # Gated DeltaNet + attention layers, a remainder layer, a cache with live views (1024 -> 512 positions);
 # the sharded engine (test_engine_mesh.py) runs a Qwen3-like model.
 def test_scanned_engine_equals_the_loop(kind="qwen3_5", layers=5, max_seq_len=1024):
-    kw = dict(num_slots=4, max_seq_len=max_seq_len, round_steps=4, prefill_buckets=(8, 32), share_prefix=4,
+    kw = dict(num_slots=4, max_seq_len=max_seq_len, round_steps=4, prefill_buckets=(32,), share_prefix=4,
               processed_logprobs=True)
     loop = Engine(_model(kind, layers, 0), **kw)
     scan = Engine(_model(kind, layers, 0), scan_layers=True, **kw)
     assert not loop.scan_layers and scan.scan_layers
     assert isinstance(scan.cache, cache_lib.ScanCache) and len(scan.cache.rest) == 1
     _assert_same(_run(scan), _run(loop))
+    assert sum(st.shared_prefix_tokens for st in scan.stats) > 0  # slot copies ran on the stacked cache
     # new weights: the engine re-stacks them (a stale stack would keep the old model's tokens)
     other = nnx.state(_model(kind, layers, 1))
     loop.update_params(other)
     scan.update_params(other)
     _assert_same(_run(scan), _run(loop))
+
+
+def test_scanned_lora_engine_equals_the_loop():
+    # the policy engine of a LoRA run: qwix's adapters run inside the scan body, layer by layer's rules
+    model = model_for("qwen3", 3, lora=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    # (model_for's adapters change the outputs: test_scan_layers.py)
+    assert generate(model, prompts, 8, scan_layers=True) == generate(model, prompts, 8)
 
 
 def _ops(engine: Engine) -> int:
