@@ -137,11 +137,7 @@ def test_scanned_lora_engine_equals_the_loop():
 
 def _ops(engine: Engine) -> int:
     """StableHLO operations in the engine's lowered decode program."""
-    n = engine.num_slots
-    zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
-    lowered = engine._programs.decode.lower(
-        engine._program_params, engine.cache, zi, np.zeros((n,), bool), zi,
-        np.full((n, engine.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi)
+    lowered = engine._programs.decode.lower(engine._program_params, engine.cache, *engine._idle_decode_args())
     return len(re.findall(r"\bstablehlo\.\w+", lowered.as_text()))
 
 

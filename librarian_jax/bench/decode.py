@@ -37,7 +37,8 @@ from flax import nnx
 
 from librarian_jax import compile_cache, models
 from librarian_jax.bench.common import alternate_best, best_time, compile_seconds, load_average
-from librarian_jax.engine import Engine, generate
+from librarian_jax.engine import generate
+from librarian_jax.engine.engine import generate_engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("batches", "32,1", "comma-separated batch sizes")
@@ -224,20 +225,13 @@ def tunix_generate(
 
 
 def program_compile_seconds(model: nnx.Module, batch: int, scan: bool) -> tuple[float, float]:
-    """Seconds to lower + compile (ahead of time) the engine's decode round and its all-slot prefill for
-    this bench's shapes, with the layers scanned or not: (decode, prefill)."""
-    longest = FLAGS.prompt_len + FLAGS.new_tokens
-    engine = Engine(model, num_slots=batch, max_seq_len=-(-longest // 16) * 16,
-                    prefill_buckets=(max(8, 1 << (FLAGS.prompt_len - 1).bit_length()),),
-                    round_steps=FLAGS.new_tokens, scan_layers=scan)
-    n, chunk = batch, engine.prefill_buckets[0]
-    zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
-    _, decode_s = compile_seconds(engine._programs.decode, engine._program_params, engine.cache, zi,
-                                  np.zeros((n,), bool), zi, np.full((n, engine.max_stop_ids), -1, np.int32),
-                                  zf, zf + 1, zi, zi, zi)
-    _, prefill_s = compile_seconds(engine._programs.prefill_all, engine._program_params, engine.cache,
-                                   np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool),
-                                   np.zeros((n,), bool))
+    """Seconds to lower + compile (ahead of time) the decode round and the all-slot prefill of the engine
+    ``generate`` builds for this bench's shapes, with the layers scanned or not: (decode, prefill)."""
+    engine = generate_engine(model, batch, FLAGS.prompt_len, FLAGS.new_tokens, scan_layers=scan)
+    programs, params = engine._programs, engine._program_params
+    _, decode_s = compile_seconds(programs.decode, params, engine.cache, *engine._idle_decode_args())
+    _, prefill_s = compile_seconds(programs.prefill_all, params, engine.cache,
+                                   *engine._idle_prefill_all_args(engine.prefill_buckets[0]))
     return decode_s, prefill_s
 
 

@@ -424,17 +424,26 @@ class Engine:
         """What the programs take as ``params``: the state, or (state, stacked layer states) when scanning."""
         return self.params if self._plan is None else (self.params, self._stacked)
 
+    def _idle_prefill_all_args(self, chunk: int) -> tuple[np.ndarray, ...]:
+        """``prefill_all``'s (tokens, mask, reset) for a call of ``chunk`` tokens that changes nothing."""
+        n = self.num_slots
+        return np.zeros((n, chunk), np.int32), np.zeros((n, chunk), bool), np.zeros((n,), bool)
+
+    def _idle_decode_args(self) -> tuple[np.ndarray, ...]:
+        """``decode``'s arguments after (params, cache) for a round with no active slot (changes nothing)."""
+        n = self.num_slots
+        zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
+        stops = np.full((n, self.max_stop_ids), -1, np.int32)
+        return zi, np.zeros((n,), bool), zi, stops, zf, zf + 1, zi, zi, zi
+
     def warmup(self) -> float:
         """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
         inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
         t = time.perf_counter()
-        n = self.num_slots
         for live in live_lens(self.capacity):  # each program is compiled per attended cache length
             for chunk in self.prefill_buckets:
                 self.cache = self._programs.prefill_all(
-                    self._program_params, self.cache, np.zeros((n, chunk), np.int32),
-                    np.zeros((n, chunk), bool),
-                    np.zeros((n,), bool), attend_len=live,
+                    self._program_params, self.cache, *self._idle_prefill_all_args(chunk), attend_len=live,
                 )
                 for k in self._slot_buckets[:-1]:
                     self.cache = self._programs.prefill(
@@ -446,10 +455,8 @@ class Engine:
                         np.zeros((k,), bool),
                         attend_len=live,
                     )
-            zi, zf = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
             self.cache, out = self._programs.decode(
-                self._program_params, self.cache, zi, np.zeros((n,), bool), zi,
-                np.full((n, self.max_stop_ids), -1, np.int32), zf, zf + 1, zi, zi, zi, attend_len=live,
+                self._program_params, self.cache, *self._idle_decode_args(), attend_len=live,
             )
             jax.block_until_ready(out)
         return time.perf_counter() - t
@@ -701,6 +708,23 @@ def _generate_buckets(prefill_len: int) -> tuple[int, ...]:
     return (max(8, 1 << max(prefill_len - 1, 0).bit_length()),)
 
 
+def generate_engine(model: nnx.Module, rows: int, longest: int, max_new_tokens: int, *, num_stops: int = 0,
+                    mesh: Mesh | None = None, scan_layers: bool = SCAN_LAYERS) -> Engine:
+    """The engine ``generate`` runs for ``rows`` prompts of at most ``longest`` tokens: one slot per row, a
+    cache of ``longest + max_new_tokens`` rounded up to 16, one prefill chunk for the prompts
+    (``_generate_buckets``) and one decode round of ``max_new_tokens`` steps."""
+    return Engine(
+        model,
+        num_slots=rows,
+        max_seq_len=_round_up(longest + max_new_tokens, 16),
+        mesh=mesh,
+        prefill_buckets=_generate_buckets(longest - 1),
+        round_steps=max_new_tokens,
+        max_stop_ids=max(1, num_stops),
+        scan_layers=scan_layers,
+    )
+
+
 def generate(
     model: nnx.Module,
     prompt_ids: Sequence[Sequence[int]],
@@ -738,18 +762,8 @@ def generate(
     if not prompts or max_new_tokens <= 0:
         return [[] for _ in prompts]
     stops = tuple(int(t) for t in stop_ids)
-    longest = max(len(p) for p in prompts)
-    max_seq_len = _round_up(longest + max_new_tokens, 16)
-    engine = Engine(
-        model,
-        num_slots=len(prompts),
-        max_seq_len=max_seq_len,
-        mesh=mesh,
-        prefill_buckets=_generate_buckets(longest - 1),
-        round_steps=max_new_tokens,
-        max_stop_ids=max(1, len(stops)),
-        scan_layers=scan_layers,
-    )
+    engine = generate_engine(model, len(prompts), max(len(p) for p in prompts), max_new_tokens,
+                             num_stops=len(stops), mesh=mesh, scan_layers=scan_layers)
     requests = []
     for i, p in enumerate(prompts):
         s = engine.new_session(p)
