@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # module -> (smoke flags, a string its output must contain)
 SMOKE: dict[str, tuple[list[str], str]] = {
     "decode": (["--preset=tiny", "--batches=2", "--new_tokens=4", "--prompt_len=4", "--repeats=1",
-                "--compilation_cache_dir=none"],
-               "matmul limit"),
+                "--transformers=false", "--memory_gbps=20", "--compilation_cache_dir=none"],
+               "of roofline"),
     "moe": (["--seq_lens=8", "--decode_batches=1", "--decode_steps=2", "--decode_prompt=4", "--repeats=1"],
             "one MoE block alone"),
     "prefill": (["--seq_lens=8", "--decode_batches=1", "--decode_steps=2", "--decode_prompt=4",
@@ -105,3 +105,28 @@ def test_bench_reports_compile_time_apart_from_run_time(smoke_runs, name):
     rec = smoke_runs.get(name)
     assert rec is not None and rec["status"] == "ok", f"bench {name} did not run"
     assert "compile" in rec["stdout"].lower(), rec["stdout"][-3000:]
+
+
+def test_decode_roofline_bytes_are_the_weights_the_live_kv_and_the_state():
+    """`bench.decode`'s roofline (issue 15's H200 target): the bytes a decode step must move, from the
+    presets' own cache shapes, against hand counts from the published configs."""
+    from librarian_jax import models
+    from librarian_jax.bench.decode import decode_step_bytes
+
+    # Qwen3-4B: 36 layers x (K, V) x 8 KV heads x 128 x bf16 per cached position; with its 4,022,468,096
+    # bf16 parameters at 4.8 TB/s, 512 + 64 positions: the issue's table's 590 tok/s at batch 1
+    per_position = 36 * 2 * 8 * 128 * 2
+    qwen3, weights = models.get_preset("qwen3_4b"), 2 * 4_022_468_096
+    assert decode_step_bytes(qwen3, 0, 1, 1) == per_position
+    assert decode_step_bytes(qwen3, weights, 64, 576) == weights + 64 * 576 * per_position
+    assert round(1 * 4.8e12 / decode_step_bytes(qwen3, weights, 1, 576)) == 590
+    assert round(64 * 4.8e12 / decode_step_bytes(qwen3, weights, 64, 576)) == 22_788  # and its batch 64
+    # Gemma 3 1B: 4 global layers read every position, 22 sliding layers at most their 512-token window
+    gemma = models.get_preset("gemma3_1b")
+    assert gemma.layer_types.count("full_attention") == 4
+    assert decode_step_bytes(gemma, 0, 1, 2000) == 2 * 1 * 256 * 2 * (4 * 2000 + 22 * 512)
+    # Qwen3.5-4B: 8 attention layers' K/V per position; each of 24 Gated DeltaNet layers' fp32 state
+    # [32 heads, 128, 128] and bf16 conv window [2 x 16 x 128 + 32 x 128 channels, 3] read and written
+    qwen35 = models.get_preset("qwen3_5_4b")
+    state = 32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2
+    assert decode_step_bytes(qwen35, 0, 2, 100) == 2 * (8 * 2 * 4 * 256 * 2 * 100 + 24 * 2 * state)

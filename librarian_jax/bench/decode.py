@@ -1,7 +1,8 @@
 """Decode throughput: ``engine.generate`` vs Hugging Face ``generate`` vs the matmul-only limit.
 
     python -m librarian_jax.bench.decode [--batches=32,1] [--new_tokens=128] [--prompt_len=16] [--repeats=3]
-        [--num_layers=0] [--scan_layers=false] [--compilation_cache_dir=none]
+        [--preset=decode_bench] [--num_layers=0] [--scan_layers=false] [--transformers=true]
+        [--memory_gbps=0] [--compilation_cache_dir=none]
 
 Model: the ``decode_bench`` preset (Qwen3-style, ~12M params: hidden 384, 6 layers, 6 heads / 2 KV heads,
 head_dim 64, intermediate 1024, vocab 8000, tied embeddings), random weights, fp32, greedy, KV cache on.
@@ -9,7 +10,14 @@ The HF side (PyTorch CPU, ``torch.set_num_threads(2)``, the same config as ``Qwe
 when torch and transformers import (e.g. ``/work/tvenv/bin/python -m librarian_jax.bench.decode``); otherwise
 only our figures are printed. The limit is the time of the same decode steps' matrix products alone: a jitted
 loop of ``new_tokens`` steps of the projections, MLP and LM head at the same batch, without attention, norms,
-sampling or cache updates.
+sampling or cache updates, with weights and activations in the preset's dtypes. The roofline is the decode
+rate if every step only read the weights and each row's live cache (K/V of the positions attended, at the
+decode's mean length ``prompt_len + new_tokens / 2``; Gated DeltaNet state read and written) once at the
+device's memory bandwidth: ``--memory_gbps`` when given (e.g. 4800 for an H200's HBM), else, on an
+accelerator, measured by a jitted copy of 512 MiB; on the CPU only when given (a small preset's weights sit in
+the CPU's caches, so no one bandwidth bounds its step; the matmul-only limit is the CPU's reference).
+``--transformers=false`` leaves the HF side out (it runs on the CPU, so on a GPU, or
+for a multi-billion-parameter preset, it would only measure the host).
 
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
@@ -50,6 +58,10 @@ flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's
                      "compile time grows with depth")
 flags.DEFINE_list("scan_layers", ["false"], "Engine scan_layers values to time, each its own line: true "
                   "(the layers under one lax.scan) and/or false (one by one)")
+flags.DEFINE_bool("transformers", True, "time transformers' generate (PyTorch on the CPU, 2 threads) beside "
+                  "ours when torch and transformers import")
+flags.DEFINE_float("memory_gbps", 0.0, "memory bandwidth for the roofline, GB/s (0: measure a copy on an "
+                   "accelerator, no roofline on the CPU)")
 compile_cache.define_flag()
 
 
@@ -65,7 +77,7 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
     )
 
     def w(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, config.jnp_param_dtype)
 
     layers = [
         dict(q=w(h, q), k=w(h, kv), v=w(h, kv), o=w(q, h), gate=w(h, f), up=w(h, f), down=w(f, h))
@@ -87,8 +99,33 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
 
         return jax.lax.fori_loop(0, steps, step, x)
 
-    x0 = jnp.ones((batch, h), jnp.float32)
+    x0 = jnp.ones((batch, h), config.jnp_dtype)
     return best_time(lambda: run(x0).block_until_ready(), repeats)[0]
+
+
+def measured_memory_bytes_per_s(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second the default device reads + writes in a jitted copy of a `mib` MiB array (best of
+    `repeats`)."""
+    x = jnp.zeros((mib * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    t = best_time(lambda: copy(x).block_until_ready(), repeats)[0]
+    return 2 * x.nbytes / t
+
+
+def decode_step_bytes(config: models.ModelConfig, param_bytes: int, batch: int, context: float) -> float:
+    """Bytes a decode step must move at least: every parameter once, plus per row the K/V of the `context`
+    positions its attention layers read (a sliding layer at most its window) and each Gated DeltaNet layer's
+    state, read and written. From `models.cache.init_cache`'s own shapes and dtypes."""
+    one = jax.eval_shape(lambda: models.init_cache(config, 1, 1))
+    per_row = 0.0
+    for kind, layer in zip(config.layer_types, one.layers, strict=True):
+        nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(layer))
+        if kind == "linear_attention":
+            per_row += 2 * nbytes
+        else:
+            window = config.sliding_window if kind == "sliding_attention" and config.sliding_window else None
+            per_row += nbytes * (min(context, window) if window else context)
+    return param_bytes + batch * per_row
 
 
 def hf_seconds(
@@ -240,12 +277,22 @@ def main(argv: list[str]) -> None:
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)
     config = models.get_preset(FLAGS.preset, **({"num_layers": FLAGS.num_layers} if FLAGS.num_layers else {}))
     model = models.Transformer(config, rngs=nnx.Rngs(0))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    param_leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    params = sum(x.size for x in param_leaves)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in param_leaves)
+    if FLAGS.memory_gbps > 0:
+        bandwidth, how = FLAGS.memory_gbps * 1e9, "given"
+    elif jax.default_backend() != "cpu":
+        bandwidth, how = measured_memory_bytes_per_s(), "measured copy"
+    else:
+        bandwidth, how = None, ""
     lines = [
         f"decode bench: preset {FLAGS.preset} ({config.num_layers} layers, {params / 1e6:.1f}M params), "
         f"prompt {FLAGS.prompt_len}, "
         f"{FLAGS.new_tokens} new tokens, greedy, {jax.devices()[0].platform} x{jax.device_count()}, "
-        f"load average before {load_average()}; compilation cache {cache_dir or 'off'}"
+        f"load average before {load_average()}; compilation cache {cache_dir or 'off'}; "
+        + (f"memory {bandwidth / 1e9:.1f} GB/s ({how}) for the roofline" if bandwidth else
+           "no roofline on the CPU without --memory_gbps")
     ]
     tunix_run, tunix_note = tunix_generate(model, FLAGS.prompt_len, FLAGS.new_tokens)
     lines.append(f"Tunix sampler: {'' if tunix_run else 'not measured, '}{tunix_note}")
@@ -265,7 +312,10 @@ def main(argv: list[str]) -> None:
             fns["tunix"] = functools.partial(tunix_run, prompts)
         times = alternate_best(fns, FLAGS.repeats)
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
-        t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats)
+        t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats) if FLAGS.transformers else None
+        context = FLAGS.prompt_len + FLAGS.new_tokens / 2
+        step_bytes = decode_step_bytes(config, param_bytes, batch, context)
+        roofline = batch * bandwidth / step_bytes if bandwidth else 0.0
         for scan in scans:
             t_first, t_ours, ours_out = times[f"ours {scan}"]
             line = (
@@ -275,7 +325,12 @@ def main(argv: list[str]) -> None:
                 f"matmul limit {tokens / t_limit:9.1f} tok/s "
                 f"(ours = {t_limit / t_ours:.2f} of limit)"
             )
-            if t_hf is None:
+            if roofline:
+                share = tokens / t_ours / roofline
+                line += f" | roofline {roofline:9.1f} tok/s (ours = {share:.2f} of roofline)"
+            if not FLAGS.transformers:
+                line += " | transformers: not measured (--transformers=false)"
+            elif t_hf is None:
                 line += " | transformers: not measured (torch/transformers not importable in this python)"
             else:
                 line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
