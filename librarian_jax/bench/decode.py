@@ -6,18 +6,18 @@
 
 Model: the ``decode_bench`` preset (Qwen3-style, ~12M params: hidden 384, 6 layers, 6 heads / 2 KV heads,
 head_dim 64, intermediate 1024, vocab 8000, tied embeddings), random weights, fp32, greedy, KV cache on.
-The HF side (PyTorch CPU, ``torch.set_num_threads(2)``, the same config as ``Qwen3ForCausalLM``) runs only
-when torch and transformers import (e.g. ``/work/tvenv/bin/python -m librarian_jax.bench.decode``); otherwise
-only our figures are printed. The limit is the time of the same decode steps' matrix products alone: a jitted
-loop of ``new_tokens`` steps of the projections, MLP and LM head at the same batch, without attention, norms,
-sampling or cache updates, with weights and activations in the preset's dtypes. The roofline is the decode
-rate if every step only read the weights and each row's live cache (K/V of the positions attended, at the
-decode's mean length ``prompt_len + new_tokens / 2``; Gated DeltaNet state read and written) once at the
-device's memory bandwidth: ``--memory_gbps`` when given (e.g. 4800 for an H200's HBM), else, on an
-accelerator, measured by a jitted copy of 512 MiB; on the CPU only when given (a small preset's weights sit in
-the CPU's caches, so no one bandwidth bounds its step; the matmul-only limit is the CPU's reference).
-``--transformers=false`` leaves the HF side out (it runs on the CPU, so on a GPU, or
-for a multi-billion-parameter preset, it would only measure the host).
+The HF side (``AutoModelForCausalLM`` from the config.json ``save_hf`` writes for the preset, so the same
+architecture and dtype; PyTorch on the CPU with ``torch.set_num_threads(2)``, or on CUDA when JAX runs on a
+GPU) runs only when torch and transformers import (e.g. ``/work/tvenv/bin/python -m
+librarian_jax.bench.decode``); otherwise only our figures are printed. The limit is the time of the same
+decode steps' matrix products alone: a jitted loop of ``new_tokens`` steps of the projections, MLP and LM head
+at the same batch, without attention, norms, sampling or cache updates, with weights and activations in the
+preset's dtypes. The roofline is the decode rate if every step only read the weights and each row's live cache
+(K/V of the positions attended, at the decode's mean length ``prompt_len + new_tokens / 2``; Gated DeltaNet
+state read and written) once at the device's memory bandwidth: ``--memory_gbps`` when given (e.g. 4800 for an
+H200's HBM), else, on an accelerator, measured by a jitted copy of 512 MiB; on the CPU only when given (a
+small preset's weights sit in the CPU's caches, so no one bandwidth bounds its step; the matmul-only limit is
+the CPU's reference). ``--transformers=false`` leaves the HF side out.
 
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
@@ -58,8 +58,9 @@ flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's
                      "compile time grows with depth")
 flags.DEFINE_list("scan_layers", ["false"], "Engine scan_layers values to time, each its own line: true "
                   "(the layers under one lax.scan) and/or false (one by one)")
-flags.DEFINE_bool("transformers", True, "time transformers' generate (PyTorch on the CPU, 2 threads) beside "
-                  "ours when torch and transformers import")
+flags.DEFINE_bool("transformers", True, "time transformers' generate (PyTorch, same architecture, on CUDA "
+                  "when JAX runs on a GPU, else the CPU's 2 threads) beside ours when torch and transformers "
+                  "import")
 flags.DEFINE_float("memory_gbps", 0.0, "memory bandwidth for the roofline, GB/s (0: measure a copy on an "
                    "accelerator, no roofline on the CPU)")
 compile_cache.define_flag()
@@ -130,30 +131,31 @@ def decode_step_bytes(config: models.ModelConfig, param_bytes: int, batch: int, 
 
 def hf_seconds(
     config: models.ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int
-) -> float | None:
-    """Time of HF transformers' greedy ``generate`` on the same config (None without torch/transformers)."""
+) -> tuple[float | None, str]:
+    """(Time of HF transformers' greedy ``generate`` on the same model, a note): (None, why) without
+    torch/transformers or when transformers' own model raises (e.g. its CPU grouped matmul on some MoE
+    shapes).
+
+    The HF model is built from ``models.hf_io.config_to_hf(config)``, the config.json our checkpoints are
+    saved with (so Gemma 3, Llama and Qwen3.5 presets run their own architecture), random weights in the
+    preset's parameter dtype, on CUDA when JAX runs on a GPU and torch sees one, else on the CPU with 2
+    threads."""
     try:
         import torch
         import transformers
     except ImportError:
-        return None
+        return None, "torch/transformers not importable in this python"
+    from librarian_jax.models.hf_io import config_to_hf
+
+    cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        tie_word_embeddings=True,
-        rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=4096,
-    )
-    model = transformers.Qwen3ForCausalLM(hf_config).eval()
-    ids = torch.as_tensor(prompts, dtype=torch.long)
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
+    with device:
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=getattr(torch, config.param_dtype)).eval()
+    ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
     attention = torch.ones_like(ids)
 
     def run() -> None:
@@ -167,9 +169,14 @@ def hf_seconds(
                 use_cache=True,
                 pad_token_id=0,
             )
+        if cuda:
+            torch.cuda.synchronize()
         assert out.shape[1] == ids.shape[1] + new_tokens
 
-    return best_time(run, repeats)[0]
+    try:
+        return best_time(run, repeats)[0], f"{type(model).__name__} on {device.type}"
+    except RuntimeError as e:
+        return None, f"transformers' {type(model).__name__} raised: {str(e).splitlines()[0]}"
 
 
 class _IdTokenizer:
@@ -312,7 +319,8 @@ def main(argv: list[str]) -> None:
             fns["tunix"] = functools.partial(tunix_run, prompts)
         times = alternate_best(fns, FLAGS.repeats)
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
-        t_hf = hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats) if FLAGS.transformers else None
+        t_hf, hf_note = (hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats) if FLAGS.transformers
+                         else (None, "--transformers=false"))
         context = FLAGS.prompt_len + FLAGS.new_tokens / 2
         step_bytes = decode_step_bytes(config, param_bytes, batch, context)
         roofline = batch * bandwidth / step_bytes if bandwidth else 0.0
@@ -328,12 +336,10 @@ def main(argv: list[str]) -> None:
             if roofline:
                 share = tokens / t_ours / roofline
                 line += f" | roofline {roofline:9.1f} tok/s (ours = {share:.2f} of roofline)"
-            if not FLAGS.transformers:
-                line += " | transformers: not measured (--transformers=false)"
-            elif t_hf is None:
-                line += " | transformers: not measured (torch/transformers not importable in this python)"
+            if t_hf is None:
+                line += f" | transformers: not measured ({hf_note})"
             else:
-                line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x)"
+                line += f" | transformers {tokens / t_hf:9.1f} tok/s (ours = {t_hf / t_ours:.2f}x; {hf_note})"
             if tunix_run is not None:
                 tunix_first, t_tunix, tunix_out = times["tunix"]
                 same = sum(a == b for a, b in zip(ours_out, tunix_out, strict=True))
