@@ -169,24 +169,27 @@ def gemm_ceiling(config: models.ModelConfig, tokens: int, repeats: int = 10) -> 
 
 def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) -> Callable[[], None] | None:
     """One transformers forward + backward + clip + AdamW step on `batch["tokens"]` (a closure), or None when
-    torch / transformers do not import or the config is not Qwen3-style."""
+    torch / transformers do not import, or for a model whose transformers CPU path is not its real one (Gated
+    DeltaNet layers fall back to a reference PyTorch loop without flash-linear-attention; MoE experts).
+
+    The model is the preset's own architecture: `AutoModelForCausalLM` from `models.hf_io.config_to_hf`, the
+    config.json our checkpoints are saved with, in the preset's parameter dtype, with SDPA attention."""
     try:
         import torch
         import transformers
     except ImportError:
         return None
-    if config.model_type != "qwen3" or set(config.layer_types) != {"full_attention"} or config.num_experts:
+    if "linear_attention" in config.layer_types or config.num_experts:
         return None
+    from librarian_jax.models.hf_io import config_to_hf
+
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, tie_word_embeddings=config.tie_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=max(4096, batch["tokens"].shape[1]),
-        attn_implementation="sdpa")
-    model = transformers.Qwen3ForCausalLM(hf_config).train()
+    hf_dict = config_to_hf(config)
+    hf_dict["max_position_embeddings"] = max(hf_dict["max_position_embeddings"], batch["tokens"].shape[1])
+    hf_config = transformers.AutoConfig.for_model(**hf_dict, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, dtype=getattr(torch, config.param_dtype)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     ids = torch.as_tensor(batch["tokens"], dtype=torch.long)
 
