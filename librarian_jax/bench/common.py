@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from librarian_jax import models
+
 
 def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     """(best wall time in seconds of `repeats` calls after one warm-up call, the last call's result)."""
@@ -60,3 +62,19 @@ def load_average() -> str:
     """The 1/5/15-minute load averages, e.g. "1.43 1.81 2.44" (figures on a shared machine need them)."""
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def hf_causal_lm(config: models.ModelConfig, *, min_positions: int = 0, device: str = "cpu",
+                 **hf_kwargs: Any) -> Any:
+    """transformers' model of `config`'s own architecture, random weights in its parameter dtype:
+    `AutoModelForCausalLM` from `models.hf_io.config_to_hf`, the config.json our checkpoints are saved with
+    (`max_position_embeddings` raised to `min_positions`; `hf_kwargs` go to the config, e.g.
+    `attn_implementation`), built on `device`. Needs torch and transformers."""
+    import torch
+    import transformers
+
+    hf = models.config_to_hf(config)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], min_positions)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**hf, **hf_kwargs), dtype=getattr(torch, config.param_dtype))

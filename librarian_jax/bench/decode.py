@@ -44,7 +44,13 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import compile_cache, models
-from librarian_jax.bench.common import alternate_best, best_time, compile_seconds, load_average
+from librarian_jax.bench.common import (
+    alternate_best,
+    best_time,
+    compile_seconds,
+    hf_causal_lm,
+    load_average,
+)
 from librarian_jax.engine import generate
 from librarian_jax.engine.engine import generate_engine
 
@@ -123,9 +129,10 @@ def decode_step_bytes(config: models.ModelConfig, param_bytes: int, batch: int, 
         nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(layer))
         if kind == "linear_attention":
             per_row += 2 * nbytes
+        elif kind == "sliding_attention":  # ModelConfig requires a sliding_window for these
+            per_row += nbytes * min(context, config.sliding_window)
         else:
-            window = config.sliding_window if kind == "sliding_attention" and config.sliding_window else None
-            per_row += nbytes * (min(context, window) if window else context)
+            per_row += nbytes * context
     return param_bytes + batch * per_row
 
 
@@ -136,25 +143,19 @@ def hf_seconds(
     torch/transformers or when transformers' own model raises (e.g. its CPU grouped matmul on some MoE
     shapes).
 
-    The HF model is built from ``models.hf_io.config_to_hf(config)``, the config.json our checkpoints are
-    saved with (so Gemma 3, Llama and Qwen3.5 presets run their own architecture), random weights in the
-    preset's parameter dtype, on CUDA when JAX runs on a GPU and torch sees one, else on the CPU with 2
-    threads."""
+    The HF model is ``bench.common.hf_causal_lm(config)`` (so Gemma 3, Llama and Qwen3.5 presets run their
+    own architecture, in the preset's parameter dtype), on CUDA when JAX runs on a GPU and torch sees one,
+    else on the CPU with 2 threads."""
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401 - hf_causal_lm's; here only whether it imports
     except ImportError:
         return None, "torch/transformers not importable in this python"
-    from librarian_jax.models.hf_io import config_to_hf
-
     cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
-    with device:
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, dtype=getattr(torch, config.param_dtype)).eval()
+    model = hf_causal_lm(config, device=device.type).eval()
     ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
     attention = torch.ones_like(ids)
 

@@ -62,7 +62,7 @@ from absl import app, flags
 from flax import nnx
 
 from librarian_jax import models
-from librarian_jax.bench.common import alternate_best, load_average
+from librarian_jax.bench.common import alternate_best, hf_causal_lm, load_average
 from librarian_jax.rl import train_step as ts
 
 FLAGS = flags.FLAGS
@@ -172,24 +172,17 @@ def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) 
     torch / transformers do not import, or for a model whose transformers CPU path is not its real one (Gated
     DeltaNet layers fall back to a reference PyTorch loop without flash-linear-attention; MoE experts).
 
-    The model is the preset's own architecture: `AutoModelForCausalLM` from `models.hf_io.config_to_hf`, the
-    config.json our checkpoints are saved with, in the preset's parameter dtype, with SDPA attention."""
+    The model is the preset's own architecture, `bench.common.hf_causal_lm`, with SDPA attention."""
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401 - hf_causal_lm's; here only whether it imports
     except ImportError:
         return None
     if "linear_attention" in config.layer_types or config.num_experts:
         return None
-    from librarian_jax.models.hf_io import config_to_hf
-
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    hf_dict = config_to_hf(config)
-    hf_dict["max_position_embeddings"] = max(hf_dict["max_position_embeddings"], batch["tokens"].shape[1])
-    hf_config = transformers.AutoConfig.for_model(**hf_dict, attn_implementation="sdpa")
-    model = transformers.AutoModelForCausalLM.from_config(
-        hf_config, dtype=getattr(torch, config.param_dtype)).train()
+    model = hf_causal_lm(config, min_positions=batch["tokens"].shape[1], attn_implementation="sdpa").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     ids = torch.as_tensor(batch["tokens"], dtype=torch.long)
 
