@@ -6,3 +6,7 @@ See DESIGN.md for the layers and docs/contracts.md for the interfaces between th
 """
 
 __version__ = "0.1.0"
+
+from librarian_jax import xla_flags as _xla_flags
+
+_xla_flags.apply_defaults()  # before any JAX computation starts the backend (see xla_flags)
