@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
 # gs:// paths) import nothing above them, so every layer may read them; `data.demos` runs scripted builders
 # through rollout, so it sits at the top with the commands.
 LAYERS: list[tuple[str, ...]] = [
-    ("segment", "data", "compile_cache", "storage"),
+    ("segment", "data", "compile_cache", "storage", "xla_flags"),
     ("models",),
     ("tokenizers",),
     ("engine",),
