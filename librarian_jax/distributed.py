@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
-from librarian_jax import storage
+from librarian_jax import storage, xla_flags
 
 # Environment knobs (the launch scripts pass them with --env=KEY=VALUE; launch/README.md).
 HEARTBEAT_ENV = "LIBRARIAN_HEARTBEAT_TIMEOUT_S"  # a process silent this long is declared dead (all stop)
@@ -52,11 +52,10 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
     pod = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
     if not (explicit or pod):
         return False
-    if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
-        # CPU (gloo) collectives give up after 30 s by default; processes reach the update minutes apart when
-        # their compiles or rollouts differ. XLA reads XLA_FLAGS when the backend starts, after this call.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_timeout_seconds="
-                                   + str(int(env.get(SYNC_TIMEOUT_ENV, DEFAULT_SYNC_TIMEOUT_S)))).strip()
+    # CPU (gloo) collectives give up after 30 s by default; processes reach the update minutes apart when
+    # their compiles or rollouts differ. XLA reads XLA_FLAGS when the backend starts, after this call.
+    xla_flags.set_default("xla_cpu_collective_timeout_seconds",
+                          str(int(env.get(SYNC_TIMEOUT_ENV, DEFAULT_SYNC_TIMEOUT_S))))
     timeouts = {"heartbeat_timeout_seconds": int(env.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)),
                 "initialization_timeout": int(env.get(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S))}
     if explicit:

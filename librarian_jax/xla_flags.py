@@ -22,13 +22,21 @@ from collections.abc import MutableMapping
 DEFAULTS: dict[str, str] = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
-def apply_defaults(environ: MutableMapping[str, str] | None = None) -> str:
-    """Appends `--name=value` for each of DEFAULTS that `environ["XLA_FLAGS"]` does not name (default
-    `os.environ`); returns the resulting XLA_FLAGS."""
+def set_default(name: str, value: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """Appends `--name=value` to `environ["XLA_FLAGS"]` (default `os.environ`) unless it already names `name`
+    (the user's setting wins); returns the resulting XLA_FLAGS. Also `distributed.initialize`'s way to give
+    CPU collectives their timeout."""
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
-    for name, value in DEFAULTS.items():
-        if name not in flags:
-            flags = f"{flags} --{name}={value}".strip()
+    if name not in flags:
+        flags = f"{flags} --{name}={value}".strip()
     environ["XLA_FLAGS"] = flags
     return flags
+
+
+def apply_defaults(environ: MutableMapping[str, str] | None = None) -> str:
+    """`set_default` for each of DEFAULTS; returns the resulting XLA_FLAGS."""
+    environ = os.environ if environ is None else environ
+    for name, value in DEFAULTS.items():
+        set_default(name, value, environ)
+    return environ.get("XLA_FLAGS", "")

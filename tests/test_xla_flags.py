@@ -32,6 +32,10 @@ def test_defaults_are_appended_unless_the_user_named_them():
     mine = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}
     assert xla_flags.apply_defaults(mine) == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
     assert xla_flags.apply_defaults({}) == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    # distributed.initialize's collective timeout goes the same way
+    assert xla_flags.set_default("xla_cpu_collective_timeout_seconds", "600", mine) == \
+        "--xla_cpu_enable_concurrency_optimized_scheduler=true --xla_cpu_collective_timeout_seconds=600"
+    assert xla_flags.set_default("xla_cpu_collective_timeout_seconds", "30", mine) == mine["XLA_FLAGS"]
 
 
 def test_importing_the_package_gives_training_the_depth_first_cpu_schedule():

@@ -322,9 +322,10 @@ def main(argv: list[str]) -> None:
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
         t_hf, hf_note = (hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats) if FLAGS.transformers
                          else (None, "--transformers=false"))
-        context = FLAGS.prompt_len + FLAGS.new_tokens / 2
-        step_bytes = decode_step_bytes(config, param_bytes, batch, context)
-        roofline = batch * bandwidth / step_bytes if bandwidth else 0.0
+        roofline = 0.0
+        if bandwidth:  # the live cache at the decode's mean length
+            context = FLAGS.prompt_len + FLAGS.new_tokens / 2
+            roofline = batch * bandwidth / decode_step_bytes(config, param_bytes, batch, context)
         for scan in scans:
             t_first, t_ours, ours_out = times[f"ours {scan}"]
             line = (
