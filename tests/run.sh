@@ -7,4 +7,4 @@ PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS=cpu
-exec "$PY" -m pytest -q -n 2 --dist loadfile tests "$@"
+exec "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@"

@@ -1,0 +1,35 @@
+"""Suite-wide: the longest test files start first.
+
+`tests/run.sh` splits the suite over 2 worker processes a file at a time (`--dist loadfile`) in collection
+order (`--no-loadscope-reorder`; xdist's default order, most tests first, starts the two longest files last
+and one worker then runs alone for minutes). Files listed here are collected first, longest first; the rest
+keep pytest's order. A name here that no longer exists stops the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+LONGEST_FIRST = (  # seconds in a full run on 2 cores (2026-12-02)
+    "test_learning_embedded.py",  # 216
+    "test_multihost.py",  # 202: 3 launches of main, 2 processes each
+    "test_qwen3_5_moe.py",  # 160, beside the multihost launches
+    "test_engine.py",  # 131
+    "test_scan_layers.py",  # 99
+    "test_rl_chunked.py",  # 96
+    "test_engine_scan.py",  # 75
+    "test_eval_multiprocess.py",  # 63
+    "test_bench_smoke.py",  # 62
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    missing = [f for f in LONGEST_FIRST if not os.path.exists(os.path.join(here, f))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))
