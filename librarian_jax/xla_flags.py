@@ -17,6 +17,7 @@ a user's own setting wins. Imported after the backend has started, it changes no
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import MutableMapping
 
 DEFAULTS: dict[str, str] = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
@@ -25,13 +26,19 @@ DEFAULTS: dict[str, str] = {"xla_cpu_enable_concurrency_optimized_scheduler": "f
 def set_default(name: str, value: str, environ: MutableMapping[str, str] | None = None) -> str:
     """Appends `--name=value` to `environ["XLA_FLAGS"]` (default `os.environ`) unless it already names `name`
     (the user's setting wins); returns the resulting XLA_FLAGS. Also `distributed.initialize`'s way to give
-    CPU collectives their timeout."""
+    CPU collectives their timeout. "Names it" means a whole `--name` or `--name=...` token: a longer flag
+    that contains `name`, or a value that does, is not the user's setting of this one."""
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
-    if name not in flags:
+    if not names(flags, name):
         flags = f"{flags} --{name}={value}".strip()
     environ["XLA_FLAGS"] = flags
     return flags
+
+
+def names(flags: str, name: str) -> bool:
+    """Whether the whitespace-separated XLA_FLAGS string `flags` holds `--name` or `--name=value`."""
+    return re.search(rf"(?:^|\s)--{re.escape(name)}(?:=|\s|$)", flags) is not None
 
 
 def apply_defaults(environ: MutableMapping[str, str] | None = None) -> str:

@@ -38,6 +38,15 @@ def test_defaults_are_appended_unless_the_user_named_them():
     assert xla_flags.set_default("xla_cpu_collective_timeout_seconds", "30", mine) == mine["XLA_FLAGS"]
 
 
+def test_only_a_whole_flag_token_counts_as_the_users_setting():
+    """A longer flag containing the name, or a value containing it, is not the user's setting of it."""
+    name = "xla_cpu_enable_concurrency_optimized_scheduler"
+    longer = {"XLA_FLAGS": f"--{name}_v2=true --xla_dump_to=/tmp/{name}"}
+    assert xla_flags.apply_defaults(longer) == f"--{name}_v2=true --xla_dump_to=/tmp/{name} --{name}=false"
+    for given in (f"--{name}", f"--{name}=true", f"--xla_dump_to=/tmp --{name}=1", f"--{name} --xla_foo=1"):
+        assert xla_flags.apply_defaults({"XLA_FLAGS": given}) == given, given
+
+
 def test_importing_the_package_gives_training_the_depth_first_cpu_schedule():
     """A fresh process that imports librarian_jax compiles the attention's backward with fewer temporaries
     than one whose XLA_FLAGS keeps XLA:CPU's default scheduler (and so names the flag: the user's wins)."""
