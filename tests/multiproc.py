@@ -1,11 +1,23 @@
 """Helpers of the tests that launch several JAX processes (tests/test_multihost.py,
-tests/test_eval_multiprocess.py): a free localhost port for the coordinator, and waiting for launches."""
+tests/test_eval_multiprocess.py): a launch's environment, a free localhost port for the coordinator, and
+waiting for launches."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
+
+# kept from the suite's environment in a launch's: the compile effort tests/run.sh chose
+KEPT_JAX_SETTINGS = ("JAX_DISABLE_MOST_OPTIMIZATIONS",)
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment without its JAX_ and TPU_ settings (each launch sets its own platform,
+    devices and coordinator), except KEPT_JAX_SETTINGS."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("JAX_", "TPU_")) or k in KEPT_JAX_SETTINGS}
 
 
 def free_port() -> int:

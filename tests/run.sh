@@ -7,4 +7,8 @@ PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS=cpu
+# Most tests' time is XLA compiling small programs, not running them: compile with XLA's cheapest backend
+# optimisation (the same HLO passes, less LLVM work; results unchanged). The run-time-bound embedded learning
+# test turns it back off for itself. JAX_DISABLE_MOST_OPTIMIZATIONS=0 compiles everything fully.
+export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
 exec "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@"

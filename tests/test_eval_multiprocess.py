@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from multiproc import free_port, wait_all
+from multiproc import free_port, launch_env, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
@@ -245,7 +245,7 @@ def _flags(run: str, out: str) -> list[str]:
 
 def _start(run: str, out: str, log: str, process_id: int | None, port: int, cache: str,
            flags: list[str] | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_"))}
+    env = launch_env()
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", LIBRARIAN_JAX_COMPILATION_CACHE=cache,
                LIBRARIAN_HEARTBEAT_TIMEOUT_S="30",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={8 if process_id is None else 4} "

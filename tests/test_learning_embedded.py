@@ -35,6 +35,18 @@ def _config(workdir: str):
     return c
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _optimised_programs():
+    """This file's time is its programs' run time (GRPO updates, rollout batches), not their compile: it runs
+    XLA's fully optimised programs even where the suite compiles cheaply (tests/run.sh)."""
+    import jax
+
+    was = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", was)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from librarian_jax import main

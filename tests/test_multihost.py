@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 import pytest
-from multiproc import free_port, wait_all
+from multiproc import free_port, launch_env, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
@@ -56,7 +56,7 @@ def _flags(workdir: str) -> list[str]:
 
 def _env(cache: str, devices: int) -> dict[str, str]:
     """A launch's environment; `cache`: the persistent compilation cache shared by launches ("none": off)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_"))}
+    env = launch_env()
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
                                             "--xla_cpu_collective_timeout_seconds=600",
                LIBRARIAN_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S), PYTHONUNBUFFERED="1")
