@@ -12,16 +12,17 @@ import os
 
 import pytest
 
-LONGEST_FIRST = (  # seconds in a full run on 2 cores (2026-12-02)
-    "test_learning_embedded.py",  # 216
-    "test_multihost.py",  # 202: 3 launches of main, 2 processes each
-    "test_qwen3_5_moe.py",  # 160, beside the multihost launches
-    "test_engine.py",  # 131
-    "test_scan_layers.py",  # 99
-    "test_rl_chunked.py",  # 96
-    "test_engine_scan.py",  # 75
-    "test_eval_multiprocess.py",  # 63
-    "test_bench_smoke.py",  # 62
+LONGEST_FIRST = (  # seconds in a full run on 2 cores (tests/run.sh, 2026-12-02)
+    "test_learning_embedded.py",  # 262
+    "test_multihost.py",  # 220: 3 launches of main, 2 processes each
+    "test_engine.py",  # 116
+    "test_qwen3_5_moe.py",  # 104
+    "test_scan_layers.py",  # 82
+    "test_eval_multiprocess.py",  # 77
+    "test_bench_smoke.py",  # 71: one subprocess runs every bench
+    "test_rl_chunked.py",  # 64
+    "test_rollout_e2e.py",  # 64
+    "test_engine_scan.py",  # 62
 )
 
 
