@@ -102,6 +102,9 @@ def _base() -> ml_collections.ConfigDict:
         weight_decay=0.0,
         grad_clip=1.0,
         micro_batches=1,
+        micro_batch_rows=4,     # micro-batches of 4 rows (per data shard), as many as a step's rows need: one
+                                # compiled update for any row count (0: micro_batches, one per row count);
+                                # the same rewards and table, update 186 -> 121 s (BENCHMARKS, issue 15)
         remat="none",           # no rematerialisation ("full": whole forward, "layer": each decoder layer)
         logits_chunk=1024,      # logits of this many positions at a time (rematerialised); 0 = all at once
         logits_at="loss",       # the LM head only at the builder's own tokens ("all": every position)
@@ -167,7 +170,7 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
     # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch).
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
-                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batches=8, remat="full",
+                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batch_rows=1, remat="full",
                    logits_chunk=1024, max_seq_len=16384)
     c.eval.update(every=20, num_tasks=16, repeats=4, final_methods="", final_samples=0)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)

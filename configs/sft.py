@@ -49,6 +49,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         weight_decay=0.0,
         grad_clip=1.0,
         micro_batches=1,
+        micro_batch_rows=0,     # > 0: micro-batches of this many rows per data shard (micro_batches unused)
         remat="none",
         logits_chunk=1024,
         logits_at="loss",       # the LM head only at the assistant tokens (~15% of a demonstration row)

@@ -322,6 +322,9 @@ class OptimSection(Section):
     weight_decay: float = spec(0.0, lo=0.0)
     grad_clip: float = spec(1.0, lo=0.0)
     micro_batches: int = spec(1, lo=1)
+    # > 0: micro-batches of this many rows per data-parallel shard, as many a step as its rows need, one
+    # compiled program for any row count (micro_batches unused); 0: `micro_batches` equal micro-batches
+    micro_batch_rows: int = spec(0, lo=0)
     remat: str | bool = spec("none", choices=train_step.REMAT_MODES)  # "full": whole forward, "layer": each
     logits_chunk: int = spec(1024, lo=0)  # logits of this many positions at a time; 0 = all at once
     # with logits_chunk > 0: the LM head runs only at the loss positions ("loss") or at every one ("all")
@@ -366,7 +369,8 @@ class TrainSection(OptimSection):
             loss=losses.LossConfig(name=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,
                                    dual_clip=self.dual_clip, tis_cap=self.tis_cap, kl_beta=self.kl_beta,
                                    temperature=temperature, aggregation=self.aggregation),
-            optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs=self.old_logprobs,
+            optim=self.optim_config(), micro_batches=self.micro_batches,
+            micro_batch_rows=self.micro_batch_rows, old_logprobs=self.old_logprobs,
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
             scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef)
 
@@ -385,7 +389,8 @@ class SFTTrainSection(OptimSection):
     def trainer_config(self) -> train_step.TrainConfig:
         return train_step.TrainConfig(
             loss=losses.LossConfig(name="nll", aggregation="token_mean", tis_cap=0.0, dual_clip=0.0),
-            optim=self.optim_config(), micro_batches=self.micro_batches, old_logprobs="trainer",
+            optim=self.optim_config(), micro_batches=self.micro_batches,
+            micro_batch_rows=self.micro_batch_rows, old_logprobs="trainer",
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
             scan_layers=self.scan_layers)
 

@@ -49,9 +49,10 @@ def test_train_keys_reach_the_trainer_config():
 
     c = grpo().get_config()
     c.train.logits_chunk, c.train.remat, c.train.micro_batches = 256, "layer", 2
-    c.train.moe_aux_loss_coef = 0.01
+    c.train.moe_aux_loss_coef, c.train.micro_batch_rows = 0.01, 3
     t = main.train_config(c)
     assert (t.logits_chunk, t.remat, t.micro_batches, t.moe_aux_loss_coef) == (256, "layer", 2, 0.01)
+    assert t.micro_batch_rows == 3
     c.train.moe_aux_loss_coef = -1.0
     with pytest.raises(cv.ConfigError, match=r"config\.train\.moe_aux_loss_coef: must be >= 0"):
         cv.validate(c, num_devices=1)

@@ -51,6 +51,9 @@ def _flags(workdir: str) -> list[str]:
         "--config.rollout.builder.max_turns=1", "--config.rollout.builder.max_new_tokens=64",
         f"--config.train.num_steps={STEPS}", "--config.train.max_seq_len=2048",
         "--config.mesh.shape.data=-1",  # the trainer's mesh: all 8 devices of all processes
+        # fixed micro-batches of one row per device (8 global rows: 4 from each process), as many as the
+        # step's rows need: the host loop of micro-batch programs and their collectives across processes
+        "--config.train.micro_batch_rows=1",
     ]
 
 

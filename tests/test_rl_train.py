@@ -89,6 +89,60 @@ def test_micro_batched_gradients_equal_full_batch(one_layer):
     engine.update_params(state)
 
 
+def test_fixed_micro_batch_rows_compile_once_for_any_row_count_and_equal_one_program(one_layer):
+    """`micro_batch_rows > 0`: steps of 2, 6 and 4 rows (seq 12) run 1, 3 and 2 micro-batches through one
+    compiled micro-batch program and one optimizer program (the one-program update compiles once per row
+    count), and every step's params and metrics equal the one-program update's (KL reference, TIS and
+    chunked log-probs at the loss positions on); on 8 devices, sharded (data 2 x fsdp 2 x tensor 2: 4 rows
+    a micro-batch), the same loss and gradients, one program for 4, 8 and 12 rows, the engine's layout kept;
+    and the one-program update, sharded, compiles a shape once, not again at its second step."""
+    from librarian_jax.engine import make_mesh
+
+    cfg = dict(loss=losses.LossConfig(tis_cap=2.0, kl_beta=0.1),
+               optim=ts.OptimConfig(learning_rate=3e-3, decay="constant"), logits_chunk=4)
+    one = ts.Trainer(one_layer, ts.TrainConfig(**cfg))
+    micro = ts.Trainer(one_layer, ts.TrainConfig(**cfg, micro_batch_rows=2))
+    assert micro.row_multiple() == 2
+    with pytest.raises(ValueError, match=r"multiple of 2 \(micro_batch_rows=2"):
+        micro.update(random_batch(rows=3))
+    programs = (ts._micro_step._cache_size(), ts._apply_step._cache_size(), ts._update_step._cache_size())
+    steps = [random_batch(rows=r, seed=10 + r) for r in (2, 6, 4)]
+    for batch in steps:
+        want, got = one.update(batch), micro.update(batch)
+        for k in ("loss", "grad_norm", "kl", "tis", "ratio", "loss_tokens"):
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-7, err_msg=k)
+        for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(micro.params), strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=2e-6)
+    new = [n - o for n, o in zip((ts._micro_step._cache_size(), ts._apply_step._cache_size(),
+                                  ts._update_step._cache_size()), programs, strict=True)]
+    assert new == [1, 1, 3], new  # micro-batch, optimizer; the one-program update once per row count
+    if jax.device_count() < 8:
+        pytest.skip("sharded half needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = ts.Trainer(one_layer, ts.TrainConfig(**cfg, micro_batch_rows=1), mesh=mesh)
+    assert sharded.row_multiple() == 4
+    ref = ts.Trainer(one_layer, ts.TrainConfig(**cfg))
+    batch = random_batch(rows=8, seed=1)
+    (l1, g1), (l2, g2) = ref.loss_and_grads(batch), sharded.loss_and_grads(batch)  # 2 micro-batches
+    np.testing.assert_allclose(l2, l1, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
+    before = ts._micro_step._cache_size()
+    for rows in (8, 4, 12):
+        sharded.update(random_batch(rows=rows, seed=rows))
+    assert ts._micro_step._cache_size() == before  # compiled by loss_and_grads: the same program
+    # the one-program update on the mesh: its second step of a shape compiles nothing either (the params it
+    # returned are laid out as the first step's inputs were)
+    fused = ts.Trainer(one_layer, ts.TrainConfig(**cfg), mesh=mesh)
+    before = ts._update_step._cache_size()
+    fused.update(batch)
+    fused.update(random_batch(rows=8, seed=3))
+    assert ts._update_step._cache_size() == before + 1
+    engine = Engine(one_layer, num_slots=2, max_seq_len=16, mesh=mesh)
+    for x, y in zip(jax.tree.leaves(sharded.policy_state()), jax.tree.leaves(engine.params), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+
+
 def test_lora_trains_only_lora_params_and_serves_from_engine(model):
     lora = ts.apply_lora(model, rank=4, alpha=8.0, module_path=".*(q_proj|v_proj|gate_proj|up_proj).*")
     base_before = jax.tree.map(np.asarray, nnx.state(lora, nnx.Not(nnx.LoRAParam)))

@@ -13,6 +13,11 @@
         --scan_layers=true,false
     python -m librarian_jax.bench.train_step --presets=qwen3_4b --modes=full --rows=1 --seq=1024 \\
         --scan_layers=true,false --compile_only
+    # a run's steps of varying row counts: one program per row count (micro_batch_rows 0) against fixed
+    # micro-batches of 4 rows (one program for every count): programs compiled, wall time with and without
+    # compiling
+    python -m librarian_jax.bench.train_step --presets=tiny --modes=full --seq=1280 --loss_mask=half \\
+        --row_counts=16,12,20,4,16 --micro_batch_rows=0,4 --transformers=false
 
 For each model preset (random weights, fp32 on CPU, the preset's dtype elsewhere; `--vocab` overrides the
 vocabulary), each mode (full, LoRA rank 8 on the attention and MLP projections), each `--remat` and each
@@ -31,6 +36,11 @@ MFU = 6 * N * tokens/s / peak, N = the parameters that take part in matmuls (eve
 embedding table, which counts once when it is tied to the LM head; attention's score products are not
 counted). The peak is `--peak_tflops` when given (e.g. 989 for an H200's dense bf16), else measured: the
 best rate of a jitted `[1024, 1024] x [1024, 1024]` matmul in the step's dtype on this backend.
+
+`--row_counts`: instead of one shape, a run's sequence of steps of those row counts (`--seq` tokens each),
+once from nothing compiled (this bench uses no persistent compilation cache) and again with every program
+compiled, for each `--micro_batch_rows` value: the update programs compiled, both wall times, their
+difference (compiling) and the tokens/s of the compiled pass.
 
 Memory is XLA's `memory_analysis()` of the compiled step on one device: `temp` (activations, logits, gradients
 in flight) and `peak` (temp + arguments + outputs - donated).
@@ -73,6 +83,10 @@ flags.DEFINE_integer("num_layers", 0, "decoder layers override (0 = the preset's
 flags.DEFINE_integer("rows", 8, "rows per batch")
 flags.DEFINE_integer("seq", 512, "tokens per row")
 flags.DEFINE_integer("micro_batches", 1, "micro-batches per step")
+flags.DEFINE_list("micro_batch_rows", ["0"], "train.micro_batch_rows values to time (0 = micro_batches "
+                  "equal micro-batches in one program per row count; > 0 = micro-batches of this many rows)")
+flags.DEFINE_list("row_counts", [], "time a run's steps of these row counts instead of one shape (see the "
+                  "module doc)")
 flags.DEFINE_enum("loss_mask", "all", ["all", "half"], "loss positions: every position (like transformers' "
                   "cross-entropy) or the second half of each row")
 flags.DEFINE_integer("repeats", 3, "timed steps")
@@ -224,10 +238,41 @@ def compile_abstract(model: nnx.Module, config: ts.TrainConfig, batch: dict[str,
     return out
 
 
+def programs() -> int:
+    """Update programs compiled in this process so far (one-program updates, micro-batch and optimizer
+    programs)."""
+    return sum(f._cache_size() for f in (ts._update_step, ts._micro_step, ts._apply_step))
+
+
+def time_run(model: nnx.Module, remat: str, chunk: int, scan: bool, micro_rows: int) -> str:
+    """One line: a run's steps of `--row_counts` rows (padded to the trainer's row multiple), first
+    compiling, then again compiled; tokens/s counts the real rows' tokens."""
+    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
+                            logits_chunk=chunk, scan_layers=scan)
+    counts = [int(r) for r in FLAGS.row_counts]
+    batches = [make_batch(model.config.vocab_size, r, FLAGS.seq, seed=i, loss_mask=FLAGS.loss_mask)
+               for i, r in enumerate(counts)]
+    trainer = ts.Trainer(model, config)
+    m = trainer.row_multiple()  # padded as `rl.rows.build_rows` pads a run's rows (padding rows weigh 0)
+    batches = [ts.pad_rows(b, -(-len(b["tokens"]) // m) * m, FLAGS.seq) for b in batches]
+    before = programs()
+    walls = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for batch in batches:
+            trainer.update(batch)
+        walls.append(time.perf_counter() - t0)
+    tokens = sum(counts) * FLAGS.seq
+    return (f"micro_batch_rows={micro_rows}: rows {','.join(FLAGS.row_counts)} x {FLAGS.seq} | "
+            f"{programs() - before} programs compiled | first pass {walls[0]:6.1f}s, compiled pass "
+            f"{walls[1]:6.1f}s (compiling {walls[0] - walls[1]:5.1f}s) | {tokens / walls[1]:7.0f} tok/s "
+            f"compiled")
+
+
 def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], None] | None,
-              scan: bool = True) -> dict[str, float]:
-    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, remat=remat, logits_chunk=chunk,
-                            scan_layers=scan)
+              scan: bool = True, micro_rows: int = 0) -> dict[str, float]:
+    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
+                            logits_chunk=chunk, scan_layers=scan)
     batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq, loss_mask=FLAGS.loss_mask)
     nan = float("nan")
     if FLAGS.compile_only:
@@ -298,11 +343,17 @@ def main(argv: list[str]) -> None:
                           f"{gemm['torch_wgrad'] / gemm['xla_wgrad']:.2f}x)")
             scans = [x.lower() in ("true", "1") for x in FLAGS.scan_layers]
             chunks = [int(c) for c in FLAGS.logits_chunk]
-            for remat, chunk, scan in itertools.product(FLAGS.remat, chunks, scans):
-                r = time_case(model, remat, chunk, hf_step, scan)
+            micro = [int(r) for r in FLAGS.micro_batch_rows]
+            for remat, chunk, scan, micro_rows in itertools.product(FLAGS.remat, chunks, scans, micro):
+                if FLAGS.row_counts:
+                    print(f"{preset:>12} {mode:>4} remat={remat} chunk={chunk} scan={scan}: "  # noqa: T201
+                          f"{time_run(model, remat, chunk, scan, micro_rows)}", flush=True)
+                    continue
+                r = time_case(model, remat, chunk, hf_step, scan, micro_rows)
                 mfu = 6 * n * r["tokens_per_s"] / peak
                 line = (f"{preset:>12} {mode:>4} V={model.config.vocab_size:<7d} remat={remat:<5} "
-                        f"chunk={chunk:<5d} scan={'on ' if scan else 'off'}: {r['trainable']:>10,d} "
+                        f"chunk={chunk:<5d} scan={'on ' if scan else 'off'} micro_rows={micro_rows}: "
+                        f"{r['trainable']:>10,d} "
                         f"trainable, N={n / 1e6:.1f}M "
                         f"| compile {r['compile_s']:6.1f}s | temp {r['temp_gib']:7.3f} GiB "
                         f"peak {r['peak_gib']:7.3f} GiB | step {r['step_s'] * 1000:8.1f} ms "

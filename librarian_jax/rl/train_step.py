@@ -10,6 +10,12 @@
   gradient equals the full-batch gradient exactly) -> clip -> AdamW -> a non-finite loss or gradient keeps
   the old params and optimizer state (the step is logged as skipped; the run goes on).
 
+With `micro_batch_rows > 0` a micro-batch has a fixed size instead (that many rows per data-parallel shard)
+and a step runs as many as its rows need: one compiled program adds a micro-batch's sums and gradient sums
+to a device-side accumulator, called once per micro-batch from the host, and a second divides, clips and
+applies AdamW. The row count is then in no program's shape: a run compiles its update once per sequence
+bucket (and loss-position bucket), not once per distinct row count, and pads rows only to one micro-batch.
+
 Memory: log-probs come from the final hidden states `logits_chunk` positions at a time
 (`losses.chunked_token_logprobs`, each chunk rematerialised), so no `[rows, seq, vocab]` logits array
 exists in the forward or backward pass; `remat` = "full" checkpoints the whole model call, "layer" each
@@ -94,6 +100,11 @@ class TrainConfig:
     # 118 -> 52 s, temporaries 11.2 -> 3.8 GiB), while the 4-6 layer presets compile no faster and step
     # 10-17% slower (BENCHMARKS.md, "Compile time: scan over layers").
     scan_layers: bool = False
+    # > 0: every micro-batch holds this many rows per data-parallel shard and a step runs as many
+    # micro-batches as its rows need (a host loop over one compiled program; `micro_batches` is then unused),
+    # so a new row count compiles nothing; 0: the step's rows split into `micro_batches` equal micro-batches
+    # inside one program, compiled once per row count. Same loss, gradients and update either way.
+    micro_batch_rows: int = 0
 
 
 REMAT_MODES = ("none", "full", "layer")
@@ -294,6 +305,9 @@ class Trainer:
             raise ValueError(f"train.logits_chunk: must be an integer >= 0 (0 = off), got {chunk!r}")
         if config.logits_at not in LOGITS_AT:
             raise ValueError(f"train.logits_at: {config.logits_at!r} is not one of {list(LOGITS_AT)}")
+        rows = config.micro_batch_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"train.micro_batch_rows: must be an integer >= 0 (0 = off), got {rows!r}")
         if not isinstance(config.scan_layers, bool):
             raise ValueError(f"train.scan_layers: must be a bool, got {config.scan_layers!r}")
         if chunk and not callable(getattr(model, "hidden", None)):
@@ -322,11 +336,20 @@ class Trainer:
         if mesh is not None:
             def on_mesh(x: jax.Array) -> NamedSharding:
                 ok = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                return x.sharding if ok else NamedSharding(mesh, P())  # e.g. Adam's step count
+                # a step's outputs come back with trailing Nones dropped from their specs (`P(None,)` ->
+                # `P()`), and jit keys its programs on the inputs' shardings as written: the inputs must be
+                # laid out that way from the start, or the second step compiles the update again
+                spec = tuple(x.sharding.spec) if ok else ()
+                while spec and spec[-1] is None:
+                    spec = spec[:-1]
+                return NamedSharding(mesh, P(*spec))  # not on the mesh: e.g. Adam's step count, replicated
 
+            self.params = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.params)
             self.opt_state = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.opt_state)
             self._out_shardings = (tuple(on_mesh(x) for x in jax.tree.leaves(self.params)),
-                                   tuple(on_mesh(x) for x in jax.tree.leaves(self.opt_state)))
+                                   tuple(on_mesh(x) for x in jax.tree.leaves(self.opt_state)),
+                                   NamedSharding(mesh, P()))  # the accumulator's scalars
+        self._acc_struct: Any = None  # makes the micro-batch accumulator at zero (`micro_batch_rows > 0`)
         self.step = 0
         self.ref_params = None
         if config.loss.kl_beta:
@@ -350,8 +373,10 @@ class Trainer:
         return nnx.state(self.model())
 
     def row_multiple(self) -> int:
-        """This process's row count must be a multiple of this (micro-batches x its data-parallel shards)."""
-        return self.config.micro_batches * max(data_parallel_size(self.mesh) // jax.process_count(), 1)
+        """This process's row count must be a multiple of this: its rows of one micro-batch
+        (`micro_batch_rows` x its data-parallel shards), or `micro_batches` x its data-parallel shards."""
+        shards = max(data_parallel_size(self.mesh) // jax.process_count(), 1)
+        return (self.config.micro_batch_rows or self.config.micro_batches) * shards
 
     def update(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step on `batch` (rows `[R, S]` with R a multiple of `row_multiple()`).
@@ -361,11 +386,15 @@ class Trainer:
         """
         t0 = time.perf_counter()
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
-        device_batch = self._device_batch(arrays)
         lr = jnp.asarray(self._schedule(self.step), jnp.float32)
-        self.params, self.opt_state, metrics = _update_step(
-            self.graphdef, _static_config(self.config), self._out_shardings, self.params, self.opt_state,
-            self.rest, self.ref_params, device_batch, lr)
+        if self.config.micro_batch_rows:
+            acc = self._micro_sums(self._device_micro_batches(arrays))
+            self.params, self.opt_state, metrics = _apply_step(
+                _static_config(self.config), self._out_shardings, self.params, self.opt_state, acc, lr)
+        else:
+            self.params, self.opt_state, metrics = _update_step(
+                self.graphdef, _static_config(self.config), self._out_shardings, self.params, self.opt_state,
+                self.rest, self.ref_params, self._device_batch(arrays), lr)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step += 1
         out["time_s"] = time.perf_counter() - t0
@@ -388,19 +417,17 @@ class Trainer:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _device_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host rows `[R, S]` -> device arrays `[micro_batches, R / micro_batches, S]`, rows split over the
-        mesh's data axes. With several processes each holds its own rows: they agree on one `[R, S]` (the
-        largest, zero-padded) and form one global batch without gathering rows anywhere."""
-        m = self.config.micro_batches
+    def _host_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Host rows `[R, S]` as the update consumes them: with several processes each holds its own rows,
+        and they agree on one `[R, S]` (the largest, zero-padded) to form one global batch without gathering
+        rows anywhere; with `logits_at="loss"` the rows' loss positions (`loss_positions`) are added."""
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
         arrays.pop("positions", None)
         mask = np.asarray(arrays["loss_mask"]) > 0
         # the most loss tokens in one row (position 0 never counts); with `logits_at="loss"` it sizes the
         # per-row positions the LM head runs at
         most = int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
-        multi = jax.process_count() > 1
-        if multi:
+        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             local = np.asarray([*arrays["tokens"].shape, most], np.int64)
@@ -413,29 +440,77 @@ class Trainer:
                 arrays["positions"] = loss_positions(arrays["loss_mask"], capacity)
         rows = arrays["tokens"].shape[0]
         if rows % self.row_multiple():
+            what = (f"micro_batch_rows={self.config.micro_batch_rows}" if self.config.micro_batch_rows
+                    else f"micro_batches={self.config.micro_batches}")
             raise ValueError(f"batch has {rows} rows; it must be a multiple of {self.row_multiple()} "
-                             f"(micro_batches={m} x data-parallel shards={data_parallel_size(self.mesh)})")
+                             f"({what} x data-parallel shards={data_parallel_size(self.mesh)})")
+        return arrays
+
+    def _on_device(self, arrays: Mapping[str, np.ndarray], m: int) -> dict[str, jax.Array]:
+        """Host rows `[R, ...]` -> device arrays `[m, R / m, ...]`, rows split over the mesh's data axes (with
+        several processes: one global array of every process's rows)."""
         out = {}
         sharding = NamedSharding(self.mesh, P(None, batch_axes(self.mesh) or None)) if self.mesh else None
         for k, v in arrays.items():
-            v = v.reshape(m, rows // m, *v.shape[1:])
-            if multi and sharding is not None:
-                global_shape = (m, rows // m * jax.process_count(), *v.shape[2:])
+            v = v.reshape(m, v.shape[0] // m, *v.shape[1:])
+            if jax.process_count() > 1 and sharding is not None:
+                global_shape = (m, v.shape[1] * jax.process_count(), *v.shape[2:])
                 out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
             else:
                 out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
         return out
 
+    def _device_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host rows `[R, S]` -> device arrays `[micro_batches, R / micro_batches, S]` (see `_host_batch`)."""
+        return self._on_device(self._host_batch(arrays), self.config.micro_batches)
+
+    def _device_micro_batches(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, jax.Array]]:
+        """Host rows `[R, S]` -> one device batch `[1, row_multiple(), S]` per micro-batch
+        (`micro_batch_rows > 0`; every process runs the same number: they agreed on R)."""
+        arrays = self._host_batch(arrays)
+        r = self.row_multiple()
+        return [self._on_device({k: v[i:i + r] for k, v in arrays.items()}, 1)
+                for i in range(0, arrays["tokens"].shape[0], r)]
+
+    def _zero_acc(self, first: dict[str, jax.Array]) -> Any:
+        """The micro-batch accumulator at zero: (gradient sums like the params in float32, loss sum, count,
+        metric sums), laid out as `_micro_step` returns it (so its program compiles once)."""
+        if self._acc_struct is None:
+            struct = jax.eval_shape(functools.partial(_sums, self.graphdef, _static_config(self.config)),
+                                    self.params, self.rest, self.ref_params, first)
+            shardings = None if self._out_shardings is None else _acc_shardings(struct, self._out_shardings)
+            self._acc_struct = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), struct),
+                                       out_shardings=shardings)
+        return self._acc_struct()
+
+    def _micro_sums(self, micro: list[dict[str, jax.Array]]) -> Any:
+        """The accumulated sums of every micro-batch, one `_micro_step` call each."""
+        acc = self._zero_acc(micro[0])
+        for mb in micro:
+            acc = _micro_step(self.graphdef, _static_config(self.config), self._out_shardings, self.params,
+                              self.rest, self.ref_params, mb, acc)
+        return acc
+
     def memory_analysis(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, int] | None:
         """What the compiled `update` program for this batch shape needs on one device, in bytes (XLA's
         `compile().memory_analysis()`): `temp_bytes` (activations, logits, gradients in flight),
         `argument_bytes`, `output_bytes`, `alias_bytes` (donated), `peak_bytes` (temp + arguments + outputs -
-        aliased) — or None where the backend does not report it. Compiles; runs nothing."""
+        aliased) — or None where the backend does not report it. With `micro_batch_rows > 0`: the
+        micro-batch program's (the accumulator among its arguments; the optimizer's program, compiled here
+        too, holds less). Compiles; runs nothing."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         lr = jnp.zeros((), jnp.float32)
-        compiled = _update_step.lower(self.graphdef, _static_config(self.config), self._out_shardings,
-                                      self.params, self.opt_state, self.rest, self.ref_params,
-                                      self._device_batch(arrays), lr).compile()
+        config = _static_config(self.config)
+        if config.micro_batch_rows:
+            first = self._device_micro_batches(arrays)[0]
+            acc = self._zero_acc(first)
+            compiled = _micro_step.lower(self.graphdef, config, self._out_shardings, self.params, self.rest,
+                                         self.ref_params, first, acc).compile()
+            _apply_step.lower(config, self._out_shardings, self.params, self.opt_state, acc, lr).compile()
+        else:
+            compiled = _update_step.lower(self.graphdef, config, self._out_shardings, self.params,
+                                          self.opt_state, self.rest, self.ref_params,
+                                          self._device_batch(arrays), lr).compile()
         stats = compiled.memory_analysis()
         if stats is None:
             return None
@@ -450,6 +525,10 @@ class Trainer:
         """The batch loss and its gradient w.r.t. the trainable params, without updating (for tests and
         diagnostics; micro-batched exactly like `update`)."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
+        if self.config.micro_batch_rows:
+            g_sum, total, count, _ = self._micro_sums(self._device_micro_batches(arrays))
+            loss, grads = jax.jit(_divide)(self.params, g_sum, total, count)
+            return float(loss), grads
         loss, grads, _ = _accumulate_jit(self.graphdef, _static_config(self.config), self.params, self.rest,
                                          self.ref_params, self._device_batch(arrays))
         return float(loss), grads
@@ -539,10 +618,11 @@ def _forward_logprobs(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, 
     return (*losses_lib.chunked_token_logprobs(project, out, tokens, config.loss.temperature, chunk), *extra)
 
 
-def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
-                batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-    """Loss and gradient over every micro-batch (`batch` leaves `[micro, rows, ...]`): (loss, grads, metric
-    sums) — exactly the full-batch values, since sums and counts add before the one division."""
+def _sums(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
+          batch: dict[str, jax.Array]) -> tuple[Any, jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Sums over every micro-batch (`batch` leaves `[micro, rows, ...]`): (gradient of the loss sum, float32
+    like the params; loss sum; count; metric sums). They add over micro-batches and programs alike: the
+    loss and its gradient are these divided by the count once (`_divide`)."""
     loss_fn = losses_lib.get_loss_fn(config.loss.name)
 
     def micro_loss(p: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, dict]]:
@@ -578,22 +658,50 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
     zero_sums = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
                              jax.eval_shape(micro_loss, params, first)[1][1])
     init = (zero_g, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_sums)
-    (g_sum, total, count, sums), _ = jax.lax.scan(body, init, batch)
+    return jax.lax.scan(body, init, batch)[0]
+
+
+def _divide(params: Any, g_sum: Any, total: jax.Array, count: jax.Array) -> tuple[jax.Array, Any]:
+    """(loss, gradient in the params' dtypes) from the sums."""
     denom = jnp.maximum(count, 1e-9)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
-    return total / denom, grads, sums
+    return total / denom, jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+
+
+def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: Any, ref_params: Any,
+                batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Loss and gradient over every micro-batch (`batch` leaves `[micro, rows, ...]`): (loss, grads, metric
+    sums) — exactly the full-batch values, since sums and counts add before the one division."""
+    g_sum, total, count, sums = _sums(graphdef, config, params, rest, ref_params, batch)
+    loss, grads = _divide(params, g_sum, total, count)
+    return loss, grads, sums
 
 
 _accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tuple | None, params: Any,
-                 opt_state: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array], lr: jax.Array
-                 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One optimizer step; a non-finite loss or gradient norm leaves params and optimizer state unchanged.
-    `out_shardings`: (param leaf shardings, optimizer-state leaf shardings) the outputs keep, or None."""
-    loss, grads, sums = _accumulate(graphdef, config, params, rest, ref_params, batch)
+def _acc_shardings(acc: Any, out_shardings: tuple) -> Any:
+    """The accumulator's layout: gradient sums like the params (`out_shardings[0]`), scalars replicated."""
+    g_sum, total, count, sums = acc
+    grads = jax.tree.unflatten(jax.tree.structure(g_sum), out_shardings[0])
+    return grads, out_shardings[2], out_shardings[2], jax.tree.map(lambda _: out_shardings[2], sums)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(7,))
+def _micro_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tuple | None, params: Any,
+                rest: Any, ref_params: Any, batch: dict[str, jax.Array], acc: Any) -> Any:
+    """`acc` (as `_sums` returns it, donated) plus the sums of one micro-batch (`batch` leaves `[1, rows,
+    ...]`), in the accumulator's fixed layout."""
+    new = _sums(graphdef, config, params, rest, ref_params, batch)
+    acc = jax.tree.map(jnp.add, acc, new)
+    if out_shardings is not None:
+        acc = _constrain(acc, jax.tree.leaves(_acc_shardings(acc, out_shardings)))
+    return acc
+
+
+def _apply(config: TrainConfig, out_shardings: tuple | None, params: Any, opt_state: Any, loss: jax.Array,
+           grads: Any, sums: dict[str, jax.Array], lr: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """Clip, AdamW and the step's metrics; a non-finite loss or gradient norm leaves params and optimizer
+    state unchanged."""
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
@@ -616,6 +724,25 @@ def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tup
     if "moe_aux" in metrics:
         metrics["moe_aux_loss"] = metrics.pop("moe_aux")
     return params, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _update_step(graphdef: nnx.GraphDef, config: TrainConfig, out_shardings: tuple | None, params: Any,
+                 opt_state: Any, rest: Any, ref_params: Any, batch: dict[str, jax.Array], lr: jax.Array
+                 ) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One optimizer step over every micro-batch of `batch` in one program (`micro_batch_rows == 0`).
+    `out_shardings`: (param leaf shardings, optimizer-state leaf shardings, a replicated scalar's) or None."""
+    loss, grads, sums = _accumulate(graphdef, config, params, rest, ref_params, batch)
+    return _apply(config, out_shardings, params, opt_state, loss, grads, sums, lr)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _apply_step(config: TrainConfig, out_shardings: tuple | None, params: Any, opt_state: Any, acc: Any,
+                lr: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One optimizer step from the accumulated sums of `_micro_step` (`micro_batch_rows > 0`)."""
+    g_sum, total, count, sums = acc
+    loss, grads = _divide(params, g_sum, total, count)
+    return _apply(config, out_shardings, params, opt_state, loss, grads, sums, lr)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
