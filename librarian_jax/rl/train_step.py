@@ -476,11 +476,19 @@ class Trainer:
         """The micro-batch accumulator at zero: (gradient sums like the params in float32, loss sum, count,
         metric sums), laid out as `_micro_step` returns it (so its program compiles once)."""
         if self._acc_struct is None:
-            struct = jax.eval_shape(functools.partial(_sums, self.graphdef, _static_config(self.config)),
-                                    self.params, self.rest, self.ref_params, first)
-            shardings = None if self._out_shardings is None else _acc_shardings(struct, self._out_shardings)
-            self._acc_struct = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), struct),
-                                       out_shardings=shardings)
+            config = _static_config(self.config)
+            # one per model, config and layout in a process (a trace of the whole step: ~1 s for a tiny
+            # model), shared by its trainers (a resumed run, an evaluation, tests) like the compiled programs
+            key = (self.graphdef, config, self._out_shardings, self.ref_params is None,
+                   tuple((x.shape, x.dtype) for x in jax.tree.leaves(self.params)))
+            if key not in _ZERO_ACC:
+                struct = jax.eval_shape(functools.partial(_sums, self.graphdef, config), self.params,
+                                        self.rest, self.ref_params, first)
+                shardings = None if self._out_shardings is None else _acc_shardings(struct,
+                                                                                     self._out_shardings)
+                _ZERO_ACC[key] = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), struct),
+                                         out_shardings=shardings)
+            self._acc_struct = _ZERO_ACC[key]
         return self._acc_struct()
 
     def _micro_sums(self, micro: list[dict[str, jax.Array]]) -> Any:
@@ -677,6 +685,9 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
 
 
 _accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
+
+
+_ZERO_ACC: dict[Any, Any] = {}  # `Trainer._zero_acc`'s jitted zero accumulators, by model and config
 
 
 def _acc_shardings(acc: Any, out_shardings: tuple) -> Any:
