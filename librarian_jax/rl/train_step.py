@@ -349,7 +349,7 @@ class Trainer:
             self._out_shardings = (tuple(on_mesh(x) for x in jax.tree.leaves(self.params)),
                                    tuple(on_mesh(x) for x in jax.tree.leaves(self.opt_state)),
                                    NamedSharding(mesh, P()))  # the accumulator's scalars
-        self._acc_struct: Any = None  # makes the micro-batch accumulator at zero (`micro_batch_rows > 0`)
+        self._zero_acc_fn: Any = None  # makes the micro-batch accumulator at zero (`micro_batch_rows > 0`)
         self.step = 0
         self.ref_params = None
         if config.loss.kl_beta:
@@ -475,7 +475,7 @@ class Trainer:
     def _zero_acc(self, first: dict[str, jax.Array]) -> Any:
         """The micro-batch accumulator at zero: (gradient sums like the params in float32, loss sum, count,
         metric sums), laid out as `_micro_step` returns it (so its program compiles once)."""
-        if self._acc_struct is None:
+        if self._zero_acc_fn is None:
             config = _static_config(self.config)
             # one per model, config and layout in a process (a trace of the whole step: ~1 s for a tiny
             # model), shared by its trainers (a resumed run, an evaluation, tests) like the compiled programs
@@ -488,8 +488,8 @@ class Trainer:
                                                                                      self._out_shardings)
                 _ZERO_ACC[key] = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), struct),
                                          out_shardings=shardings)
-            self._acc_struct = _ZERO_ACC[key]
-        return self._acc_struct()
+            self._zero_acc_fn = _ZERO_ACC[key]
+        return self._zero_acc_fn()
 
     def _micro_sums(self, micro: list[dict[str, jax.Array]]) -> Any:
         """The accumulated sums of every micro-batch, one `_micro_step` call each."""
@@ -535,7 +535,7 @@ class Trainer:
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         if self.config.micro_batch_rows:
             g_sum, total, count, _ = self._micro_sums(self._device_micro_batches(arrays))
-            loss, grads = jax.jit(_divide)(self.params, g_sum, total, count)
+            loss, grads = _divide_jit(self.params, g_sum, total, count)
             return float(loss), grads
         loss, grads, _ = _accumulate_jit(self.graphdef, _static_config(self.config), self.params, self.rest,
                                          self.ref_params, self._device_batch(arrays))
@@ -685,6 +685,7 @@ def _accumulate(graphdef: nnx.GraphDef, config: TrainConfig, params: Any, rest: 
 
 
 _accumulate_jit = jax.jit(_accumulate, static_argnums=(0, 1))
+_divide_jit = jax.jit(_divide)
 
 
 _ZERO_ACC: dict[Any, Any] = {}  # `Trainer._zero_acc`'s jitted zero accumulators, by model and config
@@ -692,7 +693,7 @@ _ZERO_ACC: dict[Any, Any] = {}  # `Trainer._zero_acc`'s jitted zero accumulators
 
 def _acc_shardings(acc: Any, out_shardings: tuple) -> Any:
     """The accumulator's layout: gradient sums like the params (`out_shardings[0]`), scalars replicated."""
-    g_sum, total, count, sums = acc
+    g_sum, _, _, sums = acc
     grads = jax.tree.unflatten(jax.tree.structure(g_sum), out_shardings[0])
     return grads, out_shardings[2], out_shardings[2], jax.tree.map(lambda _: out_shardings[2], sums)
 
