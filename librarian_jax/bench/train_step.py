@@ -238,6 +238,12 @@ def compile_abstract(model: nnx.Module, config: ts.TrainConfig, batch: dict[str,
     return out
 
 
+def train_config(remat: str, chunk: int, scan: bool, micro_rows: int) -> ts.TrainConfig:
+    """The timed update's config: the flags' micro-batching and one case's settings."""
+    return ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
+                          logits_chunk=chunk, scan_layers=scan)
+
+
 def programs() -> int:
     """Update programs compiled in this process so far (one-program updates, micro-batch and optimizer
     programs)."""
@@ -247,8 +253,7 @@ def programs() -> int:
 def time_run(model: nnx.Module, remat: str, chunk: int, scan: bool, micro_rows: int) -> str:
     """One line: a run's steps of `--row_counts` rows (padded to the trainer's row multiple), first
     compiling, then again compiled; tokens/s counts the real rows' tokens."""
-    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
-                            logits_chunk=chunk, scan_layers=scan)
+    config = train_config(remat, chunk, scan, micro_rows)
     counts = [int(r) for r in FLAGS.row_counts]
     batches = [make_batch(model.config.vocab_size, r, FLAGS.seq, seed=i, loss_mask=FLAGS.loss_mask)
                for i, r in enumerate(counts)]
@@ -271,8 +276,7 @@ def time_run(model: nnx.Module, remat: str, chunk: int, scan: bool, micro_rows: 
 
 def time_case(model: nnx.Module, remat: str, chunk: int, hf_step: Callable[[], None] | None,
               scan: bool = True, micro_rows: int = 0) -> dict[str, float]:
-    config = ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
-                            logits_chunk=chunk, scan_layers=scan)
+    config = train_config(remat, chunk, scan, micro_rows)
     batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq, loss_mask=FLAGS.loss_mask)
     nan = float("nan")
     if FLAGS.compile_only:

@@ -197,6 +197,17 @@ def stacked_sharding(*shardings: NamedSharding, axis: int = 1) -> NamedSharding:
     return NamedSharding(shardings[0].mesh, PartitionSpec(*spec))
 
 
+def canonical_spec(spec: PartitionSpec) -> PartitionSpec:
+    """`spec` without trailing unsharded dims (`P(None,)` -> `P()`, `P("fsdp", None)` -> `P("fsdp")`): the
+    same layout, written as a jitted program writes its outputs' specs. jit keys programs on their inputs'
+    specs as written, so state fed back into the program that made it (a trainer's params) must start out
+    this way."""
+    dims = tuple(spec)
+    while dims and dims[-1] is None:
+        dims = dims[:-1]
+    return PartitionSpec(*dims)
+
+
 def constrain(tree: Any, shardings: Sequence[NamedSharding] | None) -> Any:
     """`with_sharding_constraint` on each leaf of `tree` (inside jit), given one sharding per leaf in
     `jax.tree.leaves` order; `tree` unchanged when `shardings` is None."""

@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -336,13 +336,9 @@ class Trainer:
         if mesh is not None:
             def on_mesh(x: jax.Array) -> NamedSharding:
                 ok = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                # a step's outputs come back with trailing Nones dropped from their specs (`P(None,)` ->
-                # `P()`), and jit keys its programs on the inputs' shardings as written: the inputs must be
-                # laid out that way from the start, or the second step compiles the update again
-                spec = tuple(x.sharding.spec) if ok else ()
-                while spec and spec[-1] is None:
-                    spec = spec[:-1]
-                return NamedSharding(mesh, P(*spec))  # not on the mesh: e.g. Adam's step count, replicated
+                # written as the step returns them (`partitioning.canonical_spec`), or its second call would
+                # compile the update again; not on the mesh (e.g. Adam's step count): replicated
+                return NamedSharding(mesh, partitioning.canonical_spec(x.sharding.spec) if ok else P())
 
             self.params = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.params)
             self.opt_state = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.opt_state)
@@ -464,13 +460,14 @@ class Trainer:
         """Host rows `[R, S]` -> device arrays `[micro_batches, R / micro_batches, S]` (see `_host_batch`)."""
         return self._on_device(self._host_batch(arrays), self.config.micro_batches)
 
-    def _device_micro_batches(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, jax.Array]]:
-        """Host rows `[R, S]` -> one device batch `[1, row_multiple(), S]` per micro-batch
-        (`micro_batch_rows > 0`; every process runs the same number: they agreed on R)."""
+    def _device_micro_batches(self, arrays: Mapping[str, np.ndarray]) -> Iterator[dict[str, jax.Array]]:
+        """Host rows `[R, S]` -> one device batch `[1, row_multiple(), S]` per micro-batch, each moved to the
+        device when asked for (`micro_batch_rows > 0`; every process runs the same number: they agreed on
+        R)."""
         arrays = self._host_batch(arrays)
         r = self.row_multiple()
-        return [self._on_device({k: v[i:i + r] for k, v in arrays.items()}, 1)
-                for i in range(0, arrays["tokens"].shape[0], r)]
+        for i in range(0, arrays["tokens"].shape[0], r):
+            yield self._on_device({k: v[i:i + r] for k, v in arrays.items()}, 1)
 
     def _zero_acc(self, first: dict[str, jax.Array]) -> Any:
         """The micro-batch accumulator at zero: (gradient sums like the params in float32, loss sum, count,
@@ -491,12 +488,12 @@ class Trainer:
             self._zero_acc_fn = _ZERO_ACC[key]
         return self._zero_acc_fn()
 
-    def _micro_sums(self, micro: list[dict[str, jax.Array]]) -> Any:
+    def _micro_sums(self, micro: Iterator[dict[str, jax.Array]]) -> Any:
         """The accumulated sums of every micro-batch, one `_micro_step` call each."""
-        acc = self._zero_acc(micro[0])
+        acc = None
         for mb in micro:
             acc = _micro_step(self.graphdef, _static_config(self.config), self._out_shardings, self.params,
-                              self.rest, self.ref_params, mb, acc)
+                              self.rest, self.ref_params, mb, self._zero_acc(mb) if acc is None else acc)
         return acc
 
     def memory_analysis(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, int] | None:
@@ -510,7 +507,7 @@ class Trainer:
         lr = jnp.zeros((), jnp.float32)
         config = _static_config(self.config)
         if config.micro_batch_rows:
-            first = self._device_micro_batches(arrays)[0]
+            first = next(self._device_micro_batches(arrays))  # the others are moved to no device
             acc = self._zero_acc(first)
             compiled = _micro_step.lower(self.graphdef, config, self._out_shardings, self.params, self.rest,
                                          self.ref_params, first, acc).compile()
