@@ -6,14 +6,22 @@ compile is written there, keyed by its HLO, the compile options, the JAX/XLA ver
 later process that compiles the same program reads it back instead. The main command and the benches call it
 before compiling anything; `--compilation_cache_dir=none` (or the variable set to `none`) turns it off.
 Multi-host runs: each host keeps its own local directory.
+
+`CompileClock` measures what compiling costs a run: it counts, from JAX's own monitoring events, the programs
+XLA compiled or read back from the persistent cache, and the seconds spent tracing, lowering and compiling
+them, so a run can report its compile time apart from its run time (the main command logs it per step and in
+its summary).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 
 import jax
 from absl import logging
+from jax import monitoring
 
 ENV = "LIBRARIAN_JAX_COMPILATION_CACHE"
 OFF = ("", "none", "off")
@@ -63,3 +71,99 @@ def define_flag() -> None:
 
     if "compilation_cache_dir" not in flags.FLAGS:
         flags.DEFINE_string("compilation_cache_dir", None, FLAG_HELP)
+
+
+# ------------------------------------------------------------------------------------- compile accounting
+
+# JAX's monitoring events (jax._src.dispatch / compiler): each backend compile (or persistent-cache read) of a
+# program, each jaxpr trace, each lowering to MLIR, and each persistent-cache hit.
+_EVENT_COMPILE = "/jax/core/compile/backend_compile_duration"
+_EVENT_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_EVENT_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_EVENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTotals:
+    """What compiling has cost this process so far (or between two readings, `CompileClock.since`).
+
+    programs: XLA executables built (compiled, or read back from the persistent cache: `cache_hits` of them);
+    compile_s: seconds in XLA's compile or the cache read; trace_s / lower_s: seconds tracing Python to
+    jaxprs (`jax.eval_shape` included) and lowering them to MLIR."""
+
+    programs: int = 0
+    cache_hits: int = 0
+    compile_s: float = 0.0
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compile_s + self.trace_s + self.lower_s
+
+    def __sub__(self, other: CompileTotals) -> CompileTotals:
+        return CompileTotals(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other),
+                                                     strict=True)))
+
+    def metrics(self, prefix: str = "compile/") -> dict[str, float]:
+        """TensorBoard scalars: programs, cache_hits, seconds (compile, trace, lower, total)."""
+        return {f"{prefix}programs": float(self.programs), f"{prefix}cache_hits": float(self.cache_hits),
+                f"{prefix}xla_s": self.compile_s, f"{prefix}trace_s": self.trace_s,
+                f"{prefix}lower_s": self.lower_s, f"{prefix}time_s": self.total_s}
+
+    def line(self) -> str:
+        """`5 programs (2 from the cache) 12.3s` (empty when nothing compiled)."""
+        if not self.programs and self.total_s < 0.05:
+            return ""
+        hits = f" ({self.cache_hits} from the cache)" if self.cache_hits else ""
+        return f"{self.programs} programs{hits} {self.total_s:.1f}s"
+
+
+class CompileClock:
+    """Process-wide compile accounting from JAX's monitoring events (registered once, on first use).
+
+        clock = CompileClock.get()
+        before = clock.totals()
+        ...                                   # anything that may compile
+        spent = clock.since(before)           # a CompileTotals
+    """
+
+    _instance: CompileClock | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._totals = CompileTotals()
+        self._mutex = threading.Lock()
+        monitoring.register_event_duration_secs_listener(self._on_duration)
+        monitoring.register_event_listener(self._on_event)
+
+    @classmethod
+    def get(cls) -> CompileClock:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _add(self, **delta: float) -> None:
+        with self._mutex:
+            t = self._totals
+            self._totals = dataclasses.replace(t, **{k: getattr(t, k) + v for k, v in delta.items()})
+
+    def _on_duration(self, event: str, duration: float, **_: object) -> None:
+        if event == _EVENT_COMPILE:
+            self._add(programs=1, compile_s=duration)
+        elif event == _EVENT_TRACE:
+            self._add(trace_s=duration)
+        elif event == _EVENT_LOWER:
+            self._add(lower_s=duration)
+
+    def _on_event(self, event: str, **_: object) -> None:
+        if event == _EVENT_CACHE_HIT:
+            self._add(cache_hits=1)
+
+    def totals(self) -> CompileTotals:
+        with self._mutex:
+            return self._totals
+
+    def since(self, before: CompileTotals) -> CompileTotals:
+        return self.totals() - before

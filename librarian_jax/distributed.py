@@ -211,7 +211,7 @@ def allgather_json(obj: Any) -> list[Any]:
 # metric name -> how processes' values combine; anything else is a mean weighted by episodes
 _SUM_KEYS = ("probe/count", "rollout/generated_tokens", "rows/tokens", "rows/loss_tokens", "rows/num_rows",
              "rows/padded_rows", "rows/truncated", "adv/num_groups")
-_MAX_KEYS = ("rows/seq_len",)
+_MAX_KEYS = ("rows/seq_len", "compile/programs", "compile/cache_hits")  # per process: the most
 _MAX_SUFFIXES = ("time_s", "_s")
 _WEIGHTED_BY = {"probe/accuracy": "probe/count"}  # a mean over probes, not episodes
 

@@ -258,7 +258,9 @@ def progress_line(step: int, total: int, m: dict[str, float]) -> str:
             f"{m['rollout/tokens_per_s']:.0f} gen tok/s, {m['train/tokens_per_s']:.0f} train tok/s | "
             f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s"
             + (f" | held-out acc {m['eval/accuracy']:.3f} ({m['eval/time_s']:.1f}s)"
-               if "eval/accuracy" in m else ""))
+               if "eval/accuracy" in m else "")
+            + (f" | compiled {m['compile/programs']:.0f} programs {m['compile/time_s']:.1f}s"
+               if m.get("compile/programs") else ""))
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -482,6 +484,7 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     from librarian_jax import distributed, rollout
     from librarian_jax.rl import rows as rows_lib
 
+    compiled_before = compile_cache.CompileClock.get().totals()
     run.step += 1
     global_tasks = next(run.data_iter)
     share = distributed.process_slice(len(global_tasks))  # this process's tasks of the global batch
@@ -522,13 +525,15 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
         row_metrics, update = {}, {"time_s": 0.0, "skipped": 1.0}
     run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
     metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
-    metrics = distributed.reduce_metrics(metrics, weight=len(records))
     cfg = run.config.eval
     if cfg.every and run.step % cfg.every == 0 and run.heldout:
         t1 = time.perf_counter()
         metrics.update(evaluate(run.config, run.heldout, run.engines, run.tokenizer, run.rollout_config,
                                 seed))
         metrics["eval/time_s"] = time.perf_counter() - t1
+    # what this step spent compiling (rollout, update and eval programs; inside the times above)
+    metrics.update(compile_cache.CompileClock.get().since(compiled_before).metrics())
+    metrics = distributed.reduce_metrics(metrics, weight=len(records))
     return records, metrics
 
 
@@ -599,6 +604,7 @@ def run(config: Any) -> dict[str, Any]:
     from librarian_jax import checkpoint, distributed
 
     t_start = time.perf_counter()
+    compiled_before = compile_cache.CompileClock.get().totals()
     config_validation.validate(config)
     logging.info("%s", describe(config))
     workdir = storage.abspath(config.workdir)  # a local directory or a URL (gs://...): launch/README.md
@@ -675,12 +681,15 @@ def run(config: Any) -> dict[str, Any]:
                 builder_temperature=float(config.rollout.builder.temperature))
     totals["final_eval_s"] = time.perf_counter() - t_eval
     wall = time.perf_counter() - t_start
+    compiled = compile_cache.CompileClock.get().since(compiled_before)  # this process's, warm start included
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
+               "compile": {**dataclasses.asdict(compiled), "total_s": compiled.total_s},
                "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "initial_eval": _finite(initial), "metrics": _finite(metrics)}
-    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs)", start + 1,
-                 state.step, wall, totals["rollout_s"], totals["update_s"], totals["eval_s"])
+    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
+                 "compiling %s)", start + 1, state.step, wall, totals["rollout_s"], totals["update_s"],
+                 totals["eval_s"], compiled.line() or "nothing")
     if primary:
         storage.write_text(storage.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary

@@ -18,6 +18,7 @@ are made by process 0 first, then read by the others (one shared workdir). The w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from librarian_jax import checkpoint, config_schema, config_validation, distributed, storage
+from librarian_jax import checkpoint, compile_cache, config_schema, config_validation, distributed, storage
 from librarian_jax.rl import sft, train_step
 
 
@@ -39,6 +40,7 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     from librarian_jax.tokenizers import chat_template
 
     t_start = time.perf_counter()
+    compiled_before = compile_cache.CompileClock.get().totals()
     t = config.train
     template = template or chat_template(tokenizer)
     examples = [sft.encode_conversation(c["messages"], template, tokenizer) for c in conversations]
@@ -103,7 +105,11 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
         ck.close()
         if writer is not None:
             writer.close()
+    compiled = compile_cache.CompileClock.get().since(compiled_before)
+    logging.info("sft: steps %d..%d in %.1fs; compiling %s", start + 1, trainer.step,
+                 time.perf_counter() - t_start, compiled.line() or "nothing")
     summary = {"start_step": start, "last_step": trainer.step, "wall_s": time.perf_counter() - t_start,
+               "compile": {**dataclasses.asdict(compiled), "total_s": compiled.total_s},
                "first_loss": losses_seen[0] if losses_seen else None,
                "last_loss": losses_seen[-1] if losses_seen else None, **counts}
     if jax.process_index() == 0:

@@ -12,14 +12,12 @@ import pytest
 from librarian_jax import compile_cache
 
 # A program that takes a while to compile (an unrolled stack of matmuls and nonlinearities) run in a fresh
-# process; reports the compile time and the persistent-cache hits JAX counted.
+# process; reports the compile time and what `CompileClock` counted (programs, persistent-cache hits).
 SCRIPT = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
 from librarian_jax import compile_cache
-hits = []
-jax.monitoring.register_event_listener(
-    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+clock = compile_cache.CompileClock.get()
 path = compile_cache.enable(sys.argv[1], min_compile_s=0.0)
 
 def f(x):
@@ -29,7 +27,10 @@ def f(x):
 
 t = time.perf_counter()
 compiled = jax.jit(f).lower(jnp.ones((16, 16))).compile()
-print(json.dumps(dict(path=path, compile_s=time.perf_counter() - t, hits=len(hits))))
+wall = time.perf_counter() - t
+spent = clock.totals()
+print(json.dumps(dict(path=path, compile_s=wall, hits=spent.cache_hits, programs=spent.programs,
+                      clock_s=spent.compile_s + spent.lower_s)))
 """
 
 
@@ -44,9 +45,10 @@ def test_second_process_reads_the_compiled_program(tmp_path):
     cache_dir = str(tmp_path / "cache")
     first = _run(cache_dir)
     assert first["path"] == cache_dir and first["hits"] == 0
+    assert first["programs"] >= 1 and 0 < first["clock_s"] <= first["compile_s"] * 1.05
     assert os.listdir(cache_dir)  # the program was written
     second = _run(cache_dir)
-    assert second["hits"] >= 1  # f, and the small programs around it
+    assert second["hits"] >= 1 and second["programs"] == first["programs"]  # f, and the programs around it
     # Reading back is faster than compiling (by ~10x on an idle CPU; only the direction is asserted).
     assert second["compile_s"] < first["compile_s"]
 
@@ -73,3 +75,28 @@ def test_main_command_enables_it(tmp_path):
                     f"--compilation_cache_dir={cache_dir}"], env=env, capture_output=True, text=True,
                    timeout=300, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert cache_dir.is_dir()
+
+
+def test_compile_clock_counts_each_new_program_once():
+    """`CompileClock` (what the main command logs per step and in its summary): a program XLA compiles counts
+    once, with its seconds; calling it again, or a program already compiled, adds nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    clock = compile_cache.CompileClock.get()
+    assert compile_cache.CompileClock.get() is clock  # one listener per process
+    x = jnp.ones((8, 8))
+    y = x + 1
+    before = clock.totals()
+    f = jax.jit(lambda a: jnp.tanh(a @ a.T) + 0.125)  # a new function: a new program
+    f(x)
+    first = clock.since(before)
+    assert first.programs == 1 and first.cache_hits == 0
+    assert first.compile_s > 0 and first.trace_s > 0 and first.lower_s > 0
+    assert first.total_s == first.compile_s + first.trace_s + first.lower_s
+    assert first.line().startswith("1 programs ") and first.metrics()["compile/programs"] == 1.0
+    again = clock.totals()
+    f(x)
+    f(y)
+    assert clock.since(again) == compile_cache.CompileTotals()
+    assert compile_cache.CompileTotals().line() == ""

@@ -166,6 +166,16 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     config.eval.update(every=1, num_tasks=1, repeats=1)
     out = main.run(config)
     assert "eval/accuracy" in out["initial_eval"] and "eval/accuracy" in out["metrics"]
+    # compile time apart from run time: the last step's (inside its rollout/update/eval times) and the run's
+    last, run_total = out["metrics"], out["compile"]
+    assert {"compile/programs", "compile/cache_hits", "compile/time_s"} <= last.keys()
+    assert run_total["total_s"] >= last["compile/time_s"] >= 0
+    assert run_total["programs"] >= last["compile/programs"]
+    assert last["compile/time_s"] <= last["rollout/time_s"] + last["train/time_s"] + last["eval/time_s"]
+    logged = {"probe/accuracy": np.nan, "train/kl": np.nan, **last}  # the summary keeps finite metrics only
+    line = main.progress_line(2, 2, {**logged, "compile/programs": 3.0, "compile/time_s": 4.3})
+    assert line.endswith("| compiled 3 programs 4.3s")
+    assert "compiled" not in main.progress_line(2, 2, {**logged, "compile/programs": 0.0})
     first = main.run(tiny_run_config(killed, num_steps=1))
     assert (first["start_step"], first["last_step"]) == (0, 1)
     # step 1 updated the weights (weight decay alone moves each one), so a missed hand-off cannot pass unseen
