@@ -84,8 +84,15 @@ def test_a_few_grpo_steps_raise_the_mean_reward(run):
     from librarian_jax import main
 
     tasks = run.train_tasks
-    before = np.mean([r.total_reward for r in _batch(run, tasks, 1.0, 123)])
+    # the mean over 4 sampled batches (seeds) before and after: one batch's gain ranged 0.10-0.43 over seeds
+    # (0.541 -> 0.644 with seed 123 alone, a margin of 0.003 over the bar; 0.520 -> 0.745 over the 4)
+    seeds = (123, 124, 125, 126)
+
+    def mean_reward() -> float:
+        return float(np.mean([r.total_reward for seed in seeds for r in _batch(run, tasks, 1.0, seed)]))
+
+    before = mean_reward()
     for _ in range(4):
         main.train_one_step(run)
-    after = np.mean([r.total_reward for r in _batch(run, tasks, 1.0, 123)])
+    after = mean_reward()
     assert after > before + 0.1, (before, after)
