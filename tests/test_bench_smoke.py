@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                  "--builder_new_tokens=4", "--answerer_turns=1", "--answerer_new_tokens=4", "--questions=1",
                  "--repeats=1", "--policy_slots=2", "--frozen_slots=4", "--round_steps=4",
                  "--compilation_cache_dir=none"],
-                "episodes 2, answerer runs"),
+                "episodes 2, answerer runs"),  # and its first batch's compile: "(compile: N programs ..."
     "sessions": (["--preset=tiny", "--sessions=2", "--turns=2", "--prompt_len=8", "--min_new=2",
                   "--max_new=4", "--min_obs=2", "--max_obs=4", "--round_steps=4"],
                  "identical token records in both modes: True"),
@@ -105,6 +106,9 @@ def test_bench_reports_compile_time_apart_from_run_time(smoke_runs, name):
     rec = smoke_runs.get(name)
     assert rec is not None and rec["status"] == "ok", f"bench {name} did not run"
     assert "compile" in rec["stdout"].lower(), rec["stdout"][-3000:]
+    if name == "rollout":  # counted by `compile_cache.CompileClock`: its warm-up batch compiles programs
+        out = rec["stdout"]
+        assert re.search(r"first batch [0-9.]+s \(compile: [1-9][0-9]* programs", out), out
 
 
 def test_decode_roofline_bytes_are_the_weights_the_live_kv_and_the_state():
