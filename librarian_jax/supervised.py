@@ -49,7 +49,10 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
                  len(examples), counts["rows"], tokens.shape[1], counts["loss_tokens"],
                  counts["cut_loss_tokens"])
     tcfg = config_schema.SFTTrainSection.parse(t, "train").trainer_config()
-    trainer = train_step.Trainer(model, tcfg, mesh=mesh)
+    # the LM head's per-row loss positions sized for the data's fullest row: one compiled update for every
+    # batch (a batch of shorter answers would otherwise compile a smaller bucket)
+    most = int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
+    trainer = train_step.Trainer(model, tcfg, mesh=mesh, min_loss_positions=most)
     # the global batch: a multiple of every process's row multiple, split evenly over the processes
     multiple = trainer.row_multiple() * jax.process_count()
     batch_rows = -(-t.batch_rows // multiple) * multiple

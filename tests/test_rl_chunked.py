@@ -241,3 +241,29 @@ def test_logits_at_loss_positions_match_all_positions(agg, kl, old):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     if flops["all"] is not None:
         assert flops["loss"] < 0.7 * flops["all"], flops
+
+
+def test_min_loss_positions_gives_every_batch_one_capacity_and_the_same_values():
+    """`Trainer(min_loss_positions=n)` (the SFT loop passes its data's fullest row): batches whose rows hold
+    <= 40 and ~100 loss tokens both get the 128-position capacity (without it: 64 and 128, two compiled
+    updates), with the loss and gradients of the trainer without the floor; a bad value is refused."""
+    seq, rows, vocab = 320, 4, 256
+    model = tiny(vocab=vocab, layers=1)
+    config = ts.TrainConfig(loss=losses.LossConfig(aggregation="token_mean"), logits_chunk=1024,
+                            logits_at="loss")
+    plain, floored = ts.Trainer(model, config), ts.Trainer(model, config, min_loss_positions=100)
+    for n in (40, 100):
+        data = batch(rows=rows, seq=seq, vocab=vocab, seed=n)
+        keep = np.arange(seq)[None] >= seq - n
+        for k in ("loss_mask", "sampler_logprobs", "advantages"):
+            data[k] = data[k] * keep
+        data["valid"][:] = True
+        assert plain._device_batch(data)["positions"].shape == (1, rows, 64 if n == 40 else 128)
+        assert floored._device_batch(data)["positions"].shape == (1, rows, 128)
+        (l0, g0), (l1, g1) = plain.loss_and_grads(data), floored.loss_and_grads(data)
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="min_loss_positions"):
+            ts.Trainer(model, config, min_loss_positions=bad)

@@ -289,7 +289,14 @@ class Trainer:
     """Owns the trainable state and the compiled update of one policy model (full or LoRA)."""
 
     def __init__(self, model: nnx.Module, config: TrainConfig, *, mesh: Mesh | None = None,
-                 rules: Any = None):
+                 rules: Any = None, min_loss_positions: int = 0):
+        """`min_loss_positions`: with `logits_at="loss"`, every batch's per-row loss-position capacity is at
+        least `positions_bucket` of this many. A loop that knows its data's most loss tokens in one row (the
+        SFT loop does) passes it, so every batch runs one compiled update instead of one per bucket."""
+        floor = min_loss_positions
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+            raise ValueError(f"Trainer: min_loss_positions must be an integer >= 0, got {floor!r}")
+        self.min_loss_positions = min_loss_positions
         self.mesh = mesh
         self.lora = has_lora(model)
         self.wrt = nnx.LoRAParam if self.lora else nnx.Param
@@ -431,7 +438,7 @@ class Trainer:
             arrays = pad_rows(arrays, int(agreed[0]), int(agreed[1]))
             most = int(agreed[2])
         if self.config.logits_chunk and self.config.logits_at == "loss":
-            capacity = positions_bucket(most, arrays["tokens"].shape[1])
+            capacity = positions_bucket(max(most, self.min_loss_positions), arrays["tokens"].shape[1])
             if capacity:
                 arrays["positions"] = loss_positions(arrays["loss_mask"], capacity)
         rows = arrays["tokens"].shape[0]
