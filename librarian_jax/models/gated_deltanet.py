@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from librarian_jax.models.layers import Dense
+
 CHUNK_SIZE = 64
 """Tokens per chunk of the parallel form (as HF / flash-linear-attention's `chunk_gated_delta_rule`)."""
 
@@ -336,8 +338,8 @@ class GatedDeltaNet(nnx.Module):
         self.dims = d
         normal = nnx.initializers.normal(d.init_std)
 
-        def linear(n_in: int, n_out: int, axes: tuple[str, str]) -> nnx.Linear:
-            return nnx.Linear(
+        def linear(n_in: int, n_out: int, axes: tuple[str, str]) -> Dense:
+            return Dense(
                 n_in,
                 n_out,
                 use_bias=False,

@@ -505,12 +505,15 @@ class Transformer(nnx.Module):
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden `[..., hidden]` -> logits float32 `[..., vocab]` (tied embedding or lm_head, softcapped)."""
         config = self.config
-        if config.tie_embeddings:
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1])  # one 2-D product: its weight gradient copies nothing
+        if config.tie_embeddings:                    # (see `layers.Dense`)
             w = self.embed_tokens.embedding[...].astype(hidden.dtype)
-            logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("te,ve->tv", flat, w, preferred_element_type=jnp.float32)
         else:
             w = self.lm_head.kernel[...].astype(hidden.dtype)
-            logits = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("te,ev->tv", flat, w, preferred_element_type=jnp.float32)
+        logits = logits.reshape(*lead, logits.shape[-1])
         if config.final_logit_softcapping:
             cap = config.final_logit_softcapping
             logits = jnp.tanh(logits / cap) * cap
