@@ -111,6 +111,10 @@ class CompileTotals:
                 f"{prefix}xla_s": self.compile_s, f"{prefix}trace_s": self.trace_s,
                 f"{prefix}lower_s": self.lower_s, f"{prefix}time_s": self.total_s}
 
+    def as_dict(self) -> dict[str, float]:
+        """The fields and `total_s` (a run's summary.json `compile`)."""
+        return {**dataclasses.asdict(self), "total_s": self.total_s}
+
     def line(self) -> str:
         """`5 programs (2 from the cache) 12.3s` (empty when nothing compiled)."""
         if not self.programs and self.total_s < 0.05:

@@ -683,7 +683,7 @@ def run(config: Any) -> dict[str, Any]:
     wall = time.perf_counter() - t_start
     compiled = compile_cache.CompileClock.get().since(compiled_before)  # this process's, warm start included
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
-               "compile": {**dataclasses.asdict(compiled), "total_s": compiled.total_s},
+               "compile": compiled.as_dict(),
                "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "initial_eval": _finite(initial), "metrics": _finite(metrics)}

@@ -18,7 +18,6 @@ are made by process 0 first, then read by the others (one shared workdir). The w
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -51,8 +50,7 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     tcfg = config_schema.SFTTrainSection.parse(t, "train").trainer_config()
     # the LM head's per-row loss positions sized for the data's fullest row: one compiled update for every
     # batch (a batch of shorter answers would otherwise compile a smaller bucket)
-    most = int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
-    trainer = train_step.Trainer(model, tcfg, mesh=mesh, min_loss_positions=most)
+    trainer = train_step.Trainer(model, tcfg, mesh=mesh, min_loss_positions=train_step.most_loss_tokens(mask))
     # the global batch: a multiple of every process's row multiple, split evenly over the processes
     multiple = trainer.row_multiple() * jax.process_count()
     batch_rows = -(-t.batch_rows // multiple) * multiple
@@ -109,10 +107,10 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
         if writer is not None:
             writer.close()
     compiled = compile_cache.CompileClock.get().since(compiled_before)
-    logging.info("sft: steps %d..%d in %.1fs; compiling %s", start + 1, trainer.step,
-                 time.perf_counter() - t_start, compiled.line() or "nothing")
-    summary = {"start_step": start, "last_step": trainer.step, "wall_s": time.perf_counter() - t_start,
-               "compile": {**dataclasses.asdict(compiled), "total_s": compiled.total_s},
+    wall = time.perf_counter() - t_start
+    logging.info("sft: steps %d..%d in %.1fs; compiling %s", start + 1, trainer.step, wall,
+                 compiled.line() or "nothing")
+    summary = {"start_step": start, "last_step": trainer.step, "wall_s": wall, "compile": compiled.as_dict(),
                "first_loss": losses_seen[0] if losses_seen else None,
                "last_loss": losses_seen[-1] if losses_seen else None, **counts}
     if jax.process_index() == 0:

@@ -263,6 +263,13 @@ def positions_bucket(count: int, seq: int) -> int:
     return k if k < seq else 0
 
 
+def most_loss_tokens(loss_mask: np.ndarray) -> int:
+    """The most loss tokens in one row of `loss_mask` `[R, S]` (position 0 never counts: nothing predicts it);
+    it sizes the per-row positions the LM head runs at (`positions_bucket`)."""
+    mask = np.asarray(loss_mask) > 0
+    return int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
+
+
 def loss_positions(loss_mask: np.ndarray, capacity: int) -> np.ndarray:
     """`[R, capacity]` int32: each row's loss-masked token positions in order, padded with 0 (position 0 is
     never a loss token: nothing predicts it). loss_mask `[R, S]`; every row must fit in `capacity`."""
@@ -426,10 +433,7 @@ class Trainer:
         rows anywhere; with `logits_at="loss"` the rows' loss positions (`loss_positions`) are added."""
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
         arrays.pop("positions", None)
-        mask = np.asarray(arrays["loss_mask"]) > 0
-        # the most loss tokens in one row (position 0 never counts); with `logits_at="loss"` it sizes the
-        # per-row positions the LM head runs at
-        most = int(mask[:, 1:].sum(axis=1).max()) if mask.size else 0
+        most = most_loss_tokens(arrays["loss_mask"])
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
