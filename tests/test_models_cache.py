@@ -171,6 +171,65 @@ def test_causal_blocked_attention_equals_dense(window):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5)
 
 
+def _elements(shape: str) -> int:
+    dims = re.search(r"\[([\d,]*)\]", shape)
+    return int(np.prod([int(x) for x in dims.group(1).split(",") if x])) if dims else 0
+
+
+def test_causal_attention_backward_reorders_no_score_array():
+    """The hand-written backward (`_causal_core`) reads every product's operands in their natural layout:
+    the compiled forward + backward transposes or copies nothing as large as a block's scores (JAX's
+    autodiff of the same blocks transposed the probabilities and score gradients of every block)."""
+    from librarian_jax.models.layers import attend_causal, causal_blocks
+
+    b, s, h, kvh, d = 2, 256, 4, 2, 8
+    # the smallest block's scores hold b * kvh * (64 * 2) * 64 = 32K elements; q, k, v, outputs <= 16K
+    smallest = min(b * kvh * (q1 - q0) * (h // kvh) * (k1 - k0) for q0, q1, k0, k1 in causal_blocks(s))
+    assert smallest > b * s * h * d
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.float32)
+    valid = jax.ShapeDtypeStruct((b, s), jnp.bool_)
+
+    def loss(q, k, v, valid):
+        return jnp.sum(jnp.cos(attend_causal(q, k, v, key_valid=valid, scale=0.3)))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile().as_text()
+    moved = [line.strip()[:160] for line in hlo.splitlines()
+             if "=" in line and any(k in line.split("=")[0] for k in ("transpose", "copy"))
+             and _elements(line.split("=")[1]) >= smallest]
+    assert not moved, moved
+
+
+def test_causal_attention_gradient_in_bfloat16():
+    """bf16 inputs (the paper presets' dtype): outputs and q/k/v gradients of the blocked attention within
+    bf16 rounding of the float32 dense reference, in bf16."""
+    from librarian_jax.models.layers import attend, attend_causal
+
+    rng = np.random.default_rng(3)
+    b, s, h, kvh, d = 2, 150, 4, 2, 16
+    args32 = [jnp.asarray(rng.normal(size=(b, s, n, d)), jnp.float32) for n in (h, kvh, kvh)]
+    key_valid = jnp.asarray(np.arange(s)[None, :] < np.array([[150], [97]]))
+    real = np.asarray(key_valid)[:, :, None, None]
+    cot = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) * real
+
+    def dense(q, k, v):
+        idx = jnp.broadcast_to(jnp.arange(s), (b, s))
+        return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), idx, key_valid=key_valid,
+                      scale=0.25)
+
+    ref_out, ref_vjp = jax.vjp(dense, *args32)
+    ref_grads = ref_vjp(cot)
+    out, vjp = jax.vjp(lambda q, k, v: attend_causal(q, k, v, key_valid=key_valid, scale=0.25, min_block=16),
+                       *[x.astype(jnp.bfloat16) for x in args32])
+    grads = vjp(cot.astype(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    err = np.abs(np.asarray(out, np.float32) - np.asarray(ref_out)) * real
+    assert err.max() < 0.05, err.max()
+    for g, r in zip(grads, ref_grads, strict=True):
+        r = np.asarray(r)
+        assert np.abs(np.asarray(g, np.float32) - r).max() < 0.03 * np.abs(r).max()
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host_platform_device_count=8)")
 def test_init_model_creates_params_in_their_shardings():
     config = get_preset("tiny", num_layers=1)

@@ -6,6 +6,7 @@ safetensors mapping in `hf_io.py` is mechanical. Linear kernels are `[in, out]` 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.nnx as nnx
@@ -256,37 +257,103 @@ def attend_causal(
 
     The queries are cut into static blocks (`causal_blocks`), each reading only the keys it can see, so the
     score products and softmax cover about (blocks + 1) / (2 blocks) of the seq x seq square (under half of
-    it for a sliding window shorter than seq) instead of all of it: the step's attention on CPU is ~2x faster
-    at 8 x 512 and ~2.5x at 8 x 1536 than one dense block. Each block is rematerialised (`jax.checkpoint`):
-    the backward pass recomputes its scores, so nothing of size seq x seq is kept between the passes and
-    memory grows with the block, not with seq^2. Scores and softmax in float32, probabilities in v's dtype.
+    it for a sliding window shorter than seq) instead of all of it. The gradient is written by hand
+    (`_causal_core`, the FlashAttention backward over the same blocks): it recomputes each block's
+    probabilities from the forward's row maxima and sums, so nothing of size seq x seq is kept between the
+    passes, and every product reads its operands in their natural layout (queries, keys and values are laid
+    out head-major once per call; no score-sized array is ever transposed). Scores and softmax in float32,
+    probabilities in v's dtype.
     """
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    # The layouts of `_attend_dense` (the cache's: K transposed), so both paths round alike.
-    qg = q.reshape(b, s, kvh, h // kvh, d)  # [batch, seq, kv_heads, group, head_dim]
-    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [b, kv_heads, d, seq], [b, kv_heads, seq, d]
+    g = h // kvh
+    # head-major, a query's `group` heads adjacent: q `[batch, kv_heads, seq * group, head_dim]`, k / v
+    # `[batch, kv_heads, seq, head_dim]`
+    qh = q.reshape(b, s, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, s * g, d)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    blocks = tuple(causal_blocks(s, window, max_blocks=max_blocks, min_block=min_block))
+    out = _causal_core(qh, kh, vh, key_valid, blocks, g, window, float(scale))
+    return out.reshape(b, kvh, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
-    def block(qb, kt, vt, key_valid, q0, k0, k1):
-        n = qb.shape[1]
-        kb, vb = kt[..., k0:k1], vt[:, :, k0:k1]
-        scores = jnp.einsum("bskgd,bkdt->bksgt", qb, kb, preferred_element_type=jnp.float32) * scale
-        q_idx = jax.lax.broadcasted_iota(jnp.int32, (n, k1 - k0), 0) + q0
-        k_idx = jax.lax.broadcasted_iota(jnp.int32, (n, k1 - k0), 1) + k0
-        allowed = (k_idx <= q_idx)[None]  # [1, queries, keys]
-        if window is not None:
-            allowed &= (q_idx - k_idx < window)[None]
-        if key_valid is not None:
-            allowed = allowed & key_valid[:, None, k0:k1]  # [batch, queries, keys]
-        scores = jnp.where(allowed[:, None, :, None, :], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(vb.dtype)
-        return jnp.einsum("bksgt,bktd->bskgd", probs, vb)
 
-    block = jax.checkpoint(block, static_argnums=(4, 5, 6))
-    outs = [block(qg[:, q0:q1], kt, vt, key_valid, q0, k0, k1)
-            for q0, q1, k0, k1 in causal_blocks(s, window, max_blocks=max_blocks, min_block=min_block)]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [batch, seq, kv_heads, group, d]
-    return out.reshape(b, s, h, d)
+def _block_scores(qb: jax.Array, kt: jax.Array, key_valid: jax.Array | None, block: tuple[int, int, int, int],
+                  g: int, window: int | None, scale: float) -> jax.Array:
+    """Masked scores float32 `[batch, kv_heads, (q1 - q0) * g, k1 - k0]` of one causal block; qb `[batch,
+    kv_heads, (q1 - q0) * g, head_dim]` (its rows: queries q0.. each `g` heads), kt `[batch, kv_heads,
+    head_dim, seq]` (all keys, transposed)."""
+    q0, q1, k0, k1 = block
+    scores = jnp.einsum("bkmd,bkdt->bkmt", qb, kt[..., k0:k1], preferred_element_type=jnp.float32) * scale
+    q_idx = jax.lax.broadcasted_iota(jnp.int32, ((q1 - q0) * g, k1 - k0), 0) // g + q0
+    k_idx = jax.lax.broadcasted_iota(jnp.int32, ((q1 - q0) * g, k1 - k0), 1) + k0
+    allowed = (k_idx <= q_idx)[None, None]
+    if window is not None:
+        allowed &= (q_idx - k_idx < window)[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, k0:k1]
+    return jnp.where(allowed, scores, _NEG)
+
+
+def _concat_rows(parts: list[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _causal_core(qh: jax.Array, kh: jax.Array, vh: jax.Array, key_valid: jax.Array | None,
+                 blocks: tuple[tuple[int, int, int, int], ...], g: int, window: int | None,
+                 scale: float) -> jax.Array:
+    """`attend_causal` on head-major inputs: qh `[batch, kv_heads, seq * g, head_dim]`, kh / vh `[batch,
+    kv_heads, seq, head_dim]` -> `[batch, kv_heads, seq * g, head_dim]`."""
+    return _causal_forward(qh, kh, vh, key_valid, blocks, g, window, scale)[0]
+
+
+def _causal_forward(qh, kh, vh, key_valid, blocks, g, window, scale):
+    """Output and residuals: (q, k, v, key_valid, the output, each row's score maximum and 1 / its sum of
+    exponentials, `[batch, kv_heads, seq * g, 1]` float32)."""
+    kt = jnp.swapaxes(kh, 2, 3)  # [batch, kv_heads, head_dim, seq]
+    outs, maxes, inv_sums = [], [], []
+    for block in blocks:
+        q0, q1, k0, k1 = block
+        scores = _block_scores(qh[:, :, q0 * g:q1 * g], kt, key_valid, block, g, window, scale)
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        e = jnp.exp(scores - top)
+        inv = 1.0 / jnp.sum(e, axis=-1, keepdims=True)
+        outs.append(jnp.einsum("bkmt,bktd->bkmd", (e * inv).astype(vh.dtype), vh[:, :, k0:k1]))
+        maxes.append(top)
+        inv_sums.append(inv)
+    out = _concat_rows(outs)
+    return out, (qh, kh, vh, key_valid, out, _concat_rows(maxes), _concat_rows(inv_sums))
+
+
+def _causal_backward(blocks, g, window, scale, residuals, d_out):
+    """The FlashAttention backward, block by block: P = exp(S - max) / sum from the forward's statistics,
+    dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K, dK^T += scale Q^T dS, dV^T += dO^T P."""
+    qh, kh, vh, key_valid, out, maxes, inv_sums = residuals
+    kt, vt = jnp.swapaxes(kh, 2, 3), jnp.swapaxes(vh, 2, 3)  # [batch, kv_heads, head_dim, seq]
+    qt, d_out_t = jnp.swapaxes(qh, 2, 3), jnp.swapaxes(d_out, 2, 3)  # [batch, kv_heads, head_dim, seq * g]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    f32 = jnp.float32
+    d_kt = jnp.zeros(kt.shape, f32)
+    d_vt = jnp.zeros(vt.shape, f32)
+    d_q = []
+    for block in blocks:
+        q0, q1, k0, k1 = block
+        m0, m1 = q0 * g, q1 * g
+        scores = _block_scores(qh[:, :, m0:m1], kt, key_valid, block, g, window, scale)
+        probs = jnp.exp(scores - maxes[:, :, m0:m1]) * inv_sums[:, :, m0:m1]
+        d_probs = jnp.einsum("bkmd,bkdt->bkmt", d_out[:, :, m0:m1], vt[..., k0:k1],
+                             preferred_element_type=f32)
+        d_scores = (probs * (d_probs - delta[:, :, m0:m1])).astype(qh.dtype)
+        d_q.append(jnp.einsum("bkmt,bktd->bkmd", d_scores, kh[:, :, k0:k1],
+                              preferred_element_type=f32) * scale)
+        d_kt = d_kt.at[..., k0:k1].add(
+            jnp.einsum("bkdm,bkmt->bkdt", qt[..., m0:m1], d_scores, preferred_element_type=f32) * scale)
+        d_vt = d_vt.at[..., k0:k1].add(jnp.einsum(
+            "bkdm,bkmt->bkdt", d_out_t[..., m0:m1], probs.astype(vh.dtype), preferred_element_type=f32))
+    return (_concat_rows(d_q).astype(qh.dtype), jnp.swapaxes(d_kt, 2, 3).astype(kh.dtype),
+            jnp.swapaxes(d_vt, 2, 3).astype(vh.dtype), None)
+
+
+_causal_core.defvjp(_causal_forward, _causal_backward)
 
 
 class Attention(nnx.Module):
