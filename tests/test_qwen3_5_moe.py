@@ -211,7 +211,9 @@ def test_lora_on_experts_starts_at_the_base_model_and_trains():
         return jnp.mean(logits ** 2), logits
 
     (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(lora_state, rest)
-    np.testing.assert_allclose(np.asarray(logits), base, atol=1e-6, rtol=0)  # every B = 0
+    # every B = 0: the base model's logits up to float32 rounding (the differentiated program fuses its
+    # attention differently from the plain forward: a few ulps at logits of ~4)
+    np.testing.assert_allclose(np.asarray(logits), base, atol=1e-6, rtol=2e-6)
     g = {".".join(map(str, p)): float(jnp.abs(v.get_value()).sum()) for p, v in nnx.to_flat_state(grads)}
     experts = {k: v for k, v in g.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * model.config.num_layers
