@@ -145,8 +145,10 @@ def matmul_params(model: nnx.Module) -> int:
     return n if config.tie_embeddings else n - config.vocab_size * config.hidden_size
 
 
-def measured_peak_flops(dtype: jnp.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` jitted `[size, size] x [size, size]` matmuls in `dtype`."""
+def measured_peak_flops(dtype: jnp.dtype, size: int = 1024, repeats: int = 30) -> float:
+    """FLOP/s of the best of `repeats` jitted `[size, size] x [size, size]` matmuls in `dtype`. Many short
+    calls, not a few: on a shared CPU box a best of 5 read 0.107 TFLOP/s where the same process read 0.19 a
+    moment earlier (a slow stretch covered all 5), and the MFU column moved with it."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, a).block_until_ready()
