@@ -161,11 +161,15 @@ def test_causal_blocked_attention_equals_dense(window):
     # a padded query with no visible key (row 0's last ones, window 5) averages other keys in each version:
     # compared at real queries, whose outputs alone reach a loss
     real = np.asarray(key_valid)[:, :, None, None]
-    for f in (dense, blocked):
-        out, vjp = jax.vjp(f, q, k, v)
-        grads = vjp(jnp.cos(out) * real)
-        if f is dense:
-            ref_out, ref_grads = out, grads
+
+    def out_and_grads(f):  # one jitted program (op by op, the blocks' many small ops took 10+ s)
+        def run(q, k, v):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(jnp.cos(out) * real)
+        return jax.jit(run)(q, k, v)
+
+    ref_out, ref_grads = out_and_grads(dense)
+    out, grads = out_and_grads(blocked)
     np.testing.assert_allclose(np.asarray(out) * real, np.asarray(ref_out) * real, atol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5)
@@ -217,11 +221,14 @@ def test_causal_attention_gradient_in_bfloat16():
         return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), idx, key_valid=key_valid,
                       scale=0.25)
 
-    ref_out, ref_vjp = jax.vjp(dense, *args32)
-    ref_grads = ref_vjp(cot)
-    out, vjp = jax.vjp(lambda q, k, v: attend_causal(q, k, v, key_valid=key_valid, scale=0.25, min_block=16),
-                       *[x.astype(jnp.bfloat16) for x in args32])
-    grads = vjp(cot.astype(jnp.bfloat16))
+    def out_and_grads(f, args, cot):  # one jitted program each (op by op took 20+ s)
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(cot)
+
+    ref_out, ref_grads = jax.jit(out_and_grads, static_argnums=0)(dense, args32, cot)
+    blocked = functools.partial(attend_causal, key_valid=key_valid, scale=0.25, min_block=16)
+    out, grads = jax.jit(out_and_grads, static_argnums=0)(
+        blocked, [x.astype(jnp.bfloat16) for x in args32], cot.astype(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
     err = np.abs(np.asarray(out, np.float32) - np.asarray(ref_out)) * real
     assert err.max() < 0.05, err.max()
