@@ -25,9 +25,7 @@ PyTorch fallbacks for the delta rule and the conv when flash-linear-attention / 
 
 from __future__ import annotations
 
-import copy
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +34,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from librarian_jax import models
-from librarian_jax.bench.cached_lm import ours_decode, ours_prefill
+from librarian_jax.bench import cached_lm
 from librarian_jax.bench.common import best_time, compile_seconds, load_average
 
 FLAGS = flags.FLAGS
@@ -92,37 +90,11 @@ def ours_layer_prefill(
 # ----------------------------------------------------------------------------------------------- transformers
 
 
-class TorchSide:
+class TorchSide(cached_lm.TorchLM):
     """transformers' Qwen3_5ForCausalLM with our weights (via save_hf), or `available = False`."""
 
     def __init__(self, model: models.Transformer, threads: int) -> None:
-        self.available = False
-        try:
-            import torch
-            import transformers
-        except ImportError:
-            return
-        self.torch = torch
-        torch.set_num_threads(threads)
-        with tempfile.TemporaryDirectory() as directory:
-            models.save_hf(model, directory)
-            hf_model = transformers.Qwen3_5ForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        self.model = hf_model.eval()
-        self.available = True
-        self.version = (
-            f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads"
-        )
-
-    def prefill(self, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
-        torch = self.torch
-        ids = torch.as_tensor(tokens, dtype=torch.long)
-
-        def run():
-            with torch.inference_mode():
-                out = self.model(input_ids=ids, use_cache=True)
-            return out.logits[:, -1].float().numpy()
-
-        return best_time(run, repeats)
+        super().__init__(model, threads, "Qwen3_5ForCausalLM")
 
     def layer_prefill(self, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
         """HF's first Qwen3_5GatedDeltaNet alone, filling a fresh DynamicCache."""
@@ -136,26 +108,6 @@ class TorchSide:
             cache = transformers.DynamicCache(config=self.model.config)
             with torch.inference_mode():
                 return layer(hidden_states=xs, cache=cache).numpy()
-
-        return best_time(run, repeats)
-
-    def decode(self, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, np.ndarray]:
-        torch = self.torch
-        ids = torch.as_tensor(prompts, dtype=torch.long)
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True)
-        prefilled = out.cache
-        first = out.logits[:, -1].argmax(-1, keepdim=True)
-
-        def run():
-            cache, tok, toks = copy.deepcopy(prefilled), first, []
-            with torch.inference_mode():
-                for _ in range(steps):
-                    step = self.model(input_ids=tok, cache=cache, use_cache=True)
-                    cache = step.cache
-                    tok = step.logits[:, -1].argmax(-1, keepdim=True)
-                    toks.append(tok)
-            return torch.cat(toks, dim=1).numpy()
 
         return best_time(run, repeats)
 
@@ -176,22 +128,10 @@ def main(argv: list[str]) -> None:
         "transformers side: " + (hf.version if hf.available else
                                   "not measured (torch/transformers not importable in this python)"),
         "",
-        f"{'prefill seq':>11} | {'compile s':>9} | {'ours ms':>9} | {'ours tok/s':>10} | {'HF ms':>9} | "
-        f"{'HF tok/s':>10} | {'HF/ours':>7} | {'max|dlogit|':>11}",
     ]
     rng = np.random.default_rng(0)
-    for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
-        tokens = rng.integers(0, config.vocab_size, size=(1, seq))
-        c_ours, t_ours, last_ours = ours_prefill(model, tokens, FLAGS.repeats)
-        row = f"{seq:>11} | {c_ours:9.2f} | {t_ours * 1e3:9.1f} | {seq / t_ours:10.0f} | "
-        if hf.available:
-            t_hf, last_hf = hf.prefill(tokens, FLAGS.repeats)
-            diff = float(np.abs(last_ours - last_hf).max())
-            row += f"{t_hf * 1e3:9.1f} | {seq / t_hf:10.0f} | {t_hf / t_ours:7.2f} | {diff:11.1e}"
-        else:
-            row += f"{'-':>9} | {'-':>10} | {'-':>7} | {'-':>11}"
-        lines.append(row)
-        logging.info(row)
+    seqs = [int(s) for s in FLAGS.seq_lens.split(",")]
+    lines += cached_lm.prefill_rows(model, hf, seqs, FLAGS.repeats, rng)
 
     lines += [
         "",
@@ -199,7 +139,7 @@ def main(argv: list[str]) -> None:
         f"{'layer seq':>11} | {'compile s':>9} | {'ours ms':>9} | {'HF ms':>9} | {'HF/ours':>7} | "
         f"{'max|dy|':>9}",
     ]
-    for seq in [int(s) for s in FLAGS.seq_lens.split(",")]:
+    for seq in seqs:
         x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
         c_ours, t_ours, y_ours = ours_layer_prefill(model, x, 5 * FLAGS.repeats)  # cheap calls: more repeats
         row = f"{seq:>11} | {c_ours:9.2f} | {t_ours * 1e3:9.2f} | "
@@ -212,25 +152,8 @@ def main(argv: list[str]) -> None:
         lines.append(row)
         logging.info(row)
 
-    lines += [
-        "",
-        f"decode: {FLAGS.decode_steps} greedy steps after a {FLAGS.decode_prompt}-token prefill",
-        f"{'batch':>11} | {'compile s':>9} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7} | "
-        "same tokens",
-    ]
-    for batch in [int(b) for b in FLAGS.decode_batches.split(",")]:
-        prompts = rng.integers(0, config.vocab_size, size=(batch, FLAGS.decode_prompt))
-        n = batch * FLAGS.decode_steps
-        c_ours, t_ours, toks_ours = ours_decode(model, prompts, FLAGS.decode_steps, FLAGS.repeats)
-        row = f"{batch:>11} | {c_ours:9.2f} | {n / t_ours:10.1f} | "
-        if hf.available:
-            t_hf, toks_hf = hf.decode(prompts, FLAGS.decode_steps, FLAGS.repeats)
-            same = float(np.mean(toks_ours == toks_hf))
-            row += f"{n / t_hf:10.1f} | {t_hf / t_ours:7.2f} | {same:.0%}"
-        else:
-            row += f"{'-':>10} | {'-':>7} | -"
-        lines.append(row)
-        logging.info(row)
+    lines += ["", *cached_lm.decode_rows(model, hf, [int(b) for b in FLAGS.decode_batches.split(",")],
+                                         FLAGS.decode_steps, FLAGS.decode_prompt, FLAGS.repeats, rng)]
     lines.append(f"load average after {load_average()}")
     print("\n".join(lines))  # noqa: T201 - the CLI's report
 
