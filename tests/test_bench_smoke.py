@@ -111,6 +111,14 @@ def test_bench_reports_compile_time_apart_from_run_time(smoke_runs, name):
         assert re.search(r"first batch [0-9.]+s \(compile: [1-9][0-9]* programs", out), out
 
 
+def test_decode_reports_the_limit_with_attention_beside_the_matmul_only_one(smoke_runs):
+    """`bench.decode` prints both limits and our share of each: the matmul-only one (issue 15's) and the one
+    that also reads each attention layer's K/V cache (`matmul_limit_seconds(..., context)`)."""
+    out = smoke_runs["decode"]["stdout"]
+    assert re.search(r"matmul limit +[0-9.]+ tok/s \(ours = [0-9.]+ of limit\) \| with attention over the "
+                     r"cache +[0-9.]+ tok/s \(ours = [0-9.]+\)", out), out[-3000:]
+
+
 def test_decode_roofline_bytes_are_the_weights_the_live_kv_and_the_state():
     """`bench.decode`'s roofline (issue 15's H200 target): the bytes a decode step must move, from the
     presets' own cache shapes, against hand counts from the published configs."""

@@ -12,12 +12,14 @@ GPU) runs only when torch and transformers import (e.g. ``/work/tvenv/bin/python
 librarian_jax.bench.decode``); otherwise only our figures are printed. The limit is the time of the same
 decode steps' matrix products alone: a jitted loop of ``new_tokens`` steps of the projections, MLP and LM head
 at the same batch, without attention, norms, sampling or cache updates, with weights and activations in the
-preset's dtypes. The roofline is the decode rate if every step only read the weights and each row's live cache
-(K/V of the positions attended, at the decode's mean length ``prompt_len + new_tokens / 2``; Gated DeltaNet
-state read and written) once at the device's memory bandwidth: ``--memory_gbps`` when given (e.g. 4800 for an
-H200's HBM), else, on an accelerator, measured by a jitted copy of 512 MiB; on the CPU only when given (a
-small preset's weights sit in the CPU's caches, so no one bandwidth bounds its step; the matmul-only limit is
-the CPU's reference). ``--transformers=false`` leaves the HF side out.
+preset's dtypes; the second limit adds each attention layer's two products over a K/V cache of its own at the
+decode's mean length (below), read from memory every step as the engine's is. The roofline is the decode rate
+if every step only read the weights and each row's live cache (K/V of the positions attended, at the decode's
+mean length ``prompt_len + new_tokens / 2``; Gated DeltaNet state read and written) once at the device's
+memory bandwidth: ``--memory_gbps`` when given (e.g. 4800 for an H200's HBM), else, on an accelerator,
+measured by a jitted copy of 512 MiB; on the CPU only when given (a small preset's weights sit in the CPU's
+caches, so no one bandwidth bounds its step; the matmul-only limit is the CPU's reference).
+``--transformers=false`` leaves the HF side out.
 
 Each line gives the first call's wall time (compilation, or reading the persistent compilation cache that
 `--compilation_cache_dir` points at, plus one run) apart from the steady state (best of `--repeats`), and the
@@ -72,8 +74,13 @@ flags.DEFINE_float("memory_gbps", 0.0, "memory bandwidth for the roofline, GB/s 
 compile_cache.define_flag()
 
 
-def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, repeats: int) -> float:
-    """Time of ``steps`` decode steps' matrix products alone (one jitted ``fori_loop``)."""
+def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, repeats: int,
+                         context: int = 0) -> float:
+    """Time of ``steps`` decode steps' matrix products alone (one jitted ``fori_loop``): the projections, MLP
+    and LM head; with ``context`` > 0 also each attention layer's two products over a K/V cache of its own
+    holding ``context`` positions (a sliding layer at most its window), laid out as the engine's
+    (`[batch, kv_heads, head_dim, len]` / `[batch, kv_heads, len, head_dim]`), so the cache is read from
+    memory each step as the engine must."""
     rng = np.random.default_rng(0)
     h, q, kv, f, v = (
         config.hidden_size,
@@ -82,14 +89,20 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
         config.intermediate_size,
         config.vocab_size,
     )
+    kvh, d = config.num_kv_heads, config.head_dim
+    g = config.num_heads // kvh
 
     def w(*shape: int) -> jax.Array:
         return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, config.jnp_param_dtype)
 
-    layers = [
-        dict(q=w(h, q), k=w(h, kv), v=w(h, kv), o=w(q, h), gate=w(h, f), up=w(h, f), down=w(f, h))
-        for _ in range(config.num_layers)
-    ]
+    layers = []
+    for kind in config.layer_types:
+        p = dict(q=w(h, q), k=w(h, kv), v=w(h, kv), o=w(q, h), gate=w(h, f), up=w(h, f), down=w(f, h))
+        if context > 0 and kind in ("full_attention", "sliding_attention"):
+            n = min(context, config.sliding_window) if kind == "sliding_attention" else context
+            p.update(kt=w(batch, kvh, d, n).astype(config.jnp_dtype), vc=w(batch, kvh, n, d).astype(
+                config.jnp_dtype))
+        layers.append(p)
     head = w(h, v)
 
     @jax.jit
@@ -99,6 +112,9 @@ def matmul_limit_seconds(config: models.ModelConfig, batch: int, steps: int, rep
                 a = x @ p["q"]
                 kk = x @ p["k"]
                 vv = x @ p["v"]
+                if "kt" in p:
+                    scores = jnp.einsum("bkgd,bkdt->bkgt", a.reshape(batch, kvh, g, d), p["kt"])
+                    a = jnp.einsum("bkgt,bktd->bkgd", scores, p["vc"]).reshape(batch, q)
                 x = x + a @ p["o"] + (kk.sum() + vv.sum()) * 1e-9
                 x = x + (x @ p["gate"] * (x @ p["up"])) @ p["down"]
             logits = x @ head
@@ -320,11 +336,12 @@ def main(argv: list[str]) -> None:
             fns["tunix"] = functools.partial(tunix_run, prompts)
         times = alternate_best(fns, FLAGS.repeats)
         t_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats)
+        context = FLAGS.prompt_len + FLAGS.new_tokens / 2  # the decode's mean length
+        t_attn_limit = matmul_limit_seconds(config, batch, FLAGS.new_tokens, FLAGS.repeats, round(context))
         t_hf, hf_note = (hf_seconds(config, prompts, FLAGS.new_tokens, FLAGS.repeats) if FLAGS.transformers
                          else (None, "--transformers=false"))
         roofline = 0.0
         if bandwidth:  # the live cache at the decode's mean length
-            context = FLAGS.prompt_len + FLAGS.new_tokens / 2
             roofline = batch * bandwidth / decode_step_bytes(config, param_bytes, batch, context)
         for scan in scans:
             t_first, t_ours, ours_out = times[f"ours {scan}"]
@@ -333,7 +350,8 @@ def main(argv: list[str]) -> None:
                 f"(compile {max(t_first - t_ours, 0.0):6.2f} s) | "
                 f"generate {tokens / t_ours:9.1f} tok/s | "
                 f"matmul limit {tokens / t_limit:9.1f} tok/s "
-                f"(ours = {t_limit / t_ours:.2f} of limit)"
+                f"(ours = {t_limit / t_ours:.2f} of limit) | with attention over the cache "
+                f"{tokens / t_attn_limit:9.1f} tok/s (ours = {t_attn_limit / t_ours:.2f})"
             )
             if roofline:
                 share = tokens / t_ours / roofline
