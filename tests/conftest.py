@@ -12,17 +12,19 @@ import os
 
 import pytest
 
-LONGEST_FIRST = (  # seconds in a full run on 2 cores (tests/run.sh, 2026-12-02)
-    "test_learning_embedded.py",  # 262
-    "test_multihost.py",  # 220: 3 launches of main, 2 processes each
-    "test_engine.py",  # 116
-    "test_qwen3_5_moe.py",  # 104
-    "test_scan_layers.py",  # 82
-    "test_eval_multiprocess.py",  # 77
-    "test_bench_smoke.py",  # 71: one subprocess runs every bench
-    "test_rl_chunked.py",  # 64
-    "test_rollout_e2e.py",  # 64
-    "test_engine_scan.py",  # 62
+LONGEST_FIRST = (  # seconds of its tests in two full runs on 2 cores (tests/run.sh --durations, 2026-12-02)
+    "test_learning_embedded.py",  # 212-243
+    "test_multihost.py",  # 142-176: 3 launches of main, 2 processes each
+    "test_qwen3_5_moe.py",  # 95-97
+    "test_engine.py",  # 76-88
+    "test_rl_train.py",  # 60-73
+    "test_scan_layers.py",  # 68-70
+    "test_bench_smoke.py",  # 57-68: one subprocess runs every bench
+    "test_eval_multiprocess.py",  # 60-67
+    "test_rl_chunked.py",  # 54-56
+    "test_engine_scan.py",  # 39-50
+    "test_eval_restore.py",  # 41-50
+    "test_rollout_e2e.py",  # 40-46
 )
 
 
