@@ -4,6 +4,7 @@ the trained model's logits; bad checkpoints are one-line errors naming the path,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import types
 
@@ -50,13 +51,17 @@ def _save_run(tmp_path, lora_rank: int):
     return restore.load_run_config(str(tmp_path)), trainer
 
 
-def test_full_params_restore_onto_another_mesh_equals_the_trainer(tmp_path):
+def test_full_params_restore_onto_another_mesh_equals_the_trainer(tmp_path, caplog):
     run_cfg, trainer = _save_run(tmp_path, 0)
     step, step_dir = restore.select_step(str(tmp_path))
     assert step == 3
-    restore.check_checkpoint(step_dir, run_cfg)
     mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
-    model = restore.restore_builder(run_cfg, step_dir, mesh, TOK)
+    with caplog.at_level("WARNING"):
+        restore.check_checkpoint(step_dir, run_cfg)
+        model = restore.restore_builder(run_cfg, step_dir, mesh, TOK)
+    # a good checkpoint is checked and restored without a warning (orbax warned that the step's metadata
+    # file was missing when asked for the params item's metadata: true of every good step, read like damage)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     got = nnx.state(model, nnx.Param).to_pure_dict()
     want = trainer.params.to_pure_dict()
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)

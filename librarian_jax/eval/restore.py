@@ -131,11 +131,14 @@ def checkpoint_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
     path = storage.join(step_dir, "params")
     if not storage.isdir(path):
         raise _err("run", f"{path!r} is missing: not a librarian_jax checkpoint step")
-    with ocp.StandardCheckpointer() as ckptr:
-        md = ckptr.metadata(storage.path(path))
-    tree = getattr(md, "item_metadata", md)
-    tree = getattr(tree, "tree", tree)
-    return _shapes(tree)
+    # the item's handler, not a Checkpointer: a Checkpointer also reads the step's metadata file, which lives
+    # one level up, and warns that it is missing from every good step
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        md = handler.metadata(storage.path(path))
+    finally:
+        handler.close()
+    return _shapes(getattr(md, "tree", md))
 
 
 def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
