@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import forward
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,18 +35,21 @@ FAMILIES = {
 }
 
 
-def _model(config: models.ModelConfig, seed: int = 0) -> models.Transformer:
-    model = models.Transformer(config, rngs=nnx.Rngs(seed))
+@jax.jit
+def _scaled(state):
     # Random weights near init give near-uniform logits; scale them so argmax decisions are well separated.
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, state))
+    return jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, state)
+
+
+def _model(config: models.ModelConfig, seed: int = 0) -> models.Transformer:
+    model = models.init_model(config, seed=seed)  # one program, not one per initialiser
+    nnx.update(model, _scaled(nnx.state(model, nnx.Param)))
     return model
 
 
 def _full_logits(model: models.Transformer, tokens: np.ndarray) -> np.ndarray:
     """Logits `[len, vocab]` of one full (uncached) forward pass over `tokens`."""
-    logits, _ = model(jnp.asarray(tokens, jnp.int32)[None])
-    return np.asarray(logits[0])
+    return np.asarray(forward.logits(model, jnp.asarray(tokens, jnp.int32)[None])[0])
 
 
 def _assert_greedy_matches_forward(model, prompt, generated):

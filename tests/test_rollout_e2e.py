@@ -4,6 +4,7 @@ loop, and the records hold exactly the ids the engine sampled and was given, wit
 
 from __future__ import annotations
 
+import forward
 import jax
 import numpy as np
 import pytest
@@ -92,7 +93,7 @@ def test_batch_of_episodes_with_the_tiny_model(world):
         assert np.array_equal(seg.loss_mask > 0, seg.turn_index >= 0)
     # the sampler's log-probs are the model's log_softmax at exactly these ids (temperature 1)
     seg = records[0].segments[0]
-    logits, _ = model(jax.numpy.asarray(seg.tokens[None, :-1]))
+    logits = forward.logits(model, jax.numpy.asarray(seg.tokens[None, :-1]))
     lp = jax.nn.log_softmax(logits[0].astype(jax.numpy.float32), axis=-1)
     picked = np.asarray(lp[np.arange(len(seg.tokens) - 1), seg.tokens[1:]])
     sampled = seg.loss_mask[1:] > 0

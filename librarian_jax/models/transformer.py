@@ -525,8 +525,9 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
     """A randomly initialised Transformer, built in one compiled program.
 
     With `mesh`, every parameter is created directly in its NamedSharding (logical axes through `rules`),
-    so a large model never exists unsharded on one device. Same values as
-    `Transformer(config, rngs=nnx.Rngs(seed))`.
+    so a large model never exists unsharded on one device. The same random draws as
+    `Transformer(config, rngs=nnx.Rngs(seed))` (built eagerly, one small program per initialiser), equal up
+    to floating-point rounding of the compiled scaling (seen: at most 7.5e-9 on the `tiny` preset).
     """
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
