@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from forward import cached, forward
 from jax.sharding import Mesh
 from safetensors.numpy import load_file
 
@@ -22,16 +23,6 @@ from librarian_jax.models.partitioning import tree_shardings
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "golden")
 FIXTURES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(GOLDEN, "qwen3_5_*")))
-
-
-@jax.jit
-def forward(graphdef, state, tokens, mask):
-    return nnx.merge(graphdef, state)(tokens, mask=mask)[0]
-
-
-@jax.jit
-def cached(graphdef, state, tokens, cache, mask):
-    return nnx.merge(graphdef, state)(tokens, cache=cache, mask=mask)
 
 
 def params(model: Transformer) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from forward import cached, forward
 from safetensors.numpy import load_file
 
 from librarian_jax.models import init_cache, load_hf, save_hf
@@ -24,16 +25,6 @@ from librarian_jax.models import moe as moe_lib
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "golden")
 FIXTURES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(GOLDEN, "qwen3_5moe_*")))
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/run.sh simulates them)")
-
-
-@jax.jit
-def forward(graphdef, state, tokens, mask):
-    return nnx.merge(graphdef, state)(tokens, mask=mask)[0]
-
-
-@jax.jit
-def cached(graphdef, state, tokens, cache, mask):
-    return nnx.merge(graphdef, state)(tokens, cache=cache, mask=mask)
 
 
 def params(model) -> dict[str, np.ndarray]:
