@@ -180,9 +180,13 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # and the judge share the executor's weights and engine (the paper compacts with Gemini 3.1 Flash Lite,
     # which we cannot run). Thinking is off for every frozen role; the answerer's 32,768-token budget fits.
     c.roles.answerer.update(init="policy", slots=256, max_seq_len=32768, thinking=False)
-    for role in ("executor", "compaction", "judge"):
-        c.roles[role].update(init="hf", preset="qwen3_5_35b_a3b", dtype="bfloat16", slots=128,
-                             max_seq_len=8192, thinking=False)
+    if model_preset.startswith("qwen3_5"):
+        c.roles.executor.update(init="hf", preset="qwen3_5_35b_a3b", dtype="bfloat16", slots=128,
+                                max_seq_len=8192, thinking=False)
+    else:  # every role reads the builder's tokenizer: a Gemma run's executor is its own base model, frozen
+        c.roles.executor.update(init="policy", slots=128, max_seq_len=8192, thinking=False)
+    for role in ("compaction", "judge"):  # the executor's weights and engine (no path of their own)
+        c.roles[role].update(init="executor", slots=128, max_seq_len=8192, thinking=False)
     # The paper's reward and loss: probe deltas, the terminal reward and the 0.1 no-Stop penalty only; no
     # malformed-call penalty, no dual clip, no TIS (the ratio is taken against the sampler's log-probs).
     c.rollout.builder.update(compaction="model", malformed_penalty=0.0)

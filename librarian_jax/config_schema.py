@@ -27,17 +27,19 @@ import ml_collections
 from librarian_jax import data as data_lib
 from librarian_jax.agents.answerer import ANSWERER_KINDS
 from librarian_jax.agents.runtime import FROZEN_ROLES
-from librarian_jax.data.demos import DEFAULT_MIX as DEMO_MIX
-from librarian_jax.data.demos import STYLES as DEMO_STYLES
 from librarian_jax.engine.mesh import MESH_AXES, resolve_mesh_shape
 from librarian_jax.models import PRESETS as MODEL_PRESETS
 from librarian_jax.rl import advantages, losses, train_step
 from librarian_jax.rl.sft import PACKING
 from librarian_jax.rollout import RolloutConfig
+from librarian_jax.tokenizers import STYLES as CHAT_STYLES
+from librarian_jax.warm_start.demos import DEFAULT_MIX as DEMO_MIX
+from librarian_jax.warm_start.demos import STYLES as DEMO_STYLES
 
 # The choice lists of this module's keys (lists owned by a lower layer are imported above).
 MODEL_INITS = ("random", "hf", "orbax")
-ROLE_INITS = ("policy", *MODEL_INITS)  # "policy": the builder's initial weights, frozen
+# "policy": the builder's initial weights, frozen; "executor" (compaction, judge): the executor's weights
+ROLE_INITS = ("policy", *MODEL_INITS, "executor")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = the model preset's
 DATA_SOURCES = ("synthetic", "file")
 DATA_FORMATS = ("auto", *data_lib.FORMATS)
@@ -179,6 +181,7 @@ class ModelSection(Section):
     lora_alpha: float = spec(64.0)
     lora_module_path: str = spec(train_step.LORA_ALL_LINEAR)  # regex of the adapted modules
     frozen_path: str = spec("")  # frozen roles' weights (HF folder); "" = the policy's initial weights
+    template: str = spec("", choices=("", *CHAT_STYLES))  # the builder's chat template; "" = as for a role
 
     def check(self, key: str) -> None:
         if self.init in ("hf", "orbax"):
@@ -434,11 +437,12 @@ class WarmStartSection(Section):
 @dataclasses.dataclass(frozen=True)
 class RoleSection(Section):
     """One frozen role's model: init "policy" (the builder's initial weights, frozen) | "hf" | "orbax" |
-    "random"; path / preset / dtype ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
+    "random" | "executor" (compaction and judge: the executor's weights and engine); path / preset / dtype
+    ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
     rollout.max_seq_len); mesh ("" = the run's, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the Qwen3.5
     template's switch). Defaults are filled and the values checked by `config_validation.resolve_roles`."""
 
-    init: str = spec("policy")
+    init: str = spec("policy", choices=ROLE_INITS)
     path: str = spec("")
     preset: str = spec("")
     dtype: str = spec("")
@@ -446,6 +450,7 @@ class RoleSection(Section):
     max_seq_len: int = spec(0)
     mesh: str = spec("")
     thinking: bool = spec(False)
+    template: str = spec("", choices=("", *CHAT_STYLES))  # "" = Qwen3.5's for a qwen3_5 preset, else detected
 
 
 # One model per frozen role (`agents.runtime.FROZEN_ROLES`); roles naming the same weights share one engine
@@ -502,7 +507,7 @@ class DemosSection(Section):
     num_tasks: int = spec(256, lo=1)  # worlds to demonstrate on (seeded apart from the run's tasks)
     per_task: int = spec(1, lo=1)  # demonstrations per world
     calls_per_turn: int = spec(2, lo=1)  # tool calls per scripted reply
-    mix: dict[str, float] = spec(factory=lambda: dict(DEMO_MIX))  # share of each data.demos.STYLES style
+    mix: dict[str, float] = spec(factory=lambda: dict(DEMO_MIX))  # share of each demos.STYLES style
 
     def check(self, key: str) -> None:
         for style, share in self.mix.items():
@@ -596,6 +601,27 @@ class BootstrapSection(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalRoleSection(Section):
+    """An evaluation's explicit override of one frozen role of the run's protocol ("" / 0 / -1: the run's;
+    the keys of `RoleSection`). The report marks every difference from the training run's protocol."""
+
+    init: str = spec("", choices=("", *ROLE_INITS))
+    path: str = spec("")
+    preset: str = spec("", choices=("", *MODEL_PRESETS))
+    dtype: str = spec("", choices=DTYPES)
+    slots: int = spec(0, lo=0)
+    max_seq_len: int = spec(0, lo=0)
+    mesh: str = spec("")
+    thinking: int = spec(-1, lo=-1, hi=1)  # -1 = the run's; 0 off; 1 on
+    template: str = spec("", choices=("", *CHAT_STYLES))
+
+
+EvalRolesSection = dataclasses.make_dataclass(
+    "EvalRolesSection", [(role, EvalRoleSection, _section(EvalRoleSection)) for role in FROZEN_ROLES],
+    bases=(Section,), frozen=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig(Section):
     """`configs/eval.py`: a trained builder against baselines on held-out corpora (docs/eval.md)."""
 
@@ -626,6 +652,7 @@ class EvalConfig(Section):
     batch_tasks: int = spec(8, lo=1)  # corpora per scheduler batch (one progress-bar tick)
     export_workspaces: bool = spec(True)
     engine: EngineSizesSection = _section(EngineSizesSection)
+    roles: EvalRolesSection = _section(EvalRolesSection)  # explicit overrides of the run's roles
     mesh: MeshSection = _section(MeshSection)
 
     def check(self, key: str) -> None:

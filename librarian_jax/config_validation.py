@@ -78,7 +78,7 @@ def rollout_config(config: Any) -> RolloutConfig:
 # ------------------------------------------------------------------------------------------- roles
 # One model per frozen role (the paper: a Qwen3.5-35B-A3B executor, a separate compaction model, a fixed
 # answerer that may be another model again, a judge). `config.roles.<role>` names its weights; roles that
-# name the same weights share one engine and one copy of them (`main.build`).
+# name the same weights share one engine and one copy of them (`cluster.build_cluster`).
 CHARS_PER_TOKEN = 3  # a conservative characters-per-token figure for the budget warnings
 
 
@@ -98,7 +98,8 @@ def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
     """Each frozen role's settings with the defaults filled in: `init="policy"` (the builder's initial
     weights; `model.frozen_path`, when set, is an HF folder for every role left at "policy"), `preset` /
     `dtype` from `model`, `slots` from `rollout.frozen_slots`, `max_seq_len` from `rollout.max_seq_len`, the
-    run's mesh. Adds `weights`: the key of the weights (roles with equal keys share one model and engine)."""
+    run's mesh. `init="executor"` (compaction, judge) takes the executor's weights, preset, dtype and mesh.
+    Adds `weights`: the key of the weights (roles with equal keys share one model and engine)."""
     roles = config.get("roles") if hasattr(config, "get") else None
     m, r = config.model, config.rollout
     out: dict[str, dict[str, Any]] = {}
@@ -106,6 +107,12 @@ def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
         src = roles[role] if roles is not None and role in roles else {}
         d = RoleSection.parse(src, f"roles.{role}").to_dict()
         d["init"] = d["init"] or "policy"
+        if d["init"] == "executor":
+            if role == "executor":
+                raise _err("roles.executor.init", "cannot be 'executor' (its own weights)")
+            ex = out["executor"]
+            d.update({k: ex[k] for k in ("init", "path", "preset", "dtype", "mesh")})
+            d["template"] = d["template"] or ex["template"]
         if d["init"] == "policy" and m.get("frozen_path", ""):
             d["init"], d["path"] = "hf", m.frozen_path
         d["preset"] = d["preset"] or m.preset

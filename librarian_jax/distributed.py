@@ -28,6 +28,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
 from librarian_jax import storage, xla_flags
+from librarian_jax.rollout import read_jsonl, write_jsonl
 
 # Environment knobs (the launch scripts pass them with --env=KEY=VALUE; launch/README.md).
 HEARTBEAT_ENV = "LIBRARIAN_HEARTBEAT_TIMEOUT_S"  # a process silent this long is declared dead (all stop)
@@ -300,8 +301,6 @@ def episode_file(directory: str, step: int, process: int | None = None) -> str:
 def write_step_records(directory: str, step: int, records: Sequence[Any]) -> str:
     """This process's episode records of `step` (`rollout.write_jsonl`: a `gs://` workdir works too).
     Returns the file."""
-    from librarian_jax.rollout import write_jsonl
-
     path = episode_file(directory, step)
     write_jsonl(path, records)
     return path
@@ -322,8 +321,6 @@ def episode_files(directory: str, step: int) -> list[str]:
 
 def read_step_records(directory: str, step: int) -> list[Any]:
     """The episode records of `step` from every process's file, task-major in global order."""
-    from librarian_jax.rollout import read_jsonl
-
     return [r for f in episode_files(directory, step) for r in read_jsonl(f)]
 
 

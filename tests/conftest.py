@@ -36,3 +36,31 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))
+
+
+@pytest.fixture(scope="session")
+def qwen_tok(tmp_path_factory):
+    """A small `tokenizer.json` with Qwen3.5's special and added tokens (a byte-level BPE trained here)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tk_models
+
+    from librarian_jax.tokenizers import load_tokenizer
+
+    d = tmp_path_factory.mktemp("q35")
+    raw = Tokenizer(tk_models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raw.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(["Paris is the capital of France. read the file raw_docs/a.txt answer"] * 20,
+                            trainer)
+    extra = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    raw.add_tokens([AddedToken(t, special=False) for t in extra])
+    raw.save(str(d / "tokenizer.json"))
+    cfg = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+           "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return load_tokenizer(str(d))

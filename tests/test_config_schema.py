@@ -12,7 +12,6 @@ import pathlib
 import pytest
 
 from librarian_jax import config_schema as S
-from librarian_jax import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = {"grpo": S.GRPOConfig, "sft": S.SFTConfig, "eval": S.EvalConfig, "build": S.BuildConfig}
@@ -101,6 +100,8 @@ def test_bad_values_name_their_key(schema, key, value, message):
 
 
 def test_main_dispatches_the_schema_commands():
+    from librarian_jax import main
+
     assert set(main.COMMANDS) == set(S.SCHEMAS)
 
 

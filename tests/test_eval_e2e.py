@@ -24,13 +24,13 @@ from test_main import tiny_run_config  # noqa: E402
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from librarian_jax import main
+    from librarian_jax import training
 
     workdir = str(tmp_path_factory.mktemp("eval_run") / "run")
     config = tiny_run_config(workdir, num_steps=2)
     if "warm_start" in config:
         config.warm_start.enabled = False  # the SFT warm start has its own tests
-    main.run(config)
+    training.run(config)
     return workdir
 
 
@@ -193,7 +193,7 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
     tasks = data.generate_world(1, 2, docs_per_task=2, min_words=20, max_words=30, questions_per_task=2)
     bad = tasks[1].task_id
 
-    def fake_run_batch(batch, group_size, engines, tokenizer, config, rng=0):
+    def fake_run_batch(batch, group_size, engines, tokenizer, config, rng=0, **kw):
         if any(t.task_id == bad for t in batch):
             raise RuntimeError("builder crashed")
         from librarian_jax.rollout import EpisodeRecord
@@ -219,7 +219,8 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
     resets = []
     cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
     built = pipeline.build_workspaces(
-        "trained", tasks, dict, None, cfg, reset=lambda: resets.append(1), progress=False
+        "trained", tasks, dict, None, cfg, templates={"policy": None}, reset=lambda: resets.append(1),
+        progress=False,
     )
     assert [b.failed != "" for b in built] == [False, True] and resets
     assert built[0].construction_tokens == 7

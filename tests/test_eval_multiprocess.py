@@ -68,7 +68,6 @@ def test_answer_seeds_do_not_depend_on_the_process_hash_seed(monkeypatch):
     monkeypatch.setattr(pipeline, "AgentContext", context)
     monkeypatch.setattr(pipeline, "Scheduler", Scheduler)
     monkeypatch.setattr(pipeline, "fit_to_engines", lambda config, engines: config)
-    monkeypatch.setattr("librarian_jax.tokenizers.chat_template", lambda tokenizer: None)
 
     class Task:
         def __init__(self, task_id):
@@ -76,8 +75,8 @@ def test_answer_seeds_do_not_depend_on_the_process_hash_seed(monkeypatch):
 
     jobs = [pipeline.Job("trained", Task(t), object(), 1, episode=e)
             for t in ("task_0003", "x") for e in (0, 1)]
-    pipeline.answer_jobs(jobs, lambda: {"frozen": None}, None, pipeline.R.RolloutConfig(), seed=0,
-                         progress=False)
+    pipeline.answer_jobs(jobs, lambda: {"frozen": None}, None, pipeline.R.RolloutConfig(),
+                         templates={"answerer": None}, seed=0, progress=False)
     assert seen[1] == 1197510428464194297
     assert seen == [int(pipeline.answer_rng(0, j.task.task_id, j.episode).integers(2**62)) for j in jobs]
 
@@ -89,7 +88,7 @@ def _fake_run_batch(seeds: dict[tuple[str, int], int], bad: str = ""):
     from librarian_jax.rollout import EpisodeRecord
     from librarian_jax.workspace import Workspace
 
-    def run_batch(batch, group_size, engines, tokenizer, config, rng=0):
+    def run_batch(batch, group_size, engines, tokenizer, config, rng=0, **kw):
         if len(batch) > 1 and any(t.task_id == bad for t in batch):
             raise RuntimeError("a batch with the bad corpus crashed")
         rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(int(rng))
@@ -125,7 +124,8 @@ def test_a_share_builds_with_the_episode_seeds_of_the_whole_build(monkeypatch):
 
     def build(part):
         return [(b.task.task_id, b.episode, b.construction_tokens, b.failed)
-                for b in pipeline.build_workspaces("m", tasks[part], dict, None, cfg, start=part.start, **kw)]
+                for b in pipeline.build_workspaces("m", tasks[part], dict, None, cfg, start=part.start,
+                                                    templates={"policy": None}, **kw)]
 
     whole = build(slice(0, len(tasks)))
     whole_seeds = dict(seeds)
@@ -168,7 +168,7 @@ def test_periodic_eval_on_two_processes_returns_the_one_process_records_and_metr
     cfg = pipeline.R.RolloutConfig()
 
     def run():
-        return pipeline.periodic_eval(tasks, {}, None, cfg, seed=7, repeats=2)
+        return pipeline.periodic_eval(tasks, {}, None, cfg, seed=7, repeats=2, templates={"policy": None})
 
     def times_aside(metrics):
         return {k: v for k, v in metrics.items() if not k.endswith("_s")}
@@ -210,7 +210,7 @@ def _run_dir(path: str) -> str:
     """A training workdir whose step 1 is the warm-start fixture (config.json of the embedded preset on
     it, checkpoints/1/params linked to the fixture, split.json holding every corpus of a small world)."""
     from configs import grpo
-    from librarian_jax import main
+    from librarian_jax import inputs
 
     cfg = grpo.get_config()
     cfg.workdir = path
@@ -227,7 +227,7 @@ def _run_dir(path: str) -> str:
     open(os.path.join(step, "commit_success.txt"), "w").close()
     with open(os.path.join(path, "config.json"), "w") as f:
         f.write(cfg.to_json_best_effort(indent=2))
-    train, held = main.build_tasks(cfg)
+    train, held = inputs.build_tasks(cfg)
     with open(os.path.join(path, "split.json"), "w") as f:
         json.dump({"train": [], "heldout": [t.task_id for t in train + held]}, f)
     return path

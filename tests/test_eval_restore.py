@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from configs import grpo
-from librarian_jax import checkpoint, main, models
+from librarian_jax import checkpoint, cluster, models, training
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.engine import make_mesh
 from librarian_jax.eval import restore
@@ -34,7 +34,7 @@ def _save_run(tmp_path, lora_rank: int):
     with open(tmp_path / "config.json", "w") as f:
         f.write(cfg.to_json_best_effort())
     mesh = make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
-    base = main.build_model(cfg, mesh, TOK)
+    base = cluster.initial_model(cfg, mesh, TOK)
     model = (
         train_step.apply_lora(
             base, lora_rank, cfg.model.lora_alpha, cfg.model.lora_module_path, seed=cfg.seed
@@ -42,7 +42,7 @@ def _save_run(tmp_path, lora_rank: int):
         if lora_rank
         else base
     )
-    trainer = train_step.Trainer(model, main.train_config(cfg), mesh=mesh)
+    trainer = train_step.Trainer(model, training.train_config(cfg), mesh=mesh)
     keys = iter(jax.random.split(jax.random.key(1), 1000))
     moved = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), trainer.params)
     trainer.set_state(moved, trainer.opt_state, 3)
@@ -88,7 +88,7 @@ def test_lora_restore_gives_the_trained_models_logits(lora_run):
     tokens = jnp.asarray(np.arange(24).reshape(2, 12) % 60, jnp.int32)
     want = forward.logits(trainer.model(), tokens)
     got = forward.logits(model, tokens)
-    base = forward.logits(main.build_model(run_cfg, None, TOK), tokens)
+    base = forward.logits(cluster.initial_model(run_cfg, None, TOK), tokens)
     assert float(jnp.abs(want - base).max()) > 1e-3  # the adapters matter
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 

@@ -49,11 +49,11 @@ def _optimised_programs():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from librarian_jax import main
+    from librarian_jax import training
 
     if not os.path.isdir(os.path.join(FIXTURE, "params")):
         pytest.fail(f"missing fixture {FIXTURE}: run tests/make_warm_start_fixture.py")
-    return main.build(_config(str(tmp_path_factory.mktemp("learn"))))
+    return training.build(_config(str(tmp_path_factory.mktemp("learn"))))
 
 
 def _batch(run, tasks, temperature: float, seed: int):
@@ -81,7 +81,7 @@ def test_warm_started_builder_writes_valid_calls_and_helps_the_answerer(run):
 
 @pytest.mark.slow
 def test_a_few_grpo_steps_raise_the_mean_reward(run):
-    from librarian_jax import main
+    from librarian_jax import training
 
     tasks = run.train_tasks
     # the mean over 4 sampled batches (seeds) before and after: one batch's gain ranged 0.10-0.43 over seeds
@@ -93,6 +93,6 @@ def test_a_few_grpo_steps_raise_the_mean_reward(run):
 
     before = mean_reward()
     for _ in range(4):
-        main.train_one_step(run)
+        training.train_one_step(run)
     after = mean_reward()
     assert after > before + 0.1, (before, after)

@@ -45,12 +45,12 @@ def test_default_and_paper_presets():
 
 
 def test_train_keys_reach_the_trainer_config():
-    from librarian_jax import main
+    from librarian_jax import training
 
     c = grpo().get_config()
     c.train.logits_chunk, c.train.remat, c.train.micro_batches = 256, "layer", 2
     c.train.moe_aux_loss_coef, c.train.micro_batch_rows = 0.01, 3
-    t = main.train_config(c)
+    t = training.train_config(c)
     assert (t.logits_chunk, t.remat, t.micro_batches, t.moe_aux_loss_coef) == (256, "layer", 2, 0.01)
     assert t.micro_batch_rows == 3
     c.train.moe_aux_loss_coef = -1.0
@@ -152,19 +152,19 @@ def _episodes(workdir: str, step: int) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.slow
 def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tmp_path):
-    """Through `main.run` itself: a run of 2 steps in one invocation ("straight"), and one "killed" after
+    """Through `training.run` itself: a run of 2 steps in one invocation ("straight"), and one "killed" after
     step 1, then resumed by a second invocation. Step 2's rollouts are sampled by the step-1 weights only if
     main hands the trainer's weights to the policy engine after each update (straight) and after a resume
     (resumed): without either hand-off one run samples step 2 with the initial weights, and the two differ.
     With both, the runs are identical: same step-2 tokens and sampler log-probs, same step-2 checkpoint."""
-    from librarian_jax import main
+    from librarian_jax import training
 
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     config = tiny_run_config(straight, num_steps=2)
     # the straight run also evaluates, the starting policy (step 0) and after each step: evaluating must
     # leave training untouched (the episodes and checkpoints below equal the killed run's, which does not)
     config.eval.update(every=1, num_tasks=1, repeats=1)
-    out = main.run(config)
+    out = training.run(config)
     assert "eval/accuracy" in out["initial_eval"] and "eval/accuracy" in out["metrics"]
     # compile time apart from run time: the last step's (inside its rollout/update/eval times) and the run's
     last, run_total = out["metrics"], out["compile"]
@@ -173,10 +173,10 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     assert run_total["programs"] >= last["compile/programs"]
     assert last["compile/time_s"] <= last["rollout/time_s"] + last["train/time_s"] + last["eval/time_s"]
     logged = {"probe/accuracy": np.nan, "train/kl": np.nan, **last}  # the summary keeps finite metrics only
-    line = main.progress_line(2, 2, {**logged, "compile/programs": 3.0, "compile/time_s": 4.3})
+    line = training.progress_line(2, 2, {**logged, "compile/programs": 3.0, "compile/time_s": 4.3})
     assert line.endswith("| compiled 3 programs 4.3s")
-    assert "compiled" not in main.progress_line(2, 2, {**logged, "compile/programs": 0.0})
-    first = main.run(tiny_run_config(killed, num_steps=1))
+    assert "compiled" not in training.progress_line(2, 2, {**logged, "compile/programs": 0.0})
+    first = training.run(tiny_run_config(killed, num_steps=1))
     assert (first["start_step"], first["last_step"]) == (0, 1)
     # step 1 updated the weights (weight decay alone moves each one), so a missed hand-off cannot pass unseen
     assert "train/loss" in first["metrics"] and first["metrics"].get("train/skipped", 0.0) == 0.0
@@ -187,7 +187,7 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     # a second invocation with more steps resumes after step 1 (and evaluates on a held-out task)
     config = tiny_run_config(killed, num_steps=2)
     config.eval.update(every=1, num_tasks=1, repeats=1)
-    second = main.run(config)
+    second = training.run(config)
     assert (second["start_step"], second["last_step"]) == (1, 2)
     assert "eval/accuracy" in second["metrics"] and second["eval_s"] > 0
     assert second["initial_eval"] == {}  # a resumed run does not evaluate its starting point again

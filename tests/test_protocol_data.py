@@ -10,7 +10,7 @@ import types
 import pytest
 
 from configs import grpo
-from librarian_jax import config_validation, data, main
+from librarian_jax import config_validation, data, inputs
 from librarian_jax.config_validation import ConfigError
 
 
@@ -46,17 +46,17 @@ def test_split_file_decides_the_split_and_write_split_records_it(tmp_path):
     # the paper's shape: train, held-out, and tasks in neither (excluded); the file's order is kept
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"train": ["q5", "q0", "q1", "q2"], "heldout": ["q7", "q3"]}))
-    train, held = main.build_tasks(_file_config(path, split_file=str(split)))
+    train, held = inputs.build_tasks(_file_config(path, split_file=str(split)))
     assert [t.task_id for t in train] == ["q5", "q0", "q1", "q2"]
     assert [t.task_id for t in held] == ["q7", "q3"]
     out = tmp_path / "run"
     out.mkdir()
-    with open(main.write_split(str(out), train, held)) as f:
+    with open(inputs.write_split(str(out), train, held)) as f:
         assert json.load(f) == {"train": ["q5", "q0", "q1", "q2"], "heldout": ["q7", "q3"]}
     # held-out ids only, one a line: every other task trains
     ids = tmp_path / "heldout.txt"
     ids.write_text("q6\n\nq1\n")
-    train, held = main.build_tasks(_file_config(path, split_file=str(ids)))
+    train, held = inputs.build_tasks(_file_config(path, split_file=str(ids)))
     assert [t.task_id for t in held] == ["q6", "q1"]
     assert [t.task_id for t in train] == ["q0", "q2", "q3", "q4", "q5", "q7"]
 
@@ -66,7 +66,7 @@ def test_split_file_id_not_in_the_data_names_file_and_id(tmp_path):
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"heldout": ["q1", "q99"]}))
     with pytest.raises(ConfigError, match=rf"config\.data\.split_file: {split}: task id 'q99' is not in"):
-        main.build_tasks(_file_config(path, split_file=str(split)))
+        inputs.build_tasks(_file_config(path, split_file=str(split)))
     # the eval side reads task-id files with the same reader
     assert data.read_task_ids(split) == (None, ["q1", "q99"])
 
@@ -78,13 +78,13 @@ def test_max_docs_caps_the_browsecomp_plus_corpora(tmp_path):
              "negative_docs": [{"docid": f"n{i}-{k}", "text": f"neg {k}"} for k in range(70)]}
             for i in range(3)]
     path = _write_jsonl(tmp_path / "bcp.jsonl", rows)
-    full, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0))
+    full, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0))
     assert [len(t.documents) for t in full] == [73, 73, 73]
-    capped, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    capped, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
     assert [len(t.documents) for t in capped] == [50, 50, 50]
     for i, t in enumerate(capped):  # every support document kept
         assert {f"g{i}", f"e{i}-0", f"e{i}-1"} <= {d.doc_id for d in t.documents}
-    again, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    again, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
     assert [[d.doc_id for d in t.documents] for t in again] == [
         [d.doc_id for d in t.documents] for t in capped]
 
@@ -99,7 +99,7 @@ def test_reuse_questions_load_per_corpus(tmp_path):
         {"task_id": "q2",
          "reuse_questions": [{"question_id": "q2/r0", "question": "c?", "gold_answer": "C"}]},
     ])
-    tasks, _ = main.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=reuse))
+    tasks, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=reuse))
     by_id = {t.task_id: t for t in tasks}
     assert [q.question_id for q in by_id["q0"].reuse_questions] == ["q0/r0", "q0/r1"]
     assert by_id["q0"].reuse_questions[0].meta["estimated_difficulty"] == 2
@@ -109,7 +109,7 @@ def test_reuse_questions_load_per_corpus(tmp_path):
     bad = _write_jsonl(tmp_path / "bad.jsonl", [
         {"task_id": "q7", "reuse_questions": [{"question_id": "r", "question": "?", "gold_answer": "x"}]}])
     with pytest.raises(ConfigError, match=rf"config\.data\.reuse_questions: {bad}:1: task id 'q7' is not"):
-        main.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=bad))
+        inputs.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=bad))
 
 
 def _bright(root: pathlib.Path, domains: dict[str, int]) -> str:
@@ -125,11 +125,11 @@ def _bright(root: pathlib.Path, domains: dict[str, int]) -> str:
 
 def test_bright_samples_n_questions_per_domain_deterministically(tmp_path):
     root = _bright(tmp_path / "bright", {"aops": 80, "biology": 120, "stackoverflow": 30})
-    everything, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0))
+    everything, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0))
     assert [len(t.questions) for t in everything] == [80, 120, 30]
 
     def sample(seed: int) -> dict[str, list[str]]:
-        tasks, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50,
+        tasks, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50,
                                                  sample_seed=seed))
         return {t.task_id: [q.question_id for q in t.questions] for t in tasks}
 
@@ -153,7 +153,7 @@ def test_eval_bright_preset_samples_the_same_questions(tmp_path):
     c = eval_config.get_config("bright")
     c.tasks = root
     tasks, _ = cli.heldout_tasks(types.SimpleNamespace(config=c, run_dir="", run_cfg=None))
-    train, _ = main.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
+    train, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
     assert [len(t.questions) for t in tasks] == [50, 50]
     assert [[q.question_id for q in t.questions] for t in tasks] == [
         [q.question_id for q in t.questions] for t in train]

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from configs import grpo
+from librarian_jax import cluster, models, training
 from librarian_jax import config_validation as cv
-from librarian_jax import main, models
 from librarian_jax.rl import train_step
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3_5_tokenizer_config.json"
@@ -38,7 +38,7 @@ def test_paper_preset_roles_budgets_and_reward(tmp_path):
     assert roles["answerer"]["weights"] == "policy" and roles["answerer"]["max_seq_len"] >= 32768
     assert len({roles[r]["weights"] for r in ("executor", "compaction", "judge")}) == 1  # one shared engine
     assert not any(d["thinking"] for d in roles.values())
-    table = main.describe(c)
+    table = training.describe(c)
     assert "roles (which model serves which role)" in table
     for role in ("builder", "answerer", "executor", "compaction", "judge"):
         assert re.search(rf"^{role}\s", table, re.M), role
@@ -66,7 +66,7 @@ def test_roles_naming_the_same_weights_share_one_engine():
     class Tok:
         vocab_size = 100
 
-    engines = main.build_role_engines(c, None, base, Tok(), roles)
+    engines = cluster.build_role_engines(c, None, base, Tok(), roles)
     assert engines["answerer"] is engines["compaction"] is engines["judge"]
     assert engines["executor"] is not engines["answerer"] and engines["executor"].num_slots == 3
 
@@ -107,31 +107,6 @@ def hf_render(messages, **kw) -> str:
     env.filters["tojson"] = lambda x, **_: json.dumps(x)
     template = json.loads(FIXTURE.read_text())["chat_template"]
     return env.from_string(template).render(messages=messages, **kw)
-
-
-@pytest.fixture(scope="module")
-def qwen_tok(tmp_path_factory):
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, trainers
-    from tokenizers import models as tk_models
-
-    from librarian_jax.tokenizers import load_tokenizer
-
-    d = tmp_path_factory.mktemp("q35")
-    raw = Tokenizer(tk_models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    raw.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(["Paris is the capital of France. read the file raw_docs/a.txt answer"] * 20,
-                            trainer)
-    extra = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-    raw.add_tokens([AddedToken(t, special=False) for t in extra])
-    raw.save(str(d / "tokenizer.json"))
-    cfg = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
-           "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return load_tokenizer(str(d))
 
 
 CALL = '<tool_call>{"name": "read_file", "arguments": {"path": "raw_docs/a.txt"}}</tool_call>'

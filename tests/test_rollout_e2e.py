@@ -16,7 +16,7 @@ from librarian_jax.agents import (
     BuilderConfig,
     compaction,
     executor,
-    prompt_text,
+    vocabulary,
 )
 from librarian_jax.agents.builder import excerpt_sources
 from librarian_jax.agents.judge import judge_answer
@@ -35,7 +35,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tasks = generate_world(0, 2, questions_per_task=2, reuse_questions_per_task=0)
-    tok = cached_tokenizer(world_texts(tasks) + prompt_text.all_texts(), tmp_path_factory.mktemp("tok"), 2048)
+    tok = cached_tokenizer(world_texts(tasks) + vocabulary.all_texts(), tmp_path_factory.mktemp("tok"), 2048)
     model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
     policy = Engine(model, num_slots=4, max_seq_len=1536, round_steps=16)
     frozen = Engine(model, num_slots=16, max_seq_len=1024, round_steps=16)

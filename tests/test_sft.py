@@ -14,13 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import sft as sft_configs
-from librarian_jax import models, supervised
+from librarian_jax import models
 from librarian_jax.agents.answerer import AnswererConfig
 from librarian_jax.agents.builder import BuilderConfig
-from librarian_jax.data import demos, synthetic
+from librarian_jax.data import synthetic
 from librarian_jax.rl import sft
 from librarian_jax.rollout import RolloutConfig
 from librarian_jax.testing import ByteChatML, ByteTokenizer
+from librarian_jax.warm_start import demos
+from librarian_jax.warm_start import sft as supervised
 
 TOK = ByteTokenizer()
 TPL = ByteChatML(TOK)
@@ -166,16 +168,16 @@ def test_sft_learns_resumes_and_is_a_grpo_start(tmp_path):
     # resume: asking for more steps continues from step 8, not from scratch
     more = supervised.main(_sft_config(work, 10))
     assert more["start_step"] == 8 and more["last_step"] == 10
-    # the checkpoint is a valid model.init="orbax" start: main.build_model restores it, and it is trained
-    # (differs from the random init it started from, seed 0)
-    from librarian_jax import main as main_lib
+    # the checkpoint is a valid model.init="orbax" start: cluster.initial_model restores it, and it is
+    # trained (differs from the random init it started from, seed 0)
+    from librarian_jax import cluster
     from librarian_jax.tokenizers import load_tokenizer
 
     c = _sft_config(work, 10)
     c.model.update(init="orbax", path=os.path.join(work, "checkpoints"))
     tok_dir = os.path.join(work, "tokenizer")
     tok = load_tokenizer(os.path.join(tok_dir, sorted(os.listdir(tok_dir))[0]))
-    restored = nnx.state(main_lib.build_model(c, None, tok), nnx.Param)
+    restored = nnx.state(cluster.initial_model(c, None, tok), nnx.Param)
     init = nnx.state(models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0)), nnx.Param)
     diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(init), strict=True)]

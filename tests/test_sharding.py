@@ -57,7 +57,7 @@ def test_params_cache_and_trainer_state_share_one_set_of_specs():
     assert want["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value().spec == P("fsdp", "tensor")
     assert want["embed_tokens"]["embedding"].get_value().spec == P("tensor", "fsdp")
 
-    loaded = partitioning.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, rules)
+    loaded = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, rules)
     engine = Engine(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh=mesh, rules=rules, num_slots=4,
                     max_seq_len=16, round_steps=2, prefill_buckets=(16,))
     trainer = ts.Trainer(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), ts.TrainConfig(), mesh=mesh,

@@ -108,18 +108,18 @@ def test_episode_records_and_text_files_round_trip_on_gs(gcs, in_empty_dir):
                            "Orbax's OCDBT manifest write on the emulator ('Malformed StorageGeneration'; the "
                            "emulator ignores ifGenerationMatch), so not yet a dependable suite test")
 def test_the_training_command_writes_its_workdir_to_gs(gcs, in_empty_dir, tmp_path_factory, monkeypatch):
-    """`main.run` (the training command) on a `gs://` workdir: config, split, tokenizer cache, episode
+    """`training.run` (the training command) on a `gs://` workdir: config, split, tokenizer cache, episode
     records, TensorBoard events, the checkpoint and the summary all land in the bucket; a second invocation
     resumes from the bucket's checkpoint."""
     import json
 
     from test_main import tiny_run_config
 
-    from librarian_jax import main
+    from librarian_jax import training
 
     monkeypatch.setenv("LIBRARIAN_JAX_LOCAL_CACHE", str(tmp_path_factory.mktemp("local_cache")))
     workdir = f"gs://{BUCKET}/grpo"
-    first = main.run(tiny_run_config(workdir, num_steps=1))
+    first = training.run(tiny_run_config(workdir, num_steps=1))
     assert (first["start_step"], first["last_step"]) == (0, 1)
     names = list_objects(workdir)
     for name in ("config.json", "split.json", "summary.json", "episodes/step_1.jsonl",
@@ -129,7 +129,7 @@ def test_the_training_command_writes_its_workdir_to_gs(gcs, in_empty_dir, tmp_pa
     assert any(n.startswith(f"{BUCKET}/grpo/tokenizer/sp-") for n in names), names
     assert len(distributed.read_step_records(f"{workdir}/episodes", 1)) == 2  # 1 task x group 2
     assert json.loads(storage.read_text(f"{workdir}/summary.json"))["last_step"] == 1
-    second = main.run(tiny_run_config(workdir, num_steps=2))
+    second = training.run(tiny_run_config(workdir, num_steps=2))
     assert (second["start_step"], second["last_step"]) == (1, 2)
     assert f"{BUCKET}/grpo/checkpoints/2/{checkpoint.COMMIT_MARKER}" in list_objects(workdir)
 

@@ -27,89 +27,32 @@ holds no valid `answer` call, its text (tool-call markup removed) is taken as th
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
-from librarian_jax.agents import prompt_text
+from librarian_jax.agents import navigator, prompt_text
+from librarian_jax.agents.answer_start import (  # noqa: F401 - the answerer's names, re-exported
+    ANSWERER_KINDS,
+    ANSWERER_TOOLS,
+    AnswererConfig,
+    AnswerOutcome,
+    cut_words,
+    first_prompt,
+    preload_text,
+    root_files,
+)
 from librarian_jax.agents.builder import render_result
 from librarian_jax.agents.protocol import (
-    LIST_FILES_TOOL,
-    READ_FILE_TOOL,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    Param,
     ProtocolConfig,
-    ToolSpec,
     parse_tool_calls,
     render_error,
     render_response,
-    render_tools,
 )
 from librarian_jax.agents.runtime import ANSWERER, AgentContext, AgentGen, Sampling, SessionLog
 
-ANSWERER_TOOLS: tuple[ToolSpec, ...] = (
-    LIST_FILES_TOOL,
-    READ_FILE_TOOL,
-    ToolSpec("answer", (Param("text", "str", max_chars=4000),), "give your final answer (short)"),
-)
-
 _MARKUP = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(TOOL_CALL_CLOSE))
-
-
-@dataclasses.dataclass(frozen=True)
-class AnswererConfig:
-    """Answerer budgets; defaults follow the paper (32 turns, temperature 0, 128-word answers)."""
-
-    max_turns: int = 32
-    max_new_tokens: int = 1024
-    forced_max_new_tokens: int = 128
-    temperature: float = 0.0
-    max_calls_per_turn: int = 1
-    context_budget: int = 32_768
-    observation_max_chars: int = 16_000
-    answer_max_words: int = 128
-    kind: str = "model"  # "model": the frozen LLM; "scripted": `agents.navigator` (embedded world, CPU)
-    max_reads: int = 0  # scripted navigator: read_file calls allowed (0 = max_turns)
-    preload_root_files: bool = True  # README + every root-level file in the first prompt (authors' code)
-    preload_max_tokens: int = 0  # tokens the preloaded files may take; 0 = half of context_budget
-
-
-@dataclasses.dataclass
-class AnswerOutcome:
-    answer: str
-    turns: int
-    forced: bool
-    prompt_tokens: int  # tokens the model read (prompt + observations)
-    generated_tokens: int
-    actions: list[str]
-    status: str = "ok"  # "ok" | "cache_full"
-    files_read: list[str] = dataclasses.field(default_factory=list)  # paths it read (in order, with repeats)
-    files_preloaded: list[str] = dataclasses.field(default_factory=list)  # root files in its first prompt
-
-    @property
-    def tokens_read(self) -> int:
-        """Every token the answerer read: its prompt (preloaded files included) and observations."""
-        return self.prompt_tokens
-
-    @property
-    def files_opened(self) -> list[str]:
-        """The distinct files it had in context (preloaded or read), in first-seen order."""
-        return list(dict.fromkeys([*self.files_preloaded, *self.files_read]))
-
-    def record(self) -> dict[str, Any]:
-        """The answer record's reading fields: files opened and read, tokens read."""
-        return {"files_read": list(self.files_read), "files_preloaded": list(self.files_preloaded),
-                "files_opened": self.files_opened, "num_files_opened": len(self.files_opened),
-                "tokens_read": self.tokens_read}
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def cut_words(text: str, max_words: int) -> str:
-    words = text.split()
-    return " ".join(words[:max_words])
 
 
 def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererConfig) -> list[int]:
@@ -129,69 +72,6 @@ def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererCon
     return ids
 
 
-ANSWERER_KINDS = ("model", "scripted")
-
-
-def root_files(workspace: Any) -> list[str]:
-    """Paths of the entries at the workspace root other than the README, in listing order (directories
-    included: `preload_text` keeps only what `read_file` reads)."""
-    try:
-        listing = workspace.list_dir(".", max_chars=1 << 30)
-    except TypeError:  # a workspace double without max_chars
-        listing = workspace.list_dir(".")
-    data = getattr(listing, "data", None) or {}
-    entries = data.get("entries", []) if isinstance(data, dict) else []
-    return [str(p) for p in entries if str(p).rstrip("/").lower() not in ("readme.md", "readme")]
-
-
-def preload_text(ctx: AgentContext, workspace: Any, budget_tokens: int) -> tuple[str, list[str]]:
-    """The contents of the workspace's root-level files, in listing order, while their tokens fit in
-    `budget_tokens`; files that do not fit are named at the end. Returns (text, paths preloaded)."""
-    parts: list[str] = []
-    loaded: list[str] = []
-    skipped: list[str] = []
-    used = 0
-    for path in root_files(workspace):
-        r = workspace.read_file(path)  # the first window (<= 100 lines, 16,000 chars), footer says the rest
-        if not getattr(r, "ok", False):
-            continue  # a directory, or not readable
-        block = f"=== {path} ===\n{render_result(r)}"
-        n = len(ctx.encode(block))
-        if skipped or used + n > budget_tokens:
-            skipped.append(path)
-            continue
-        parts.append(block)
-        loaded.append(path)
-        used += n
-    if skipped:
-        parts.append("Root-level files not shown here (read them with read_file): " + ", ".join(skipped))
-    return "\n\n".join(parts), loaded
-
-
-def first_prompt(
-    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
-) -> tuple[str, str, list[str]]:
-    """(system text, first user text, root files preloaded): where every answerer (model, scripted) starts."""
-    system = prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
-    readme = workspace.readme()
-    listing = render_result(workspace.list_dir("."))
-    preloaded: list[str] = []
-    if config.preload_root_files:
-        budget = config.preload_max_tokens or max(config.context_budget // 2, 0)
-        files, preloaded = preload_text(ctx, workspace, budget)
-        if files:
-            listing = listing + "\n\nRoot-level files:\n\n" + files
-    user = prompt_text.render(
-        "answerer_user",
-        readme=readme if isinstance(readme, str) else render_result(readme),
-        listing=listing,
-        question=question,
-    )
-    if preamble:
-        user = preamble.rstrip() + "\n\n" + user
-    return system, user, preloaded
-
-
 def answer_question(
     ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
 ) -> AgentGen:
@@ -201,8 +81,6 @@ def answer_question(
     baseline); it counts as read. `config.kind == "scripted"` runs `agents.navigator` instead of the model.
     """
     if config.kind == "scripted":
-        from librarian_jax.agents import navigator
-
         return (yield from navigator.navigate(ctx, workspace, question, config, preamble=preamble))
     if config.kind != "model":
         raise ValueError(f"AnswererConfig.kind must be one of {ANSWERER_KINDS}, got {config.kind!r}")

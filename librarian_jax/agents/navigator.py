@@ -29,9 +29,9 @@ import json
 import re
 from typing import Any
 
-from librarian_jax.agents.answerer import ANSWERER, ANSWERER_TOOLS, AnswerOutcome, cut_words, first_prompt
+from librarian_jax.agents.answer_start import ANSWERER_TOOLS, AnswerOutcome, cut_words, first_prompt
 from librarian_jax.agents.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_response
-from librarian_jax.agents.runtime import AgentContext, AgentGen
+from librarian_jax.agents.runtime import ANSWERER, AgentContext, AgentGen
 from librarian_jax.data.synthetic import extract_facts, parse_question
 
 _ENTRY = re.compile(r'^(?P<name>[^\s]+?)(?P<dir>/?)\s+\[(?P<kind>[a-z ]+)\]\s+"(?P<title>[^"]*)"', re.M)

@@ -10,8 +10,6 @@ import functools
 import importlib.resources
 import string
 
-from librarian_jax.agents.protocol import format_call, render_tools
-
 
 @functools.cache
 def load(name: str) -> str:
@@ -35,20 +33,6 @@ PROMPT_NAMES = (
     "judge",
     "compaction",
 )
-
-
-def all_texts() -> list[str]:
-    """Every prompt file's text plus the tool descriptions: add these to the texts a small tokenizer is
-    trained on (e.g. the tiny preset's) so the agents' own prompts encode compactly."""
-    from librarian_jax.agents.answerer import ANSWERER_TOOLS
-    from librarian_jax.agents.builder import BUILDER_TOOLS
-
-    texts = [load(n) for n in PROMPT_NAMES]
-    texts += [render_tools(BUILDER_TOOLS), render_tools(ANSWERER_TOOLS)]
-    texts += [
-        format_call(t.name, {p.name: p.default for p in t.params}) for t in BUILDER_TOOLS + ANSWERER_TOOLS
-    ]
-    return texts
 
 
 def render(name: str, **values: object) -> str:

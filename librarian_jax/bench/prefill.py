@@ -36,6 +36,7 @@ from flax import nnx
 from librarian_jax import models
 from librarian_jax.bench import cached_lm
 from librarian_jax.bench.common import best_time, compile_seconds, load_average
+from librarian_jax.models.gated_deltanet import GatedDeltaNet
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("seq_lens", "256,512,1024,2048,4096", "comma-separated prefill lengths (batch 1)")
@@ -72,8 +73,6 @@ def ours_layer_prefill(
 ) -> tuple[float, float, np.ndarray]:
     """The first DeltaNet layer alone (the part this benchmark is about, without MLPs, attention, logits):
     (compile seconds, best run seconds, output `[batch, seq, hidden]`)."""
-    from librarian_jax.models.gated_deltanet import GatedDeltaNet
-
     graphdef, state = nnx.split(model.layers[0].linear_attn)
     xs = jnp.asarray(x)
     cache = GatedDeltaNet.init_cache(model.config, xs.shape[0])

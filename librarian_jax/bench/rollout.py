@@ -23,8 +23,17 @@ import time
 
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
 from librarian_jax import compile_cache
+from librarian_jax.agents import AnswererConfig, BuilderConfig
+from librarian_jax.agents.vocabulary import all_texts
+from librarian_jax.bench.common import load_average
+from librarian_jax.data.synthetic import generate_world, world_texts
+from librarian_jax.engine import Engine
+from librarian_jax.models import Transformer, get_preset
+from librarian_jax.rollout import RolloutConfig, Scheduler, run_batch
+from librarian_jax.tokenizers import cached_tokenizer
 
 flags.DEFINE_integer("num_tasks", 4, "tasks per batch (B)")
 flags.DEFINE_integer("group_size", 4, "builder episodes per task (G)")
@@ -68,20 +77,10 @@ def _engine_summary(name: str, engine, wall: float) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
-    from flax import nnx
-
-    from librarian_jax.agents import AnswererConfig, BuilderConfig, prompt_text
-    from librarian_jax.bench.common import load_average
-    from librarian_jax.data.synthetic import generate_world, world_texts
-    from librarian_jax.engine import Engine
-    from librarian_jax.models import Transformer, get_preset
-    from librarian_jax.rollout import RolloutConfig, Scheduler, run_batch
-    from librarian_jax.tokenizers import cached_tokenizer
-
     f = flags.FLAGS
     cache_dir = compile_cache.enable(f.compilation_cache_dir)
     tasks = generate_world(0, f.num_tasks, questions_per_task=f.questions, reuse_questions_per_task=0)
-    tok = cached_tokenizer(world_texts(generate_world(0, 64)) + prompt_text.all_texts(), f.cache_dir, 2048)
+    tok = cached_tokenizer(world_texts(generate_world(0, 64)) + all_texts(), f.cache_dir, 2048)
     model = Transformer(get_preset(f.preset, **({"num_layers": f.num_layers} if f.num_layers else {})),
                         rngs=nnx.Rngs(0))
     policy = Engine(model, num_slots=f.policy_slots, max_seq_len=4096, round_steps=f.round_steps,

@@ -28,6 +28,7 @@ import grain
 from absl import logging
 from grain._src.core import sharding as grain_sharding
 
+from librarian_jax.data.loaders import load_tasks
 from librarian_jax.data.schema import CorpusTask
 
 _STATE_VERSION = 1
@@ -97,8 +98,6 @@ class TaskPipeline:
         loader_kwargs: dict[str, Any] | None = None,
     ):
         if isinstance(tasks, str | os.PathLike):
-            from librarian_jax.data.loaders import load_tasks  # noqa: PLC0415 (keeps this import light)
-
             tasks = load_tasks(tasks, **(loader_kwargs or {}))
         elif callable(tasks):
             tasks = tasks()

@@ -4,7 +4,7 @@ A task-id file is one of:
 
 - plain text, one task id per line (blank lines ignored): the held-out ids;
 - a JSON list of ids: the held-out ids;
-- a JSON object ``{"heldout" | "test": [...], "train"?: [...]}`` (as `main.write_split` records a run's).
+- a JSON object ``{"heldout" | "test": [...], "train"?: [...]}`` (as `inputs.write_split` records a run's).
 
 With only held-out ids, every other task trains. With both lists, tasks in neither are left out (the paper's
 100 excluded BrowseComp-Plus tasks). Used by training (`config.data.split_file`) and evaluation

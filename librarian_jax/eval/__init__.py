@@ -8,21 +8,7 @@ See docs/eval.md.
 
 from __future__ import annotations
 
-from typing import Any
-
-
-def evaluate_run(run_dir: str, **kwargs: Any) -> dict[str, Any]:
-    """`cli.evaluate_run`: a training workdir on its held-out split; writes `run_dir/eval/<name>/`."""
-    from librarian_jax.eval import cli
-
-    return cli.evaluate_run(run_dir, **kwargs)
-
-
-def format_table(results: dict[str, Any]) -> str:
-    """`report.format_table`: the held-out table as plain text."""
-    from librarian_jax.eval import report
-
-    return report.format_table(results)
-
+from librarian_jax.eval.cli import evaluate_run
+from librarian_jax.eval.report import format_table
 
 __all__ = ["evaluate_run", "format_table"]

@@ -24,11 +24,15 @@ from typing import Any
 import jax
 import ml_collections
 from absl import logging
+from flax import nnx
 
-from librarian_jax import storage
+from librarian_jax import cluster, config_schema, config_validation, data, inputs, models, storage, tokenizers
+from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
 from librarian_jax.config_validation import validate_mesh
+from librarian_jax.engine import Engine
 from librarian_jax.eval import pipeline, report, restore
+from librarian_jax.workspace import Workspace
 
 BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
 ABLATIONS = ("flattened", "shuffled")
@@ -172,8 +176,6 @@ def plan_eval(config: Any) -> Plan:
 
 def _read_ids(path: str) -> list[str]:
     """The held-out ids of a task-id file (`data.read_task_ids`, the reader training's split_file uses)."""
-    from librarian_jax import data
-
     try:
         return data.read_task_ids(path)[1]
     except data.DataError as e:
@@ -182,9 +184,7 @@ def _read_ids(path: str) -> list[str]:
 
 def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
     """The held-out tasks and where their ids came from: `tasks` (a file) filtered by `task_ids` when
-    given; else the run's own data (`main.build_tasks` on its config) selected by its split.json ids."""
-    from librarian_jax import data, main
-
+    given; else the run's own data (`inputs.build_tasks` on its config) selected by its split.json ids."""
     c = plan.config
     if c.tasks:
         try:
@@ -196,7 +196,7 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
             raise _err("tasks", str(e)) from None
         source = f"tasks file {c.tasks}"
     else:
-        train, held = main.build_tasks(plan.run_cfg)
+        train, held = inputs.build_tasks(plan.run_cfg)
         pool = train + held
         source = f"the run's data ({plan.run_cfg.data.source})"
     if c.task_ids:
@@ -229,57 +229,89 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
 # ------------------------------------------------------------------------------------------- models
 
 
+# the eval config's `roles.<role>` keys and the run-config key each overrides ("" / 0 / -1: the run's)
+_ROLE_OVERRIDES = ("init", "path", "preset", "dtype", "slots", "max_seq_len", "mesh", "template")
+
+
+def protocol_config(run_cfg: Any, eval_cfg: Any) -> tuple[Any, list[str]]:
+    """The run's config with this evaluation's explicit protocol overrides applied (`roles.<role>.<key>`,
+    `answerer.kind` / `answerer.temperature`, `engine.frozen_slots` / `round_steps`), and the overridden keys.
+    Every role is the run's own unless asked for here; the report marks each difference."""
+    cfg = ml_collections.ConfigDict(run_cfg.to_dict())
+    asked: list[str] = []
+    roles = eval_cfg.get("roles", None)
+    if "roles" not in cfg:  # a run from before roles: every frozen role on the run's initial weights
+        cfg.roles = config_schema.RolesSection().to_config_dict()
+    for role in FROZEN_ROLES:
+        over = roles[role] if roles is not None and role in roles else {}
+        for key in _ROLE_OVERRIDES:
+            value = over.get(key, "")
+            if value not in ("", 0):
+                cfg.roles[role][key] = value
+                asked.append(f"roles.{role}.{key}")
+        if int(over.get("thinking", -1)) >= 0:
+            cfg.roles[role].thinking = bool(over.thinking)
+            asked.append(f"roles.{role}.thinking")
+    a = eval_cfg.answerer
+    if a.kind:
+        cfg.rollout.answerer.kind = a.kind
+        asked.append("answerer.kind")
+    if a.temperature >= 0:
+        cfg.rollout.answerer.temperature = float(a.temperature)
+        asked.append("answerer.temperature")
+    e = eval_cfg.engine
+    for key, target in (("frozen_slots", "frozen_slots"), ("round_steps", "round_steps")):
+        if e[key]:
+            cfg.rollout[target] = int(e[key])
+            asked.append(f"engine.{key}")
+    cfg.rollout.builder.temperature = float(eval_cfg.get("builder_temperature", 0.0))
+    return cfg, asked
+
+
 class Models:
-    """The models and engines of one evaluation: the frozen answerer's engine and one policy engine per
-    builder graph (full params share one engine, their weights swapped with `update_params`)."""
+    """The cluster of one evaluation: the training run's protocol rebuilt from its recorded config (every
+    frozen role's weights, engine, template, context and sampling: `cluster.build_role_engines`,
+    `cluster.role_templates`), with this evaluation's explicit overrides (`protocol_config`). The builder's
+    engine swaps weights per method (full params share one engine, their weights `update_params`)."""
 
     def __init__(self, run_cfg: Any, eval_cfg: Any, mesh: Any, tokenizer: Any):
         self.run_cfg, self.mesh, self.tokenizer = run_cfg, mesh, tokenizer
-        e, r = eval_cfg.engine, run_cfg.rollout
-        self.sizes = dict(
-            policy_slots=e.policy_slots or r.policy_slots,
-            frozen_slots=e.frozen_slots or r.frozen_slots,
-            max_seq_len=e.max_seq_len or r.max_seq_len,
-            round_steps=e.round_steps or r.round_steps,
-        )
+        self.config, self.overrides = protocol_config(run_cfg, eval_cfg)
+        e, r = eval_cfg.engine, self.config.rollout
+        self.sizes = {"slots": int(e.policy_slots or r.policy_slots),
+                      "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
+        self.roles = config_validation.resolve_roles(self.config)
+        self.templates = cluster.role_templates(self.config, tokenizer, self.roles)
         self.base = restore.shard_model(restore.base_model(run_cfg, mesh, tokenizer), mesh)
-        self.frozen_model = self.base
-        if run_cfg.model.get("frozen_path", ""):
-            from librarian_jax import models
-
-            self.frozen_model = models.load_hf(
-                run_cfg.model.frozen_path, dtype=run_cfg.model.dtype or "bfloat16", mesh=mesh
-            )
         self.policy_model: Any = None
         self._engines: dict[str, Any] = {}
 
-    def _engine(self, model: Any, slots: int) -> Any:
-        from librarian_jax.engine import Engine
-
-        s = self.sizes
-        return Engine(model, slots, s["max_seq_len"], self.mesh, round_steps=s["round_steps"],
-                      scan_layers=bool(self.run_cfg.rollout.get("scan_layers", False)))
+    def protocol(self, builder_weights: str) -> dict[str, dict[str, Any]]:
+        """This evaluation's protocol (`cluster.protocol`) with the builder named `builder_weights`."""
+        return cluster.protocol(self.config, roles=self.roles, builder_weights=builder_weights,
+                                templates=self.templates, policy_engine=self.sizes)
 
     def set_policy(self, model: Any) -> None:
-        from flax import nnx
-
         self.policy_model = model
-        eng = self._engines.get("policy")
+        eng = self._engines.get(POLICY)
         if eng is not None:
             try:
                 eng.update_params(nnx.state(model))
                 return
             except ValueError:  # another graph (LoRA vs full, another architecture): a new engine
                 pass
-        self._engines["policy"] = self._engine(model, self.sizes["policy_slots"])
+        r = self.config.rollout
+        self._engines[POLICY] = Engine(model, self.sizes["slots"], self.sizes["max_seq_len"], self.mesh,
+                                       round_steps=r.round_steps,
+                                       scan_layers=bool(r.get("scan_layers", False)))
 
     def engines(self) -> dict[str, Any]:
-        if "frozen" not in self._engines:
-            self._engines["frozen"] = self._engine(self.frozen_model, self.sizes["frozen_slots"])
-        out = {"frozen": self._engines["frozen"]}
-        if "policy" in self._engines:
-            out["policy"] = self._engines["policy"]
-        return out
+        """Every role's engine (the frozen roles' built on first use; roles of the same weights share one)."""
+        if ANSWERER not in self._engines:
+            self._engines.update(cluster.build_role_engines(self.config, self.mesh, self.base, self.tokenizer,
+                                                            self.roles))
+            self._engines[FROZEN] = self._engines[ANSWERER]
+        return dict(self._engines)
 
     def reset(self) -> None:
         """Fresh engines (after a batch raised with sessions still in the old ones' slots)."""
@@ -293,8 +325,6 @@ class Models:
             return self.base
         if label == "trained":
             if plan.config.builder.startswith("hf:"):
-                from librarian_jax import models
-
                 return models.load_hf(
                     plan.config.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
                 )
@@ -305,23 +335,41 @@ class Models:
         return restore.restore_builder(run_cfg, step_dir, self.mesh, self.tokenizer)
 
 
+def builder_weights(plan: Plan) -> str:
+    """The trained builder as the protocol names it: `run:DIR@STEP`, or the HF folder of `builder=hf:`."""
+    if plan.config.builder.startswith("hf:"):
+        return plan.config.builder[3:]
+    return f"run:{plan.run_dir}@{plan.step}"
+
+
+def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
+    """This evaluation's protocol, the training run's (`RUN/protocol.json`; rebuilt from its config for a
+    run from before that file), and their differences (each an explicit override, or a setting evaluation
+    changes, such as a greedy builder), logged as a warning."""
+    used = models_.protocol(builder_weights(plan))
+    trained = None
+    if plan.run_dir:
+        trained = cluster.read_protocol(storage.join(plan.run_dir, cluster.PROTOCOL_FILE))
+        if trained is None:
+            trained = cluster.protocol(plan.run_cfg, models_.tokenizer)
+    diffs = cluster.protocol_diff(trained, used) if trained else []
+    if diffs:
+        logging.warning("eval protocol differs from the training run's in %d field(s) (explicit overrides: "
+                        "%s):"
+                        "\n%s", len(diffs), ", ".join(models_.overrides) or "none",
+                        "\n".join(f"  {r}.{f}: {y!r} (trained: {x!r})" for r, f, x, y in diffs))
+    return {"used": used, "trained": trained, "overrides": list(models_.overrides),
+            "differences": [{"role": r, "field": f, "trained": x, "eval": y} for r, f, x, y in diffs],
+            "table": cluster.protocol_table(used, trained)}
+
+
 # ------------------------------------------------------------------------------------------- evaluation
 
 
-def _rollout_config(plan: Plan) -> Any:
-    from librarian_jax import config_validation
-
-    c = plan.config
-    answerer = {}
-    if c.answerer.kind:
-        answerer["kind"] = c.answerer.kind
-    if c.answerer.temperature >= 0:
-        answerer["temperature"] = float(c.answerer.temperature)
-    return pipeline.eval_rollout_config(
-        config_validation.rollout_config(plan.run_cfg),
-        builder_temperature=c.builder_temperature,
-        answerer=answerer,
-    )
+def _rollout_config(plan: Plan, models_: Models) -> Any:
+    """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
+    return pipeline.eval_rollout_config(config_validation.rollout_config(models_.config),
+                                        builder_temperature=plan.config.builder_temperature)
 
 
 def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -333,8 +381,6 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     no seed depends on the split), every process analyses all of them (the same results everywhere), and
     process 0 exports the workspaces and writes the one report. Timing entries are the slowest process's.
     Every process still loads every builder (restores are collectives), even with an empty share."""
-    from librarian_jax import main, tokenizers
-
     c = plan.config
     t_start = time.perf_counter()
     tasks, split_source = heldout_tasks(plan)
@@ -349,14 +395,15 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         part.stop,
         len(tasks),
     )
-    mesh = main.make_local_mesh(c)  # multi-process: this process's devices (engines are local)
+    mesh = cluster.local_mesh(c)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
         if plan.run_dir
         else tokenizers.load_tokenizer(c.builder[3:])
     )
-    cfg = _rollout_config(plan)
     models = Models(plan.run_cfg, c, mesh, tokenizer)
+    cfg = _rollout_config(plan, models)
+    proto = protocol_check(plan, models)
     t_load = time.perf_counter()
     greedy_builder = cfg.builder.temperature == 0.0
     group = 1 if greedy_builder else c.samples
@@ -378,6 +425,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             models.engines,
             tokenizer,
             cfg,
+            templates=models.templates,
             group_size=group,
             seed=c.seed,
             batch_tasks=c.batch_tasks,
@@ -393,8 +441,6 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             for b in built
         ]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
-    from librarian_jax.workspace import Workspace
-
     baselines: list[pipeline.Job] = []
     for t in mine:
         if "raw" in plan.methods:
@@ -419,7 +465,8 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     jobs = [j for _, js in sections for j in js]
     t0 = time.perf_counter()
     answers = pipeline.answer_jobs(
-        jobs, models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset, progress=progress
+        jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed, reset=models.reset,
+        progress=progress,
     )
     timing["answer_s"] = time.perf_counter() - t0
     answer_of = {id(j): a for j, a in zip(jobs, answers, strict=True)}
@@ -455,6 +502,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         ablation=ablation,
     )
     results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in built_by}
+    results["protocol"] = proto
     results["accounting"] = ACCOUNTING
     results["setup"] = {
         "name": c.name,
@@ -470,6 +518,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         if not greedy_builder
         else "one answer on the (greedy) construction",
         "preset": c.get("preset", ""),
+        "protocol_overrides": list(models.overrides),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "mesh": dict(mesh.shape),
@@ -492,6 +541,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     results["timing"] = timing
     if jax.process_index() == 0:  # multi-process: every process holds all the records; one report
         report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
+        cluster.write_protocol(storage.join(plan.out_dir, cluster.PROTOCOL_FILE), proto["used"])
     return results, records
 
 
@@ -566,8 +616,6 @@ def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 def plan_build(config: Any) -> tuple[Plan, Any]:
     """Validates a build config (every key: `config_schema.BuildConfig`; folder, output, run, checkpoint);
     returns (plan, the folder's task). The plan's config is an eval config of the build's shared keys."""
-    from librarian_jax import data
-
     c = config
     BuildConfig.parse(c)
     path = c.data.path
@@ -610,9 +658,6 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
-    from librarian_jax import main, tokenizers
-    from librarian_jax.workspace import Workspace
-
     plan, task = plan_build(config)
     c = plan.config
     folder = config.data.path
@@ -623,7 +668,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         )
         return None
     t0 = time.perf_counter()
-    mesh = main.make_local_mesh(c)  # multi-process: this process's devices (engines are local)
+    mesh = cluster.local_mesh(c)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, [task])
         if plan.run_dir
@@ -631,9 +676,10 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     )
     models = Models(plan.run_cfg, c, mesh, tokenizer)
     models.set_policy(models.builder("trained", plan))
-    cfg = _rollout_config(plan)
+    cfg = _rollout_config(plan, models)
     built = pipeline.build_workspaces(
-        "trained", [task], models.engines, tokenizer, cfg, seed=c.seed, reset=models.reset
+        "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
+        reset=models.reset
     )[0]
     ws = built.workspace if built.workspace is not None else Workspace.from_documents(list(task.documents))
     if jax.process_index() != 0:  # multi-process: every process built the same workspace; process 0 exports

@@ -33,11 +33,21 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from librarian_jax import distributed
-from librarian_jax.agents.runtime import FROZEN, POLICY, AgentContext, AgentGen, Parallel
+from librarian_jax.agents.runtime import (
+    ANSWERER,
+    FROZEN,
+    FROZEN_ROLES,
+    POLICY,
+    AgentContext,
+    AgentGen,
+    Parallel,
+)
+from librarian_jax.eval import stats
 from librarian_jax.rollout import Scheduler, evaluate, run_batch
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.episode import answer_and_judge
 from librarian_jax.rollout.scheduler import fit_to_engines
+from librarian_jax.workspace import Workspace
 
 
 @dataclasses.dataclass
@@ -121,6 +131,7 @@ def build_workspaces(
     tokenizer: Any,
     config: R.RolloutConfig,
     *,
+    templates: dict[str, Any],
     group_size: int = 1,
     seed: int = 0,
     batch_tasks: int = 8,
@@ -129,7 +140,8 @@ def build_workspaces(
     start: int = 0,
 ) -> list[Built]:
     """`group_size` builder episodes per corpus (task-major); `engines()` gives the current engines (after a
-    `reset()` fresh ones).
+    `reset()` fresh ones), every role's (`cluster.Cluster.engines`), and `templates` every role's chat
+    template (`cluster.Cluster.templates`).
 
     `start`: the global index of `tasks[0]` when `tasks` is one process's share of a longer list (`share`).
     The episode seeds are those of a build over the whole list: it runs in chunks of `batch_tasks` corpora
@@ -137,7 +149,6 @@ def build_workspaces(
     `default_rng(seed + k * batch_tasks * group_size)` (`rollout.run_batch`); a share that begins or ends
     inside a chunk runs that chunk's part with the stream advanced past the corpora before it
     (`distributed.episode_rng`), and a corpus re-run alone after its batch failed gets its seeds too."""
-    from librarian_jax.workspace import Workspace
 
     out: list[Built] = []
     slots = [_Slot(start + i, t) for i, t in enumerate(tasks)]
@@ -152,7 +163,8 @@ def build_workspaces(
         first = chunk[0].index - chunk[0].index % batch_tasks  # global index of its chunk's first corpus
         rng = distributed.episode_rng(seed + first * group_size, (chunk[0].index - first) * group_size)
         batch = [_strip(s.task) for s in chunk]
-        records = run_batch(batch, group_size, engines(), tokenizer, config, rng=rng)
+        records = run_batch(batch, group_size, engines(), tokenizer, config, rng=rng,
+                            template=templates[POLICY], templates=templates)
         return [[r for r in records if r.group_id == i] for i in range(len(chunk))]
 
     for chunk in tqdm(chunks, desc=f"build {method}", disable=not progress, leave=False):
@@ -215,28 +227,30 @@ def answer_jobs(
     tokenizer: Any,
     config: R.RolloutConfig,
     *,
+    templates: dict[str, Any],
     seed: int = 0,
     batch_jobs: int = 32,
     reset: Callable[[], None] | None = None,
     progress: bool = True,
 ) -> list[list[dict] | Exception]:
-    """The answer dicts of every job (in order), or the exception of a job that failed."""
-    from librarian_jax.tokenizers import chat_template
-
-    template = chat_template(tokenizer)
+    """The answer dicts of every job (in order), or the exception of a job that failed. The frozen roles
+    answer and judge on their own engines with their own templates (`engines()` and `templates`: the
+    cluster's), as in training's probes."""
     live = [j for j in jobs if j.workspace is not None]
 
     def run(chunk: Sequence[Job]) -> list[Any]:
         eng = engines()
-        by_role = {POLICY: eng[FROZEN], FROZEN: eng[FROZEN]}
+        answerer = eng.get(ANSWERER, eng[FROZEN])
+        by_role = {POLICY: answerer, FROZEN: answerer, **{r: eng[r] for r in FROZEN_ROLES if r in eng}}
         cfg = fit_to_engines(config, by_role)
         gens = [
             _job_gen(
                 AgentContext(
                     tokenizer,
-                    template,
+                    templates[ANSWERER],
                     by_role,
                     answer_rng(seed, j.task.task_id, j.episode),
+                    templates=templates,
                 ),
                 j,
                 cfg,
@@ -409,6 +423,8 @@ def periodic_eval(
     config: R.RolloutConfig,
     seed: int,
     repeats: int = 1,
+    *,
+    templates: dict[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The evaluation `main` runs every `eval.every` steps: the current policy builds a workspace for each
     held-out corpus (greedy), the frozen answerer answers `repeats` times per question; returns (question
@@ -417,13 +433,13 @@ def periodic_eval(
     Multi-process (every process calls it, with its own process-local `engines`): each process builds and
     answers its share of `tasks` (`share`); every process returns all the records (gathered, in the order
     of a single-process run) and the same metrics, the times the slowest process's."""
-    from librarian_jax.eval import stats
 
     cfg = eval_rollout_config(config, builder_temperature=0.0)
     part = share(len(tasks))
     t0 = time.perf_counter()
     built = build_workspaces(
-        "trained", tasks[part], lambda: engines, tokenizer, cfg, seed=seed, progress=False, start=part.start
+        "trained", tasks[part], lambda: engines, tokenizer, cfg, templates=templates, seed=seed,
+        progress=False, start=part.start,
     )
     t1 = time.perf_counter()
     jobs = [
@@ -433,7 +449,8 @@ def periodic_eval(
     mine = [
         r
         for j, a in zip(
-            jobs, answer_jobs(jobs, lambda: engines, tokenizer, cfg, seed=seed, progress=False), strict=True
+            jobs, answer_jobs(jobs, lambda: engines, tokenizer, cfg, templates=templates, seed=seed,
+                                   progress=False), strict=True
         )
         for r in job_records(j, a, cfg)
     ]

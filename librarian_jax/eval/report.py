@@ -16,6 +16,7 @@ import numpy as np
 
 from librarian_jax import storage
 from librarian_jax.eval import stats
+from librarian_jax.eval.pipeline import scalar_metrics
 
 BASE = "base"
 TRAINED = "trained"
@@ -126,6 +127,24 @@ def report_markdown(results: dict[str, Any]) -> str:
         f"{s.get('samples', 1)} sample(s) per question.",
         "",
     ]
+    proto = results.get("protocol")
+    if proto:
+        diffs = proto.get("differences", [])
+        parts += [
+            "## Protocol vs training",
+            "",
+            "Every role of this evaluation (`protocol.json` beside this report) against the training run's "
+            "(`RUN/protocol.json`); a field that differs reads `value (trained: other) !`. Explicit "
+            "overrides: "
+            f"{', '.join(proto.get('overrides', [])) or 'none'}; differences: "
+            + ("; ".join(f"{d['role']}.{d['field']} {d['eval']!r} (trained {d['trained']!r})" for d in diffs)
+               or "none") + ".",
+            "",
+            "```",
+            proto.get("table", ""),
+            "```",
+            "",
+        ]
     parts += [
         "## Accuracy (Figure 4)",
         "",
@@ -316,7 +335,6 @@ def write_report(
     """Writes results.json, questions.jsonl, report.md, the plots and TensorBoard scalars under `out_dir`."""
     from tensorboardX import SummaryWriter
 
-    from librarian_jax.eval.pipeline import scalar_metrics
 
     storage.makedirs(out_dir)  # a local directory or a URL (gs://...)
     storage.write_text(storage.join(out_dir, "questions.jsonl"),

@@ -22,8 +22,9 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from librarian_jax import checkpoint, storage
+from librarian_jax import checkpoint, cluster, inputs, models, storage, tokenizers
 from librarian_jax.config_validation import ConfigError
+from librarian_jax.rl.train_step import apply_lora
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -95,7 +96,6 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _base_model_config(run_cfg: Any) -> Any:
-    from librarian_jax import models
 
     m = run_cfg.model
     if m.init == "hf":
@@ -109,8 +109,6 @@ def _base_model_config(run_cfg: Any) -> Any:
 
 def expected_params(run_cfg: Any) -> tuple[dict[str, tuple[int, ...]], bool]:
     """(shape of every trainable param by path, is_lora) of the run's policy, from abstract shapes only."""
-    from librarian_jax import models
-    from librarian_jax.rl.train_step import apply_lora
 
     m = run_cfg.model
     cfg = _base_model_config(run_cfg)
@@ -165,18 +163,15 @@ def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
 
 
 def shard_model(model: nnx.Module, mesh: Any) -> nnx.Module:
-    """Every variable of `model` placed on `mesh` with the engine's logical-axis rules."""
-    from librarian_jax.rl.train_step import shard_state
-
+    """A copy of `model` (the same arrays, a new module) placed on `mesh` with the engine's logical-axis rules
+    (`models.shard_model`); `model` itself is left as it was."""
     graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, shard_state(state, mesh))
+    return models.shard_model(nnx.merge(graphdef, state), mesh)
 
 
 def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
     """The run's initial weights (`model.init`/`model.path` of its config): the "base builder"."""
-    from librarian_jax import main
-
-    return main.build_model(run_cfg, mesh, tokenizer)
+    return cluster.initial_model(run_cfg, mesh, tokenizer)
 
 
 def restore_builder(
@@ -185,7 +180,6 @@ def restore_builder(
     """The policy of `run_cfg` at `step_dir`, on `mesh`: the base model with the checkpoint's params (full),
     or the base wrapped with LoRA adapters holding the checkpoint's LoRA params. The abstract restore target
     carries `mesh`'s shardings, so Orbax reads straight into them."""
-    from librarian_jax.rl.train_step import apply_lora
 
     m = run_cfg.model
     model = base if base is not None else base_model(run_cfg, mesh, tokenizer)
@@ -207,14 +201,12 @@ def restore_builder(
 
 def run_tokenizer(run_cfg: Any, run_dir: str, tasks: list[Any]) -> Any:
     """The run's tokenizer: its recorded file (`run_dir/tokenizer/*.model` when exactly one), else the one
-    `main.build_tokenizer` gives for the run's config (HF folder / `model.tokenizer`)."""
-    from librarian_jax import main, tokenizers
-
+    `inputs.build_tokenizer` gives for the run's config (HF folder / `model.tokenizer`)."""
     cfg = ml_collections.ConfigDict(run_cfg.to_dict())
     cfg.workdir = run_dir
     if not cfg.model.tokenizer and cfg.model.init != "hf":
         tok_dir = storage.join(run_dir, "tokenizer")
         files = [storage.join(tok_dir, n) for n in storage.listdir(tok_dir) if n.endswith(".model")]
         if len(files) == 1:
-            return tokenizers.load_tokenizer(main.local_file(files[0], "tokenizer"))
-    return main.build_tokenizer(cfg, tasks)
+            return tokenizers.load_tokenizer(inputs.local_file(files[0], "tokenizer"))
+    return inputs.build_tokenizer(cfg, tasks)

@@ -152,15 +152,6 @@ def shard_state(state: Any, mesh: Mesh | None, rules: Rules | None = None) -> An
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
-    """Moves every variable of `model` to its NamedSharding (in place) and returns the model."""
-    nnx.update(model, shard_state(nnx.state(model), mesh, rules))
-    from librarian_jax.models.moe import bind_mesh  # local: moe imports this module
-
-    bind_mesh(model, mesh, rules)
-    return model
-
-
 def tree_shardings(tree: Any, axes_tree: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     """NamedShardings for every array leaf of `tree` (arrays or ShapeDtypeStructs, e.g. the slot cache) given
     a parallel tree with a tuple of logical names at each leaf (e.g. `cache_logical_axes(config)`)."""

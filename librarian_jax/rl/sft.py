@@ -17,7 +17,7 @@ one row of `max_seq_len` tokens (first fit in data order). The model has no per-
 packed conversation attends to the ones before it in its row (the common "naive" packing); use it for short
 conversations, where it saves most padding.
 
-Training (`librarian_jax.supervised`): the GRPO trainer (`rl.Trainer`: the same sharded, micro-batched jit
+Training (`librarian_jax.warm_start.sft`): the GRPO trainer (`rl.Trainer`: the same sharded, micro-batched jit
 update, optax schedule) with the `nll` loss, and the same Orbax checkpoints (`workdir/checkpoints`: params,
 optimizer state, step, RNG and the data position), so a killed run resumes, and the result is a valid
 `model.init = "orbax"` for GRPO.

@@ -1,7 +1,7 @@
 """A scripted engine: the real engine's session API, answering each turn with text from a policy function.
 
 It replays scripted behaviour through the real agents and scheduler: the embedded world's demonstration
-builders (`data.demos`) run through it, so their transcripts are exactly what the tool protocol produces, and
+builders (`warm_start.demos`) run through it, so their transcripts are exactly what the tool protocol produces, and
 unit tests use it to script exact actions. `policy(session) -> str | list[int]`: text is encoded with the
 engine's tokenizer and ends with `end_id`; ids are used as they are. Sampled ids get log-prob -0.5 and the
 tag their turn was submitted with. Its sessions keep the real engine's token record

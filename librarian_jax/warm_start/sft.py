@@ -1,4 +1,5 @@
-"""The SFT command (`configs/sft.py`): supervised warm start of a builder on chat conversations.
+"""The warm start's SFT loop and command (`configs/sft.py`): supervised fine-tuning of a builder on chat
+conversations, and the warm start GRPO runs before its first step (`warm_start`).
 
     python -m librarian_jax.main --config=configs/sft.py                      # embedded demonstrations
     python -m librarian_jax.main --config=configs/sft.py --config.data.path=convs.jsonl \\
@@ -25,23 +26,41 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_collections
 from absl import logging
 
-from librarian_jax import checkpoint, compile_cache, config_schema, config_validation, distributed, storage
+from librarian_jax import (
+    checkpoint,
+    cluster,
+    compile_cache,
+    config_schema,
+    config_validation,
+    data,
+    distributed,
+    inputs,
+    storage,
+)
 from librarian_jax.rl import sft, train_step
+from librarian_jax.warm_start import demos
+
+
+def builder_template(config: Any, tokenizer: Any) -> Any:
+    """The builder's chat template of the run's protocol (`cluster.role_templates`): the warm start's
+    demonstrations and SFT encode with the template GRPO's policy engine samples with."""
+    return cluster.role_templates(config, tokenizer)["policy"]
 
 
 def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], config: Any, *,
           workdir: str, mesh: Any = None, template: Any = None) -> dict[str, Any]:
     """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `config` (the
-    `configs/sft.py` ConfigDict: `train`, `data.packing`, `checkpoint`, `seed`). Checkpoints go to
-    `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses, times, steps)."""
-    from librarian_jax.tokenizers import chat_template
-
+    `configs/sft.py` ConfigDict: `train`, `data.packing`, `checkpoint`, `seed`), each encoded with
+    `template` (default: the builder's, `cluster.role_templates`: the template GRPO samples with).
+    Checkpoints go to `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses,
+    times, steps)."""
     t_start = time.perf_counter()
     compiled_before = compile_cache.CompileClock.get().totals()
     t = config.train
-    template = template or chat_template(tokenizer)
+    template = template or builder_template(config, tokenizer)
     examples = [sft.encode_conversation(c["messages"], template, tokenizer) for c in conversations]
     tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, config.data.packing)
     logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
@@ -120,8 +139,6 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
 
 def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     """The `configs/sft.py` command: validate, build data / tokenizer / mesh / model, train."""
-    from librarian_jax import main as main_lib
-
     validate(config)
     desc = (f"SFT: model {config.model.preset} ({config.model.init}) on "
             f"{config.data.path or 'embedded demonstrations'}; {config.train.num_steps} steps of "
@@ -137,18 +154,18 @@ def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 
     def data() -> tuple[list[dict[str, Any]], Any]:
         if config.data.path:
-            return (sft.load_conversations(main_lib.local_file(config.data.path, "sft_data")),
-                    main_lib.build_tokenizer(config, []))
+            return (sft.load_conversations(inputs.local_file(config.data.path, "sft_data")),
+                    inputs.build_tokenizer(config, []))
         return embedded_demonstrations(config)
 
     if distributed.is_multi():  # process 0 makes (and caches) the demonstrations and tokenizer; then the rest
         if distributed.is_primary():
             data()
-        distributed.barrier("librarian_jax.supervised.data")
+        distributed.barrier("librarian_jax.warm_start.data")
     convs, tokenizer = data()
-    mesh = main_lib.make_mesh(config)  # the trainer's: every device of every process
+    mesh = cluster.run_mesh(config)  # the trainer's: every device of every process
     # weights loaded onto this process's devices, then made placeable on the global mesh (as GRPO's)
-    model = main_lib.build_model(config, main_lib.local_engine_mesh(mesh), tokenizer)
+    model = cluster.initial_model(config, cluster.engine_mesh(mesh), tokenizer)
     distributed.uncommit(model)
     m = config.model
     if m.lora_rank:
@@ -165,8 +182,6 @@ DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the 
 def demo_tasks(config: Any) -> list[Any]:
     """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world sizes,
     seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever shown."""
-    from librarian_jax import data
-
     d = config.data
     return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks,
                                docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
@@ -175,27 +190,25 @@ def demo_tasks(config: Any) -> list[Any]:
 
 
 def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
-    """The embedded world's demonstrations (`data.demos`, cached as `workdir/demos.jsonl`) and the tokenizer
+    """The embedded world's demonstrations (`warm_start.demos`, cached as `workdir/demos.jsonl`) and the tokenizer
     (GRPO and eval then load that file). Each is scored with the `config.rollout` answerer.
 
     The tokenizer is trained on the demonstrations' worlds only, never on the run's tasks: no held-out text
     reaches the warm start, and the warm start does not depend on the run's world size or split (runs that
     differ only in `data.num_tasks` / `data.heldout_fraction` start from the same policy)."""
-    from librarian_jax import main as main_lib
-    from librarian_jax.data import demos
-
     pool = demo_tasks(config)
-    tokenizer = main_lib.build_tokenizer(config, pool, demos.tokenizer_texts(pool))
+    tokenizer = inputs.build_tokenizer(config, pool, demos.tokenizer_texts(pool))
     rollout_cfg = config_validation.rollout_config(config)
     d = config.demos
     key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),
            "rollout": rollout_cfg.to_dict(), "demos": d.to_dict(), "vocab": tokenizer.vocab_size}
-    # the cache is a local file (`data.demos` reads it with open()): the workdir, or a local stand-in for gs://
+    # the cache is a local file (`demos` reads it with open()): the workdir, or a local stand-in for gs://
     path = demos.cached_demonstrations(
         os.path.join(storage.local_cache_dir(config.workdir, "demos"), "demos.jsonl"), key,
         lambda: demos.make_demonstrations(pool, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
                                           per_task=d.per_task, calls_per_turn=d.calls_per_turn,
-                                          seed=config.seed))
+                                          seed=config.seed,
+                                          template=builder_template(config, tokenizer)))
     return sft.load_conversations(path), tokenizer
 
 
@@ -206,3 +219,51 @@ def validate(config: Any, num_devices: int | None = None) -> config_schema.SFTCo
     config_validation.validate_mesh(parsed.mesh.shape,
                                     jax.device_count() if num_devices is None else num_devices)
     return parsed
+
+
+# ------------------------------------------------------------------------------------------- before GRPO
+
+WARM_START_DIR = "warm_start"
+
+
+def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
+    """Runs the supervised warm start (`configs/sft.py:<warm_start.sft_preset>` on this run's model, data,
+    rollout, roles and mesh, in `workdir/warm_start`; resumed or skipped when done) and returns (the GRPO
+    config starting from its checkpoint, the SFT summary). The demonstrations and SFT encode with the
+    builder's template of the run's protocol (`cluster.role_templates`), as GRPO samples."""
+    from configs import sft as sft_configs  # the presets live in the config files (above this package)
+
+    sft_config = sft_configs.get_config(config.warm_start.sft_preset)
+    with sft_config.unlocked():
+        for key in ("seed", "preset", "builder_thinking"):
+            sft_config[key] = config[key]
+        for section in ("model", "data", "rollout", "roles", "mesh"):
+            packing = sft_config.data.packing if section == "data" else None
+            sft_config[section] = ml_collections.ConfigDict(config[section].to_dict())
+            if packing is not None:
+                sft_config.data.packing = packing
+                sft_config.data.path = ""
+        sft_config.workdir = storage.join(config.workdir, WARM_START_DIR)
+    done = storage.join(sft_config.workdir, "sft_summary.json")
+    summary: dict[str, Any] | None = None
+    if storage.isfile(done):
+        summary = json.loads(storage.read_text(done))
+        if summary.get("last_step") != sft_config.train.num_steps:
+            summary = None
+    t0 = time.perf_counter()
+    if summary is None:
+        logging.info("warm start: supervised fine-tuning on the embedded demonstrations in %s",
+                     sft_config.workdir)
+        summary = main(sft_config) or {}
+    else:
+        logging.info("warm start: done earlier (%s); GRPO starts from its checkpoint", done)
+    summary = {**summary, "this_run_s": time.perf_counter() - t0}
+    tokenizers_dir = storage.join(sft_config.workdir, "tokenizer")
+    models = [n for n in storage.listdir(tokenizers_dir) if n.endswith(".model")]
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model.init = "orbax"
+    config.model.path = storage.join(sft_config.workdir, "checkpoints")
+    if models and not config.model.tokenizer:
+        config.model.tokenizer = storage.join(tokenizers_dir, models[-1])
+    config.warm_start.enabled = False
+    return config, summary

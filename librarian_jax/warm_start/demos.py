@@ -31,6 +31,11 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from librarian_jax.agents.builder import first_observation
+from librarian_jax.rollout import run_batch
+from librarian_jax.rollout.scripted import FakeSession, ScriptedEngine
+from librarian_jax.workspace import Workspace
+
 STYLES = ("entities", "own_doc", "generic", "early_stop")
 DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "own_doc": 0.4, "generic": 0.1, "early_stop": 0.25}
 _RAW_LINE = re.compile(r'^\S+\s+\[raw\]\s+"(?P<title>[^"]*)"\s+\(doc_id=(?P<doc>[^,]+),', re.M)
@@ -90,7 +95,6 @@ def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max
 
 def scripted_builder(style: str, calls_per_turn: int, max_turns: int) -> Any:
     """A `ScriptedEngine` policy: reply k of the episode whose prompt the session holds, for `style`."""
-    from librarian_jax.rollout.scripted import FakeSession
 
     plans: dict[int, list[str]] = {}
 
@@ -122,8 +126,6 @@ def tokenizer_texts(tasks: Sequence[Any]) -> list[str]:
     style writes (`tool_call_texts`) and the builder's first message for each task (the root and raw-document
     listings as the real workspace renders them: the largest part of a builder episode after the documents,
     and text the documents alone do not teach a small tokenizer)."""
-    from librarian_jax.agents.builder import first_observation
-    from librarian_jax.workspace import Workspace
 
     out = tool_call_texts(tasks)
     for t in tasks:
@@ -153,7 +155,7 @@ def make_demonstrations(
     per_task: int = 2,
     calls_per_turn: int = 3,
     seed: int = 0,
-    template: Any = None,
+    template: Any,
 ) -> list[dict[str, Any]]:
     """Runs `per_task` scripted builders per task (styles drawn from `mix`, seeded) through the real protocol.
 
@@ -163,13 +165,9 @@ def make_demonstrations(
     terminal reward plus the turn penalties). Each record
     also holds `"_segment"`: the builder session's own training segment (ids and loss mask as the scripted
     engine held them), which `write_jsonl` leaves out and tests compare with `rl.sft.encode_conversation`.
+    `template` is the builder's chat template of the run's protocol (`cluster.role_templates`).
     """
-    from librarian_jax.rollout import run_batch
-    from librarian_jax.rollout.scripted import ScriptedEngine
-    from librarian_jax.tokenizers import chat_template
-
     mix = dict(mix or DEFAULT_MIX)
-    template = template or chat_template(tokenizer)
     cfg = dataclasses.replace(rollout_config, record_conversations=True, record_snapshots=False, max_probes=0,
                               probe_at_start=False)
     counts = style_counts(len(tasks) * per_task, mix)

@@ -1,0 +1,125 @@
+"""A run's inputs, built from its validated config: the tasks and their train / held-out split, and the
+tokenizer. Every command (GRPO, the warm start, eval, build) takes them from here.
+
+    train, heldout = build_tasks(config)            # the synthetic world or a tasks file, split
+    write_split(workdir, train, heldout)            # workdir/split.json: what eval will hold out
+    tokenizer = build_tokenizer(config, tasks)      # model.tokenizer, the HF folder's, or a trained one
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+from absl import logging
+
+from librarian_jax import data, storage, tokenizers
+from librarian_jax.agents import vocabulary
+from librarian_jax.config_schema import ConfigError
+
+SPLIT_FILE = "split.json"
+
+# The loaders' options each data key sets, and the formats that have them (docs/paper-settings.md, Data).
+_DATA_LOADER_KEYS = {"max_docs": ("tasks", "browsecomp_plus"), "questions_per_domain": ("bright",)}
+
+
+def _loader_kwargs(d: Any, fmt: str) -> dict[str, Any]:
+    """`data.load_tasks` options from the data config: the noisy variant's document cap (`max_docs`: support
+    documents plus shuffled negatives, at most that many) and the BRIGHT question sample
+    (`questions_per_domain`), both drawn with `sample_seed`. A key set for a format without it is logged."""
+    kwargs: dict[str, Any] = {}
+    for key, formats in _DATA_LOADER_KEYS.items():
+        value = int(d.get(key, 0))
+        if not value:
+            continue
+        if fmt not in formats:
+            logging.warning("config.data.%s=%d does not apply to the %r format of %s (only %s)",
+                            key, value, fmt, d.path, "/".join(formats))
+            continue
+        kwargs.update({key: value, "seed": int(d.get("sample_seed", 0))})
+        if key == "max_docs":
+            kwargs["shuffle_docs"] = True
+    return kwargs
+
+
+def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
+    """(train tasks, held-out tasks) from the synthetic world or a tasks file.
+
+    `data.reuse_questions` (a file) sets the named corpora's reuse questions; `data.split_file` (a task-id
+    file, `data.read_task_ids`) decides train / held-out, else `data.heldout_fraction` by task-id hash."""
+    d = config.data
+    if d.source == "synthetic":
+        tasks = data.generate_world(config.seed, d.num_tasks, docs_per_task=d.docs_per_task,
+                                    min_words=d.min_words, max_words=d.max_words,
+                                    questions_per_task=d.questions_per_task,
+                                    reuse_questions_per_task=d.reuse_questions_per_task)
+    else:
+        fmt = data.sniff_format(d.path) if d.format == "auto" else d.format
+        tasks = data.load_tasks(d.path, format=fmt, **_loader_kwargs(d, fmt))
+    if d.get("reuse_questions", ""):
+        try:
+            tasks = data.attach_reuse_questions(tasks, d.reuse_questions)
+        except data.DataError as e:
+            raise ConfigError(f"config.data.reuse_questions: {e}") from e
+    if d.get("split_file", ""):
+        try:
+            train, heldout = data.split_by_ids(tasks, d.split_file)
+        except data.DataError as e:
+            raise ConfigError(f"config.data.split_file: {e}") from e
+        if not train:
+            raise ConfigError(
+                f"config.data.split_file: {d.split_file} leaves no training task of {len(tasks)}")
+        return train, heldout
+    train, heldout = data.split_tasks(tasks, float(d.heldout_fraction)) if d.heldout_fraction else (tasks, [])
+    if not train:
+        raise ConfigError(
+            f"config.data.heldout_fraction: {d.heldout_fraction} leaves no training task of {len(tasks)}")
+    return list(train), list(heldout)
+
+
+def write_split(workdir: str, train: list[Any], heldout: list[Any]) -> str:
+    """Records the run's train / held-out task ids in `workdir/split.json`, so evaluation uses exactly the
+    held-out tasks this run never trained on (never a re-derived split)."""
+    path = storage.join(workdir, SPLIT_FILE)
+    storage.write_text(path, json.dumps({"train": [t.task_id for t in train],
+                                         "heldout": [t.task_id for t in heldout]}, indent=1))
+    return path
+
+
+def local_file(path: str, purpose: str) -> str:
+    """`path` itself when local; a remote file (`gs://...`) copied once into a local cache directory (for
+    readers that need a local file, e.g. SentencePiece)."""
+    if not storage.is_remote(path):
+        return path
+    local = os.path.join(storage.local_cache_dir(storage.dirname(path), purpose), storage.basename(path))
+    if not os.path.exists(local):
+        storage.copy_file(path, local)
+    return local
+
+
+def build_tokenizer(config: Any, tasks: list[Any], extra_texts: list[str] | None = None) -> Any:
+    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached) on the tasks
+    plus the agents' own prompts and tool descriptions (and `extra_texts`, e.g. the tool calls of the
+    warm start's demonstrations), so those encode compactly too."""
+    if config.model.tokenizer:
+        return tokenizers.load_tokenizer(local_file(config.model.tokenizer, "tokenizer"))
+    if config.model.init == "hf":
+        return tokenizers.load_tokenizer(config.model.path)
+    cache = storage.join(config.workdir, "tokenizer")
+    texts = data.world_texts(tasks) + vocabulary.all_texts() + list(extra_texts or [])
+    # SentencePiece reads and writes local files: a remote workdir's cache is mirrored in a local directory
+    # (models there first copied down, so a restart on another host does not train again; a new one up)
+    local = storage.local_cache_dir(cache, "tokenizer")
+    remote = local != cache
+    if remote:
+        for name in storage.listdir(cache):
+            if name.endswith(".model") and not os.path.exists(os.path.join(local, name)):
+                storage.copy_file(storage.join(cache, name), os.path.join(local, name))
+    tokenizer = tokenizers.cached_tokenizer(texts, local, config.model.tokenizer_vocab_size)
+    if remote and jax.process_index() == 0:
+        for name in sorted(os.listdir(local)):
+            if name.endswith(".model") and not storage.exists(storage.join(cache, name)):
+                storage.copy_file(os.path.join(local, name), storage.join(cache, name))
+    return tokenizer

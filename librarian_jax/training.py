@@ -1,0 +1,428 @@
+"""The GRPO training loop (`configs/grpo.py`, `main` with command "train").
+
+    summary = run(config)          # validate -> warm start -> build -> resume -> steps -> final evaluation
+
+Per step: a batch of tasks (grain) -> G builder episodes per task on the policy engine, with probes and the
+final evaluation answered by the frozen roles (`rollout.run_batch`, every role from the run's `Cluster`) ->
+training rows -> one optimizer update -> the policy engine takes the new weights on device -> metrics to
+TensorBoard (`workdir/tb`) and one console line -> episode records to `workdir/episodes/step_N.jsonl` -> an
+Orbax checkpoint every `checkpoint.every` steps (`workdir/checkpoints`; a restart resumes from the newest good
+one). The run's protocol (every role's weights, template, context and sampling) goes to
+`workdir/protocol.json` at start; evaluations compare theirs with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from tensorboardX import SummaryWriter
+
+from librarian_jax import (
+    checkpoint,
+    cluster,
+    compile_cache,
+    config_validation,
+    distributed,
+    inputs,
+    rollout,
+    storage,
+)
+from librarian_jax import eval as eval_lib
+from librarian_jax.data import TaskPipeline
+from librarian_jax.eval import pipeline
+from librarian_jax.rl import rows as rows_lib
+from librarian_jax.rl import train_step
+from librarian_jax.warm_start import sft as warm_start_sft
+
+
+def train_config(config: Any) -> Any:
+    """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`); the
+    loss's temperature is the builder's sampling temperature (0, greedy, counts as 1)."""
+    temperature = config_validation.rollout_config(config).builder.temperature or 1.0
+    return config_validation.validate_train(config).trainer_config(temperature)
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def step_metrics(records: list[Any], row_metrics: dict[str, float], update: dict[str, float],
+                 sched_stats: Any, rollout_s: float) -> dict[str, float]:
+    """Everything logged for one step (TensorBoard scalars)."""
+    nan = float("nan")
+    rewards = np.array([r.total_reward for r in records])
+    probes = [s for r in records for s in r.probe_scores]
+    gen = float(sum(sched_stats.generated_tokens.values()))
+    out = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/terminal_mean": float(np.mean([r.terminal_reward for r in records])),
+        "probe/accuracy": float(np.mean(probes)) if probes else float("nan"),
+        "probe/count": float(len(probes)),
+        "episode/turns": float(np.mean([r.num_turns for r in records])),
+        "episode/stopped": float(np.mean([r.stopped for r in records])),
+        "rollout/time_s": rollout_s, "rollout/generated_tokens": gen,
+        "rollout/tokens_per_s": gen / max(rollout_s, 1e-9),
+        "rollout/engine_s": float(sched_stats.engine_s), "rollout/host_s": float(sched_stats.host_s),
+        "train/time_s": update["time_s"],
+        "train/tokens_per_s": row_metrics.get("rows/tokens", 0.0) / max(update["time_s"], 1e-9),
+    }
+    for k in ("adv/episode_std", "adv/equal_reward_groups_frac"):
+        out[k] = nan
+    out.update(row_metrics)
+    for k in ("loss", "kl", "clip_frac", "entropy", "skipped"):
+        out[f"train/{k}"] = nan
+    out.update({f"train/{k}": v for k, v in update.items() if k != "time_s"})
+    return out
+
+
+def progress_line(step: int, total: int, m: dict[str, float]) -> str:
+    return (f"step {step}/{total} | reward {m['reward/mean']:.3f} probe acc {m['probe/accuracy']:.3f} "
+            f"adv spread {m['adv/episode_std']:.3f} (equal groups {m['adv/equal_reward_groups_frac']:.2f}) | "
+            f"loss {m['train/loss']:.4f} kl {m['train/kl']:.4f} clip {m['train/clip_frac']:.3f} "
+            f"ent {m['train/entropy']:.3f}{' SKIPPED' if m['train/skipped'] else ''} | "
+            f"{m['rollout/tokens_per_s']:.0f} gen tok/s, {m['train/tokens_per_s']:.0f} train tok/s | "
+            f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s"
+            + (f" | held-out acc {m['eval/accuracy']:.3f} ({m['eval/time_s']:.1f}s)"
+               if "eval/accuracy" in m else "")
+            + (f" | compiled {m['compile/programs']:.0f} programs {m['compile/time_s']:.1f}s"
+               if m.get("compile/programs") else ""))
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def describe(config: Any) -> str:
+    """What a run of `config` would do, in a few lines, with the role table (`cluster.role_table`)."""
+    m, d, r, t = config.model, config.data, config.rollout, config.train
+    weights = {"random": "random init", "hf": f"HF safetensors {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
+    data = f"a synthetic world of {d.num_tasks} tasks" if d.source == "synthetic" else f"tasks from {d.path}"
+    tuning = f"LoRA rank {m.lora_rank}" if m.lora_rank else "full fine-tuning"
+    return (f"GRPO preset {config.preset!r}: model {m.preset} ({weights}, {tuning}) on {data}; "
+            f"{t.num_steps} steps of {d.tasks_per_batch} tasks x group {r.group_size}, "
+            f"builder H={r.builder.max_turns}, {t.advantage} advantages, {t.loss} loss ({t.aggregation}), "
+            f"lr {t.learning_rate}; "
+            f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}\n"
+            f"roles (which model serves which role):\n{cluster.role_table(config)}")
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds between steps."""
+
+    config: Any
+    train_tasks: list[Any]
+    heldout: list[Any]
+    tokenizer: Any
+    cluster: cluster.Cluster  # every role's engine and template; the policy's weight hand-off
+    trainer: Any
+    rows_config: Any
+    rollout_config: Any
+    data_iter: Any
+    rng: jax.Array
+    step: int = 0
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        return self.cluster.engines
+
+    @property
+    def templates(self) -> dict[str, Any]:
+        return self.cluster.templates
+
+    def push_weights(self) -> None:
+        """The trainer's current policy to the policy engine (a collective in a multi-process run)."""
+        self.cluster.push_weights(self.trainer.policy_state())
+
+
+def build(config: Any) -> Run:
+    """Data, tokenizer, mesh, cluster (every role's model, engine and template) and trainer for `config`
+    (validated)."""
+    train_tasks, heldout = inputs.build_tasks(config)
+    if distributed.is_multi():  # process 0 trains (and caches) the tokenizer; the others then read it
+        if distributed.is_primary():
+            inputs.build_tokenizer(config, train_tasks + heldout)
+        distributed.barrier("librarian_jax.training.tokenizer")
+    tokenizer = inputs.build_tokenizer(config, train_tasks + heldout)
+    mesh = cluster.run_mesh(config)  # the trainer's: every device of every process
+    emesh = cluster.engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
+    base = cluster.initial_model(config, emesh, tokenizer)
+    distributed.uncommit(base)  # several processes: weights the trainer can place on the global mesh
+    m, t = config.model, config.train
+    policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
+        if m.lora_rank else base
+    roles = config_validation.resolve_roles(config)
+    logging.info("roles:\n%s", cluster.role_table(config, roles))
+    the_cluster = cluster.build_cluster(
+        config, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
+        localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
+    trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
+    logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
+                 "LoRA" if trainer.lora else "full")
+    rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
+                                      step_gamma=t.step_gamma, max_seq_len=t.max_seq_len,
+                                      row_multiple=trainer.row_multiple())
+    # Every process iterates the same global pipeline (data.tasks_per_batch tasks a step) and rolls out its
+    # own contiguous share of each batch (`distributed.process_slice`): the global batch is the one a single
+    # process would see, whatever the process count.
+    # (Several processes drop an epoch's short last batch, which cannot be split evenly.)
+    pipeline_ = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
+                             seed=config.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
+                             drop_remainder=distributed.is_multi())
+    return Run(config, train_tasks, heldout, tokenizer, the_cluster, trainer, rows_config,
+               config_validation.rollout_config(config), pipeline_.iterator(), jax.random.key(config.seed))
+
+
+def resume(run: Run, ck: Any) -> None:
+    """Restores params, optimizer state, step, RNG and data position from the newest good checkpoint."""
+    restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state)
+    if restored is None:
+        return
+    run.trainer.set_state(restored.params, restored.opt_state, restored.step)
+    run.rng = restored.rng if restored.rng is not None else run.rng
+    data_state = restored.data_state
+    by_process = restored.meta.get("data_by_process")
+    if by_process and len(by_process) == jax.process_count():
+        data_state = by_process[jax.process_index()]  # this process's own iterator state
+    if data_state is not None:
+        run.data_iter.set_state(data_state)
+    run.push_weights()
+    run.step = restored.step
+    logging.info("resumed from step %d", run.step)
+
+
+def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
+    """One GRPO step: rollouts -> rows -> update -> new weights to the policy engine. Returns (records,
+    metrics)."""
+    compiled_before = compile_cache.CompileClock.get().totals()
+    run.step += 1
+    global_tasks = next(run.data_iter)
+    share = distributed.process_slice(len(global_tasks))  # this process's tasks of the global batch
+    tasks = global_tasks[share]
+    run.rng, sub = jax.random.split(run.rng)
+    seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
+    group = run.config.rollout.group_size
+    sched = rollout.Scheduler(run.engines)
+    t0 = time.perf_counter()
+    records = rollout.run_batch(tasks, group, run.engines, run.tokenizer, run.rollout_config,
+                                rng=distributed.episode_rng(seed, share.start * group), scheduler=sched,
+                                template=run.templates["policy"], templates=run.templates)
+    if share.start:  # group ids index the global batch (advantages are per group, all on one process)
+        records = [dataclasses.replace(r, group_id=r.group_id + share.start) for r in records]
+    rollout_s = time.perf_counter() - t0
+    # the processes' rollouts take different times: meet here (no device collective waits minutes for another)
+    distributed.wait_for_all(f"step_{run.step}/rollouts")
+    try:
+        batch, row_metrics = rows_lib.build_rows(records, run.rows_config)
+        trainable = 1.0
+    except rows_lib.NoTrainableTokens as e:
+        batch, row_metrics, trainable = None, {}, 0.0
+        logging.warning("step %d: %s", run.step, e)
+    # every process updates, or none does (the update is one global program): a step where some process has
+    # no trainable token is skipped everywhere
+    if distributed.is_multi():
+        trainable = float(min(distributed.allgather_json(trainable)))
+    if trainable:
+        if distributed.is_multi():
+            # compile this step's update before the processes meet (a no-op once compiled): one process's
+            # compile (another read it from the persistent cache) must not run out a collective's timeout
+            run.trainer.memory_analysis(batch)
+            distributed.wait_for_all(f"step_{run.step}/update_compiled")
+        update = run.trainer.update(batch)
+        run.push_weights()
+    else:
+        logging.warning("step %d: no trainable token on some process; no update this step", run.step)
+        row_metrics, update = {}, {"time_s": 0.0, "skipped": 1.0}
+    run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
+    metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
+    cfg = run.config.eval
+    if cfg.every and run.step % cfg.every == 0 and run.heldout:
+        t1 = time.perf_counter()
+        metrics.update(evaluate(run, seed))
+        metrics["eval/time_s"] = time.perf_counter() - t1
+    # what this step spent compiling (rollout, update and eval programs; inside the times above)
+    metrics.update(compile_cache.CompileClock.get().since(compiled_before).metrics())
+    metrics = distributed.reduce_metrics(metrics, weight=len(records))
+    return records, metrics
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics with a finite value (NaN marks "not measured this step", e.g. probe accuracy)."""
+    return {k: v for k, v in metrics.items() if np.isfinite(v)}
+
+
+def _write_scalars(writer: Any, metrics: dict[str, float], step: int) -> None:
+    """The finite metrics to TensorBoard at `step` (a no-op without a writer: processes other than 0)."""
+    if writer is None:
+        return
+    for k, v in _finite(metrics).items():
+        writer.add_scalar(k, v, step)
+    writer.flush()
+
+
+def run(config: Any) -> dict[str, Any]:
+    """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
+    t_start = time.perf_counter()
+    compiled_before = compile_cache.CompileClock.get().totals()
+    config_validation.validate(config)
+    logging.info("%s", describe(config))
+    workdir = storage.abspath(config.workdir)  # a local directory or a URL (gs://...): launch/README.md
+    storage.makedirs(workdir)
+    primary = jax.process_index() == 0
+    sft_summary: dict[str, Any] = {}
+    if config.warm_start.enabled:
+        config, sft_summary = warm_start_sft.warm_start(config)
+        config_validation.validate(config)
+    if primary:
+        storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+
+    state = build(config)
+    if primary:
+        inputs.write_split(workdir, state.train_tasks, state.heldout)
+        state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
+    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
+                                 keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    if config.checkpoint.resume:
+        resume(state, ck)
+    start, num_steps = state.step, config.train.num_steps
+    # tensorboardX writes gs:// itself (google-cloud-storage), a local path as files
+    writer = SummaryWriter(storage.join(workdir, "tb")) if primary else None
+    totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
+    metrics: dict[str, float] = {}
+    curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
+    initial: dict[str, float] = {}
+    try:
+        if config.eval.every and state.heldout and state.step == 0 and num_steps > 0:
+            # the starting policy on the same held-out tasks, so the held-out curve has its step-0 point;
+            # greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
+            t1 = time.perf_counter()
+            initial = evaluate(state, int(config.seed))
+            took = time.perf_counter() - t1
+            totals["eval_s"] += took
+            if primary:
+                logging.info("step 0/%d (the starting policy) | held-out acc %.3f (%.1fs)", num_steps,
+                             initial["eval/accuracy"], took)
+            _write_scalars(writer, initial, 0)
+        while state.step < num_steps:
+            records, metrics = train_one_step(state)
+            step = state.step
+            totals["rollout_s"] += metrics["rollout/time_s"]
+            totals["update_s"] += metrics["train/time_s"]
+            totals["eval_s"] += metrics.get("eval/time_s", 0.0)
+            if primary:  # metrics are already reduced over the processes: one line for the job
+                logging.info("%s", progress_line(step, num_steps, metrics))
+            curve.append((step, metrics["reward/mean"]))
+            _write_scalars(writer, metrics, step)
+            # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
+            distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
+            due = step == num_steps or ck.should_save(step)
+            data_state = state.data_iter.get_state()
+            # each process's iterator state (a collective, so every process takes the same branch)
+            by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
+            ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
+                    data_state=data_state, data_by_process=by_process, force=step == num_steps)
+    finally:
+        ck.close()
+        if writer is not None:
+            writer.close()
+    learning = reward_curve(curve, storage.join(workdir, "reward_curve.png") if primary else None)
+    if learning:
+        logging.info("reward curve: %s", learning["line"])
+    final: dict[str, Any] = {}
+    t_eval = time.perf_counter()
+    # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
+    # records (eval.cli.execute; every process restores each builder, a collective); process 0 reports
+    if config.eval.final_methods and state.heldout:
+        final = final_evaluation(workdir, config.eval.final_methods)
+        if config.eval.final_samples:
+            final["sampled"] = final_evaluation(
+                workdir, config.eval.final_methods, name="final_sampled", samples=config.eval.final_samples,
+                builder_temperature=float(config.rollout.builder.temperature))
+    totals["final_eval_s"] = time.perf_counter() - t_eval
+    wall = time.perf_counter() - t_start
+    compiled = compile_cache.CompileClock.get().since(compiled_before)  # this process's, warm start included
+    summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
+               "compile": compiled.as_dict(),
+               "reward_curve": learning, "final_eval": final,
+               "warm_start_s": sft_summary.get("this_run_s", 0.0),
+               "initial_eval": _finite(initial), "metrics": _finite(metrics)}
+    logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
+                 "compiling %s)", start + 1, state.step, wall, totals["rollout_s"], totals["update_s"],
+                 totals["eval_s"], compiled.line() or "nothing")
+    if primary:
+        storage.write_text(storage.join(workdir, "summary.json"), json.dumps(summary, indent=2))
+    return summary
+
+
+def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict[str, Any]:
+    """The mean reward of the first and last fifth of the steps (mean +- standard error over steps) and
+    a plot of the curve (`png`). Empty for fewer than 2 steps."""
+    if len(curve) < 2:
+        return {}
+    steps = [s for s, _ in curve]
+    r = np.array([v for _, v in curve], float)
+    k = max(1, len(r) // 5)
+
+    def mean_se(x: np.ndarray) -> tuple[float, float]:
+        return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
+
+    (m0, s0), (m1, s1) = mean_se(r[:k]), mean_se(r[-k:])
+    out = {"first_fifth": [m0, s0], "last_fifth": [m1, s1], "steps_per_fifth": k,
+           "line": f"mean reward, first {k} steps {m0:.3f} +- {s0:.3f}, last {k} steps {m1:.3f} +- {s1:.3f}"}
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, r, marker="o", ms=3)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("mean episode reward")
+        ax.set_title(out["line"], fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with storage.writing(png) as f:
+            fig.savefig(f, dpi=120, format="png")
+        plt.close(fig)
+        out["png"] = png
+    return out
+
+
+def final_evaluation(workdir: str, methods: str, name: str = "final", **overrides: Any) -> dict[str, Any]:
+    """configs/eval.py on this run's held-out split (`methods`; `overrides`: eval keys such as `samples`,
+    `builder_temperature`), the table logged and printed; returns the accuracies and the report's path."""
+    results = eval_lib.evaluate_run(workdir, methods=methods, name=name, **overrides)
+    table = eval_lib.format_table(results)
+    how = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "greedy builder"
+    logging.info("held-out evaluation, %s (%s/eval/%s/report.md):\n%s", how, workdir, name, table)
+    if jax.process_index() == 0:
+        print(f"held-out evaluation, {how}:\n{table}")  # noqa: T201 - the run's closing answer
+    return {"methods": methods, "report": storage.join(workdir, "eval", name, "report.md"),
+            "accuracy": results["accuracy"]}
+
+
+def evaluate(run: Run, seed: int) -> dict[str, float]:
+    """Periodic held-out evaluation (`eval.every`): the eval command's own build and answer code
+    (`eval.pipeline.periodic_eval`: greedy builder, no probes, the frozen answerer `eval.repeats` times per
+    question) on the run's cluster, with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is
+    the same accuracy. Multi-process: each process evaluates its share of the corpora and every process gets
+    the same metrics."""
+    tasks = run.heldout[: run.config.eval.num_tasks]
+    _, metrics = pipeline.periodic_eval(tasks, run.engines, run.tokenizer, run.rollout_config, seed,
+                                        repeats=run.config.eval.repeats, templates=run.templates)
+    metrics["eval/accuracy"] = metrics["eval/trained/accuracy"]
+    return metrics
+
+
+def train_command(config: Any, dry_run: bool = False) -> None:
+    """`main --config=configs/grpo.py`: validate; with `dry_run` print what would run (the role table)."""
+    config_validation.validate(config)
+    if dry_run:
+        print(describe(config))  # noqa: T201 - the CLI's answer
+        return
+    run(config)
