@@ -67,14 +67,25 @@ def test_default_dir(monkeypatch):
 
 
 def test_main_command_enables_it(tmp_path):
-    # The main command turns the cache on before anything compiles (a dry run compiles nothing, so the
-    # directory it creates stays empty).
+    """The main command turns the cache on with its settings before anything compiles: after `main.main` (a
+    dry run, which compiles nothing) JAX's cache directory is the flag's and the entry thresholds are ours
+    (red when `main` does not call `compile_cache.enable`: JAX's defaults stay)."""
     cache_dir = tmp_path / "main_cache"
+    code = ("import sys, jax\n"
+            "from absl import flags\n"
+            "from librarian_jax import main\n"
+            f"argv = ['main', '--config=configs/grpo.py', '--dry_run', '--compilation_cache_dir={cache_dir}']\n"
+            "flags.FLAGS(argv)\n"
+            "main.main(argv[:1])\n"
+            "print('CACHE', jax.config.jax_compilation_cache_dir,\n"
+            "      jax.config.jax_persistent_cache_min_compile_time_secs,\n"
+            "      jax.config.jax_persistent_cache_min_entry_size_bytes)\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py", "--dry_run",
-                    f"--compilation_cache_dir={cache_dir}"], env=env, capture_output=True, text=True,
-                   timeout=300, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert cache_dir.is_dir()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("CACHE "))
+    assert line.split()[1:] == [str(cache_dir), "0.2", "0"], line
+    assert cache_dir.is_dir() and not list(cache_dir.iterdir())  # nothing compiled, nothing written
 
 
 def test_compile_clock_counts_each_new_program_once():

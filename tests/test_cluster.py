@@ -1,0 +1,218 @@
+"""One protocol for every command (issue 37): the role cluster's roles, templates and contexts are the same
+in training, the warm start, evaluation and `--dry_run`, and `protocol.json` records them.
+
+- A tiny run whose answerer, executor and judge are three different small models (saved HF directories,
+  different chat templates and context lengths) is trained and evaluated; the evaluation's protocol.json
+  equals the run's for every role but the builder's weights, and its engines serve those very models.
+- A warm-start conversation of a Qwen3.5 preset encodes to the same ids through the SFT path as through the
+  GRPO prompt path.
+- The paper presets dry-run from README's own command lines and print the roles docs/paper-settings.md shows.
+- An evaluation's explicit override is reported as a difference, and nothing else is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import grpo
+from librarian_jax import cluster, models
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _save_model(path: pathlib.Path, layers: int, seed: int) -> str:
+    model = models.Transformer(models.get_preset("tiny", num_layers=layers), rngs=nnx.Rngs(seed))
+    models.save_hf(model, str(path))
+    return str(path)
+
+
+def _three_role_config(tmp_path: pathlib.Path):
+    from tests.test_main import tiny_run_config
+
+    c = tiny_run_config(str(tmp_path / "run"), num_steps=1)
+    c.data.update(heldout_fraction=0.5)
+    c.rollout.update(use_model_judge=True, judge_max_new_tokens=4, max_probes=0, terminal_repeats=1)
+    c.rollout.builder.update(executor="model", executor_max_new_tokens=8, excerpt_max_chars=600)
+    c.rollout.answerer.update(kind="model", context_budget=1024, preload_max_tokens=128)
+    c.roles.answerer.update(init="hf", path=_save_model(tmp_path / "answerer", 1, 11), slots=3,
+                            max_seq_len=1024, template="chatml")
+    c.roles.executor.update(init="hf", path=_save_model(tmp_path / "executor", 2, 12), slots=2,
+                            max_seq_len=1536, template="qwen3_5", thinking=False)
+    c.roles.judge.update(init="hf", path=_save_model(tmp_path / "judge", 3, 13), slots=2, max_seq_len=512,
+                         template="qwen3_5", thinking=True)
+    return c
+
+
+def test_eval_runs_the_training_runs_protocol_with_three_frozen_models(tmp_path):
+    from librarian_jax import training
+    from librarian_jax.eval import cli
+
+    c = _three_role_config(tmp_path)
+    training.run(c)
+    run_dir = c.workdir
+    trained = json.loads((pathlib.Path(run_dir) / "protocol.json").read_text())
+    assert trained["answerer"]["architecture"] == "qwen3:1x128"
+    assert trained["executor"]["architecture"] == "qwen3:2x128"
+    assert trained["judge"]["architecture"] == "qwen3:3x128"
+    roles = ("answerer", "executor", "judge")
+    assert [trained[r]["template"] for r in roles] == ["chatml", "qwen3_5", "qwen3_5"]
+    assert [trained[r]["max_seq_len"] for r in ("answerer", "executor", "judge")] == [1024, 1536, 512]
+    assert trained["judge"]["thinking"] and not trained["executor"]["thinking"]
+    assert trained["compaction"]["weights"] == "scripted:deterministic"
+
+    # the eval of that run, its builder sampled as in training: every role as trained but the builder's
+    e = _eval_config(run_dir)
+    e.update(name="proto", builder_temperature=float(c.rollout.builder.temperature))
+    e.ablation.enabled = False
+    results = cli.evaluate_run(run_dir, config=e, name="proto", progress=False)
+    used = json.loads((pathlib.Path(run_dir) / "eval" / "proto" / "protocol.json").read_text())
+    assert used["builder"]["weights"].startswith("run:") and used["builder"]["weights"].endswith("@1")
+    diffs = cluster.protocol_diff(trained, used)
+    assert diffs == [], diffs
+    assert results["protocol"]["differences"] == []
+    report = (pathlib.Path(run_dir) / "eval" / "proto" / "report.md").read_text()
+    assert "## Protocol vs training" in report and "differences: none" in report
+
+    # and the evaluation's engines serve those very models (not the answerer's engine for every role)
+    plan = cli.plan_eval(e)
+    tok = cli.restore.run_tokenizer(plan.run_cfg, run_dir, [])
+    m = cli.Models(plan.run_cfg, plan.config, cluster.local_mesh(plan.config), tok)
+    engines = m.engines()
+    assert len({id(engines[r]) for r in ("answerer", "executor", "judge")}) == 3
+    for role, layers, seq in (("answerer", 1, 1024), ("executor", 2, 1536), ("judge", 3, 512)):
+        eng = engines[role]
+        assert eng.max_seq_len == seq and eng.config.num_layers == layers, role
+        want = nnx.state(models.load_hf(c.roles[role].path, dtype="bfloat16"), nnx.Param).to_pure_dict()
+        got = nnx.state(eng.params).to_pure_dict() if not hasattr(eng.params, "to_pure_dict") else \
+            eng.params.to_pure_dict()
+        np.testing.assert_array_equal(np.asarray(want["embed_tokens"]["embedding"]),
+                                      np.asarray(got["embed_tokens"]["embedding"]), err_msg=role)
+    assert m.templates["answerer"].style == "chatml" and m.templates["judge"].thinking
+    assert m.templates["executor"].style == "qwen3_5" and not m.templates["executor"].thinking
+
+
+def _eval_config(run_dir: str):
+    import importlib
+
+    e = importlib.import_module("configs.eval").get_config()
+    e.run, e.methods, e.num_tasks = run_dir, "trained", 1
+    return e
+
+
+def test_a_qwen3_5_warm_start_conversation_encodes_as_grpo_samples_it(qwen_tok):
+    """The SFT path's template (`warm_start.sft.builder_template`) is the one GRPO's policy engine samples
+    with (`cluster.role_templates`, which `build_cluster` uses): a demonstration made through the real
+    protocol with GRPO's template (its builder session's ids) encodes to exactly those ids for SFT. Red when
+    SFT detects the template from the vocabulary (ChatML) instead of taking the protocol's (Qwen3.5)."""
+    from configs import sft as sft_configs
+    from librarian_jax.agents import AnswererConfig, BuilderConfig
+    from librarian_jax.data import synthetic
+    from librarian_jax.rl import sft
+    from librarian_jax.rollout import RolloutConfig
+    from librarian_jax.warm_start import demos
+    from librarian_jax.warm_start import sft as warm_start_sft
+
+    grpo_cfg = grpo.get_config("qwen3_5_4b")
+    sft_cfg = sft_configs.get_config("qwen3_5_4b")
+    grpo_tpl = cluster.role_templates(grpo_cfg, qwen_tok)["policy"]
+    sft_tpl = warm_start_sft.builder_template(sft_cfg, qwen_tok)
+    assert (grpo_tpl.style, grpo_tpl.thinking) == ("qwen3_5", True) == (sft_tpl.style, sft_tpl.thinking)
+    tasks = synthetic.generate_world(3, 1, docs_per_task=3, min_words=20, max_words=30, questions_per_task=1)
+    cfg = RolloutConfig(builder=BuilderConfig(max_turns=2, max_new_tokens=4000, executor="extractive",
+                                              compaction="none"),
+                        answerer=AnswererConfig(kind="scripted", max_turns=2, context_budget=100_000),
+                        max_probes=0, terminal_repeats=1, use_model_judge=False)
+    out = demos.make_demonstrations(tasks, qwen_tok, cfg, mix={"entities": 1.0}, per_task=1,
+                                    template=grpo_tpl)
+    assert out
+    for d in out:
+        ex = sft.encode_conversation(d["messages"], sft_tpl, qwen_tok)
+        np.testing.assert_array_equal(ex.tokens, d["_segment"].tokens)
+        np.testing.assert_array_equal(ex.loss_mask, d["_segment"].loss_mask)
+
+
+def _readme_training_lines() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Training for real", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [" ".join(cmd.split()) for cmd in block.replace("\\\n", " ").strip().splitlines()]
+
+
+def _paper_settings_roles() -> dict[str, list[str]]:
+    doc = (ROOT / "docs" / "paper-settings.md").read_text()
+    lines = doc.split("## Roles", 1)[1].splitlines()[1:]
+    table = [ln for ln in lines[: lines.index("")] if ln.startswith("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    return {r[0]: r for r in rows}
+
+
+@pytest.mark.parametrize("preset", ["qwen3_5_4b", "gemma3_4b"])
+def test_paper_presets_dry_run_from_readmes_command_lines(tmp_path, preset):
+    """README's "Training for real" lines, with only their model and data paths made real, validate and print
+    the role table that docs/paper-settings.md shows (weights, slots, context, thinking)."""
+    line = next(x for x in _readme_training_lines() if f"configs/grpo.py:{preset}" in x)
+    argv = shlex.split(line)
+    assert argv[:3] == ["python", "-m", "librarian_jax.main"]
+    for i, a in enumerate(argv):
+        key, _, value = a.partition("=")
+        if key.endswith(".path") or key.endswith(".workdir"):  # the user's own folders
+            local = tmp_path / value.strip("/").replace("/", "_")
+            local.mkdir(exist_ok=True)
+            argv[i] = f"{key}={local}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, *argv[1:], "--dry_run"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = out.stdout.split("roles (which model serves which role):", 1)[1]
+    rows = {ln.split()[0]: ln for ln in table.strip().splitlines()[1:]}
+    docs = _paper_settings_roles()
+    for role in ("answerer", "executor", "compaction", "judge"):
+        cells = re.split(r"\s{2,}", rows[role])
+        slots, seq, thinking = cells[4], cells[5], cells[7]
+        engine = docs[role][2]
+        if "slots" in engine:
+            assert f"{slots} slots" in engine, (role, engine, rows[role])
+        if "max_seq_len" in engine:
+            assert f"max_seq_len {seq}" in engine, (role, engine, rows[role])
+        assert (thinking == "True") == docs[role][3].startswith("on"), (role, thinking, docs[role][3])
+    # compaction and the judge share the executor's engine, as the doc says
+    engines = {r: re.split(r"\s{2,}", rows[r])[2] for r in ("executor", "compaction", "judge")}
+    assert len(set(engines.values())) == 1, engines
+    if preset == "qwen3_5_4b":
+        assert "Qwen3.5-35B-A3B" in rows["executor"] and "Qwen3.5-35B-A3B" in docs["executor"][1]
+
+
+def test_an_evals_override_is_reported_as_the_only_difference(tmp_path):
+    """`protocol_config` applies an explicit `roles.<role>` override and names it; `protocol_diff` then finds
+    exactly that field (and a greedy builder's temperature), nothing else."""
+    import importlib
+
+    from librarian_jax.eval import cli
+
+    run = grpo.get_config("qwen3_5_4b")  # its judge is a model (the embedded one's is exact match)
+    e = importlib.import_module("configs.eval").get_config()
+    e.roles.judge.max_seq_len = 4096
+    e.builder_temperature = float(run.rollout.builder.temperature)
+    cfg, asked = cli.protocol_config(run, e)
+    assert asked == ["roles.judge.max_seq_len"]
+    diffs = cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg))
+    assert diffs == [("judge", "max_seq_len", run.roles.judge.max_seq_len, 4096)], diffs
+    e.roles.judge.max_seq_len = 0
+    e.builder_temperature = 0.0  # the default: a greedy builder
+    cfg, asked = cli.protocol_config(run, e)
+    assert asked == []
+    t = float(run.rollout.builder.temperature)
+    assert t > 0 and cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg)) == [
+        ("builder", "temperature", t, 0.0)]
+    table = cluster.protocol_table(cluster.protocol(cfg), cluster.protocol(run))
+    assert f"0.0 (trained: {t}) !" in table
