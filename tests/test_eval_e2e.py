@@ -4,6 +4,7 @@ a corpus whose construction fails stays in the denominator."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -158,10 +159,9 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
     assert summary["documents"] == 2 and not summary["failed"]
     assert (out / "README.md").is_file() and (out / "build.json").is_file()
     manifest = json.load(open(out / "manifest.json"))
-    for d in manifest["raw_docs"]:  # raw documents untouched
-        assert (out / d["path"]).read_text().endswith(texts[d["doc_id"]]) or texts[d["doc_id"]] in (
-            out / d["path"]
-        ).read_text()
+    for d in manifest["raw_docs"]:  # raw documents byte for byte, as the manifest's hash says
+        data = (out / d["path"]).read_bytes()
+        assert data == texts[d["doc_id"]].encode() and hashlib.sha256(data).hexdigest() == d["sha256"]
     _assert_links_resolve(out, manifest)
     # the same export contract on a workspace that has synthetic files (a random tiny builder writes none)
     from librarian_jax.workspace import Workspace
