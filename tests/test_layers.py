@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),
     ("rl",),
     ("", "data.demos", "checkpoint", "distributed", "config_schema", "config_validation", "eval", "main",
-     "supervised", "testing", "bench"),
+     "supervised", "testing", "bench", "serve"),
 ]
 
 # Imports inside functions that stay there, by (importing module, imported module), with the reason.
