@@ -160,9 +160,14 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
     assert (out / "README.md").is_file() and (out / "build.json").is_file()
     manifest = json.load(open(out / "manifest.json"))
     for d in manifest["raw_docs"]:  # raw documents byte for byte, as the manifest's hash says
-        data = (out / d["path"]).read_bytes()
-        assert data == texts[d["doc_id"]].encode() and hashlib.sha256(data).hexdigest() == d["sha256"]
+        blob = (out / d["path"]).read_bytes()
+        assert blob == texts[d["doc_id"]].encode() and hashlib.sha256(blob).hexdigest() == d["sha256"]
     _assert_links_resolve(out, manifest)
+    # it says what it built; the tiny builder wrote nothing, and the user reads that with a real builder named
+    if summary["stats"]["active_synthetic"] == 0:
+        (warning,) = summary["warnings"]
+        assert "the builder wrote no synthetic file" in warning and cli.REAL_BUILDER_HINT in warning
+    assert json.load(open(out / "build.json"))["warnings"] == summary["warnings"]
     # the same export contract on a workspace that has synthetic files (a random tiny builder writes none)
     from librarian_jax.workspace import Workspace
 
@@ -175,6 +180,27 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
     manifest = json.load(open(tmp_path / "ws2" / "manifest.json"))
     assert len(manifest["synthetic"]) == 2
     _assert_links_resolve(tmp_path / "ws2", manifest)
+
+
+def test_build_report_says_what_it_built():
+    stats = {"active_files": 0, "active_dirs": 0, "active_synthetic": 0, "max_depth": 0, "synthetic_chars": 0}
+    summary = {"documents": 6, "stats": stats, "failed": "", "stopped": True, "run": "/runs/tiny", "step": 2,
+               "construction_tokens": 41, "turns": 1}
+    lines, warnings = cli.build_report(summary, "/tmp/ws")
+    assert lines[0].startswith("built /tmp/ws: 6 raw documents, 0 synthetic files in 0 synthetic directories")
+    assert "41 tokens over 1 turn, called stop" in lines[0]
+    assert lines[1] == "serve it to any MCP client: python -m librarian_jax.serve /tmp/ws"
+    assert warnings == [
+        "the builder wrote no synthetic file (called stop after 1 turn): the workspace holds the raw "
+        "documents only; " + cli.REAL_BUILDER_HINT
+    ]
+    assert "hf:/" in cli.REAL_BUILDER_HINT and "qwen3_5_4b" in cli.REAL_BUILDER_HINT
+    stats.update(active_files=3, active_dirs=1, active_synthetic=4, max_depth=2, synthetic_chars=1234)
+    lines, warnings = cli.build_report(summary, "/tmp/ws")
+    assert warnings == []
+    assert "3 synthetic files in 1 synthetic directories (nesting depth 2, 1,234" in lines[0]
+    lines, warnings = cli.build_report({**summary, "failed": "boom"}, "/tmp/ws")
+    assert warnings == ["the construction failed (boom); exported the raw documents only"]
 
 
 def _assert_links_resolve(root, manifest):
