@@ -1,6 +1,7 @@
 """BM25 (`bm25s`) over a workspace's readable files: its synthetic files (history included) and its raw
 documents, cut into passages of `PASSAGE_LINES` display lines of the text `read_file` shows, so that every
-hit names a path and the line range to read. The generated README is left out (it only lists the others)."""
+hit names a path and the line range to read (its snippet leaves the file's header out). The generated README
+is left out (it only lists the others)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ class SearchIndex:
         py_logging.getLogger("bm25s").setLevel(py_logging.WARNING)
         self.passages: list[tuple[str, int, int, str]] = []  # path, first line, last line, text
         files = {p: t for p, t in workspace.files().items() if p != README}
+        self._snippets: list[str] = []  # each passage's text without header lines (for the snippet)
         for path, text in files.items():
             lines = R.display_lines(text)
+            body_from = lines.index(R.HEADER_END) + 1 if R.HEADER_END in lines else 0
             for i in range(0, max(len(lines), 1), passage_lines):
                 chunk = lines[i : i + passage_lines]
                 self.passages.append((path, i + 1, i + len(chunk), "\n".join(chunk)))
+                self._snippets.append("\n".join(lines[max(i, body_from) : i + passage_lines]))
         self.num_files = len(files)
         self._retriever = bm25s.BM25()
         corpus = [f"{p}\n{t}" for p, _, _, t in self.passages]  # a path's words find its file too
@@ -58,6 +62,6 @@ class SearchIndex:
         for j in order:
             if scores[j] <= 0:
                 break
-            path, a, b, text = self.passages[int(j)]
-            out.append(Hit(path, a, b, float(scores[j]), R.clip(text, SNIPPET_CHARS)))
+            path, a, b, _ = self.passages[int(j)]
+            out.append(Hit(path, a, b, float(scores[j]), R.clip(self._snippets[int(j)], SNIPPET_CHARS)))
         return out

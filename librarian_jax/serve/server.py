@@ -8,8 +8,9 @@ resources and one prompt; stdio or streamable HTTP.
   listing and root-level files: what the answerer reads before its question).
 - Prompt: `answer_question(question)`, the answerer's instructions and first prompt.
 
-Tools are `async` functions that do their (short, in-memory) work on the event loop: concurrent clients
-over HTTP are served one request at a time each, without threads sharing the workspace. HTTP binds to the
+Tools are `async` functions that do their short, in-memory work on the event loop without awaiting: the
+requests of concurrent HTTP clients interleave between calls, and no two threads share the workspace. HTTP
+binds to the
 address given (`127.0.0.1` by default; the SDK then refuses requests whose Host or Origin is not a
 loopback name, against DNS rebinding)."""
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 from librarian_jax.serve.tools import ServedWorkspace, ToolOutput
 
