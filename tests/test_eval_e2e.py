@@ -17,6 +17,7 @@ from configs import eval as eval_config
 from librarian_jax import data
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.eval import cli, pipeline, stats
+from librarian_jax.workspace import load_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -92,6 +93,9 @@ def test_eval_writes_every_section_and_plot(run_dir):
     assert results["pass_at_k"]["raw"]["1"]["n"] == 1
     assert results["workspaces"] == {"trained": 2, "base": 2}
     assert os.path.isfile(os.path.join(out, "workspaces", "trained", results["corpora"][0], "README.md"))
+    for corpus in results["corpora"]:  # the exported workspaces load back (what `librarian_jax.serve` serves)
+        loaded = load_export(os.path.join(out, "workspaces", "trained", corpus))
+        assert not loaded.stale and loaded.readme_matches
     t = results["timing"]
     assert t["answer_s"] > 0 and t["build_trained_s"] > 0
     print(json.dumps(t))  # the embedded evaluation's wall-time split (BENCHMARKS.md)
@@ -163,6 +167,7 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
         blob = (out / d["path"]).read_bytes()
         assert blob == texts[d["doc_id"]].encode() and hashlib.sha256(blob).hexdigest() == d["sha256"]
     _assert_links_resolve(out, manifest)
+    assert load_export(out).workspace.stats() == summary["stats"]  # servable as it is
     # it says what it built; the tiny builder wrote nothing, and the user reads that with a real builder named
     if summary["stats"]["active_synthetic"] == 0:
         (warning,) = summary["warnings"]
