@@ -9,9 +9,9 @@ The `model`, `data`, `rollout`, `mesh` and `checkpoint` sections are the GRPO co
 same preset), so a warm start and the GRPO run that follows it agree on the model, tokenizer, world and
 protocol; `train` is SFT's own, `data.packing` and `demos` are added. The keys are declared in
 `librarian_jax.config_schema.SFTConfig`; this file sets values. With `data.path` empty and the synthetic
-world, the conversations are the embedded world's demonstrations (`librarian_jax.warm_start.demos`), made once and
-cached as `workdir/demos.jsonl`. The checkpoint (`workdir/checkpoints`) is a valid `model.init="orbax"` for
-GRPO.
+world, the conversations are the embedded world's demonstrations (`librarian_jax.warm_start.demos`),
+made once and cached as `workdir/demos.jsonl`. The checkpoint (`workdir/checkpoints`) is a valid
+`model.init="orbax"` for GRPO.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ a corpus whose construction fails stays in the denominator."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from configs import eval as eval_config
 from librarian_jax import data
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.eval import cli, pipeline, stats
+from librarian_jax.workspace import load_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -91,6 +93,9 @@ def test_eval_writes_every_section_and_plot(run_dir):
     assert results["pass_at_k"]["raw"]["1"]["n"] == 1
     assert results["workspaces"] == {"trained": 2, "base": 2}
     assert os.path.isfile(os.path.join(out, "workspaces", "trained", results["corpora"][0], "README.md"))
+    for corpus in results["corpora"]:  # the exported workspaces load back (what `librarian_jax.serve` serves)
+        loaded = load_export(os.path.join(out, "workspaces", "trained", corpus))
+        assert not loaded.stale and loaded.readme_matches
     t = results["timing"]
     assert t["answer_s"] > 0 and t["build_trained_s"] > 0
     print(json.dumps(t))  # the embedded evaluation's wall-time split (BENCHMARKS.md)
@@ -158,11 +163,16 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
     assert summary["documents"] == 2 and not summary["failed"]
     assert (out / "README.md").is_file() and (out / "build.json").is_file()
     manifest = json.load(open(out / "manifest.json"))
-    for d in manifest["raw_docs"]:  # raw documents untouched
-        assert (out / d["path"]).read_text().endswith(texts[d["doc_id"]]) or texts[d["doc_id"]] in (
-            out / d["path"]
-        ).read_text()
+    for d in manifest["raw_docs"]:  # raw documents byte for byte, as the manifest's hash says
+        blob = (out / d["path"]).read_bytes()
+        assert blob == texts[d["doc_id"]].encode() and hashlib.sha256(blob).hexdigest() == d["sha256"]
     _assert_links_resolve(out, manifest)
+    assert load_export(out).workspace.stats() == summary["stats"]  # servable as it is
+    # it says what it built; the tiny builder wrote nothing, and the user reads that with a real builder named
+    if summary["stats"]["active_synthetic"] == 0:
+        (warning,) = summary["warnings"]
+        assert "the builder wrote no synthetic file" in warning and cli.REAL_BUILDER_HINT in warning
+    assert json.load(open(out / "build.json"))["warnings"] == summary["warnings"]
     # the same export contract on a workspace that has synthetic files (a random tiny builder writes none)
     from librarian_jax.workspace import Workspace
 
@@ -175,6 +185,27 @@ def test_build_exports_a_browsable_tree(run_dir, tmp_path):
     manifest = json.load(open(tmp_path / "ws2" / "manifest.json"))
     assert len(manifest["synthetic"]) == 2
     _assert_links_resolve(tmp_path / "ws2", manifest)
+
+
+def test_build_report_says_what_it_built():
+    stats = {"active_files": 0, "active_dirs": 0, "active_synthetic": 0, "max_depth": 0, "synthetic_chars": 0}
+    summary = {"documents": 6, "stats": stats, "failed": "", "stopped": True, "run": "/runs/tiny", "step": 2,
+               "construction_tokens": 41, "turns": 1}
+    lines, warnings = cli.build_report(summary, "/tmp/ws")
+    assert lines[0].startswith("built /tmp/ws: 6 raw documents, 0 synthetic files in 0 synthetic directories")
+    assert "41 tokens over 1 turn, called stop" in lines[0]
+    assert lines[1] == "serve it to any MCP client: python -m librarian_jax.serve /tmp/ws"
+    assert warnings == [
+        "the builder wrote no synthetic file (called stop after 1 turn): the workspace holds the raw "
+        "documents only; " + cli.REAL_BUILDER_HINT
+    ]
+    assert "hf:/" in cli.REAL_BUILDER_HINT and "qwen3_5_4b" in cli.REAL_BUILDER_HINT
+    stats.update(active_files=3, active_dirs=1, active_synthetic=4, max_depth=2, synthetic_chars=1234)
+    lines, warnings = cli.build_report(summary, "/tmp/ws")
+    assert warnings == []
+    assert "3 synthetic files in 1 synthetic directories (nesting depth 2, 1,234" in lines[0]
+    lines, warnings = cli.build_report({**summary, "failed": "boom"}, "/tmp/ws")
+    assert warnings == ["the construction failed (boom); exported the raw documents only"]
 
 
 def _assert_links_resolve(root, manifest):

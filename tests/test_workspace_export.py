@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
+import pytest
+
 from librarian_jax.data.schema import Document
-from librarian_jax.workspace import Workspace
-from librarian_jax.workspace.export import write_tree
+from librarian_jax.workspace import ExportError, Workspace, load_export
+from librarian_jax.workspace.export import EXPORT_FORMAT, write_tree
 
 
 def built() -> Workspace:
@@ -53,13 +56,26 @@ def test_export_writes_the_tree_agents_see(tmp_path: Path) -> None:
         "history/cluster_0004__gone.txt",
     }
     for path, text in w.files().items():
-        assert tree[path] == text
         # the same text read_file shows, line for line
         shown = [line.split("| ", 1)[1] for line in w.read_file(path).text.split("\n")[1:-1]]
         assert shown == text.rstrip("\n").split("\n")
+        if path.startswith("raw_docs/"):
+            continue
+        assert tree[path] == text
+    m = json.loads(tree["manifest.json"])
+    assert m["export_format"] == EXPORT_FORMAT
+    for d, entry in zip(w.raw_docs, m["raw_docs"], strict=True):
+        # raw documents byte for byte; the header agents see is the manifest's fields
+        data = (out / d.path).read_bytes()
+        assert data == d.text.encode("utf-8") and entry["bytes"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["sha256_16"] == d.sha
+        header = w.files()[d.path].removesuffix(d.text)
+        assert header == (
+            f"TITLE: {entry['title']}\nKIND: {entry['kind']}\nPATH: {entry['path']}\n"
+            f"DOC_ID: {entry['doc_id']}\nSHA256: {entry['sha256_16']}\n---\n"
+        )
     assert tree["cluster_0003__three.txt"].startswith("TITLE: Three\nKIND: file (create_file)\n")
     assert "SOURCES_SYNTHETIC:\n- merge_0001__group/summary.txt" in tree["cluster_0003__three.txt"]
-    m = json.loads(tree["manifest.json"])
     assert m["stats"] == w.stats()
     three = next(n for n in m["synthetic"] if n["node_id"] == "cluster_0003")
     assert [x["path"] for x in three["raw_provenance"]] == [
@@ -122,3 +138,39 @@ def test_write_tree_refuses_escaping_names_and_writes_nothing(tmp_path: Path) ->
         assert not r.ok and r.code == code and fragment in r.message, (bad, r)
         assert list(out.iterdir()) == []  # checked before anything is written
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_an_export_loads_back_into_the_workspace_it_came_from(tmp_path: Path) -> None:
+    w = built()
+    out = tmp_path / "export"
+    assert w.export(out).ok
+    loaded = load_export(out)
+    assert loaded.workspace == w and not loaded.stale and loaded.readme_matches
+    for path in w.files():
+        assert loaded.workspace.read_file(path).text == w.read_file(path).text
+    # a changed raw document is loaded as it is now and listed as stale; its recorded hash stays
+    doc = w.raw_docs[1]
+    (out / doc.path).write_text("rewritten", encoding="utf-8")
+    loaded = load_export(out)
+    assert list(loaded.stale) == [doc.path] and loaded.stale[doc.path].doc_id == doc.doc_id
+    assert loaded.workspace.raw_docs[1].text == "rewritten" and loaded.workspace.raw_docs[1].sha == doc.sha
+    # a header edited by hand, a symlink planted inside, an older export, no manifest: one-line errors
+    (out / doc.path).write_text(doc.text, encoding="utf-8")
+    three = out / "cluster_0003__three.txt"
+    good = three.read_text(encoding="utf-8")
+    three.write_text(good.replace("TITLE: Three", "TITLE: Forged"), encoding="utf-8")
+    with pytest.raises(ExportError, match=r"the header of cluster_0003__three.txt does not match"):
+        load_export(out)
+    three.write_text(good.replace("three body", "edited body"), encoding="utf-8")
+    assert "edited body" in load_export(out).workspace.read_file("cluster_0003__three.txt").text
+    os.remove(out / doc.path)
+    os.symlink(tmp_path / "elsewhere.txt", out / doc.path)
+    with pytest.raises(ExportError, match=r"raw_0002__doc_1.txt is a symlink; symlinks are never followed"):
+        load_export(out)
+    m = json.loads((out / "manifest.json").read_text())
+    del m["export_format"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ExportError, match=r"exported by an older librarian_jax"):
+        load_export(out)
+    with pytest.raises(ExportError, match=r"is not an exported workspace: it has no manifest.json"):
+        load_export(tmp_path)

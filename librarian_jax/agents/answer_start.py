@@ -6,6 +6,7 @@ the record of one run (`AnswerOutcome`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from librarian_jax.agents import prompt_text
@@ -92,6 +93,12 @@ def root_files(workspace: Any) -> list[str]:
 def preload_text(ctx: AgentContext, workspace: Any, budget_tokens: int) -> tuple[str, list[str]]:
     """The contents of the workspace's root-level files, in listing order, while their tokens fit in
     `budget_tokens`; files that do not fit are named at the end. Returns (text, paths preloaded)."""
+    return preload_files(workspace, budget_tokens, lambda text: len(ctx.encode(text)))
+
+
+def preload_files(workspace: Any, budget: int, count: Callable[[str], int]) -> tuple[str, list[str]]:
+    """`preload_text` with any measure: the root-level files while `count` of their blocks fits in `budget`
+    (the answerer counts tokens; the MCP server, which has no tokenizer, characters)."""
     parts: list[str] = []
     loaded: list[str] = []
     skipped: list[str] = []
@@ -101,8 +108,8 @@ def preload_text(ctx: AgentContext, workspace: Any, budget_tokens: int) -> tuple
         if not getattr(r, "ok", False):
             continue  # a directory, or not readable
         block = f"=== {path} ===\n{render_result(r)}"
-        n = len(ctx.encode(block))
-        if skipped or used + n > budget_tokens:
+        n = count(block)
+        if skipped or used + n > budget:
             skipped.append(path)
             continue
         parts.append(block)
@@ -117,23 +124,31 @@ def first_prompt(
     ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
 ) -> tuple[str, str, list[str]]:
     """(system text, first user text, root files preloaded): where every answerer (model, scripted) starts."""
-    system = prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
+    budget = config.preload_max_tokens or max(config.context_budget // 2, 0)
+    readme, listing, preloaded = starting_context(
+        workspace, budget if config.preload_root_files else None, lambda text: len(ctx.encode(text))
+    )
+    user = prompt_text.render("answerer_user", readme=readme, listing=listing, question=question)
+    if preamble:
+        user = preamble.rstrip() + "\n\n" + user
+    return answerer_system(), user, preloaded
+
+
+def answerer_system() -> str:
+    """The answerer's system text (instructions and tools)."""
+    return prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
+
+
+def starting_context(
+    workspace: Any, budget: int | None, count: Callable[[str], int]
+) -> tuple[str, str, list[str]]:
+    """(README text, root listing followed by the root-level files preloaded while `count` of them fits in
+    `budget` (None: no file preloaded), paths preloaded): what the answerer reads before its question."""
     readme = workspace.readme()
     listing = render_result(workspace.list_dir("."))
     preloaded: list[str] = []
-    if config.preload_root_files:
-        budget = config.preload_max_tokens or max(config.context_budget // 2, 0)
-        files, preloaded = preload_text(ctx, workspace, budget)
+    if budget is not None:
+        files, preloaded = preload_files(workspace, budget, count)
         if files:
             listing = listing + "\n\nRoot-level files:\n\n" + files
-    user = prompt_text.render(
-        "answerer_user",
-        readme=readme if isinstance(readme, str) else render_result(readme),
-        listing=listing,
-        question=question,
-    )
-    if preamble:
-        user = preamble.rstrip() + "\n\n" + user
-    return system, user, preloaded
-
-
+    return readme if isinstance(readme, str) else render_result(readme), listing, preloaded

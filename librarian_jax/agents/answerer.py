@@ -36,10 +36,13 @@ from librarian_jax.agents.answer_start import (  # noqa: F401 - the answerer's n
     ANSWERER_TOOLS,
     AnswererConfig,
     AnswerOutcome,
+    answerer_system,
     cut_words,
     first_prompt,
+    preload_files,
     preload_text,
     root_files,
+    starting_context,
 )
 from librarian_jax.agents.builder import render_result
 from librarian_jax.agents.protocol import (

@@ -269,6 +269,13 @@ def _validate(spec: ToolSpec, args: dict[str, Any], index: int, raw: str) -> Too
     return ToolCall(spec.name, out, index)
 
 
+def validate_arguments(spec: ToolSpec, arguments: dict[str, Any]) -> ToolCall | CallError:
+    """One call's `arguments` checked and coerced exactly as a model's call of `spec` would be (defaults
+    filled in): a `ToolCall`, or a `CallError` with the protocol's code and message. For other front ends to
+    the same tools (the MCP server, `librarian_jax.serve`), so their limits and messages stay these."""
+    return _validate(spec, arguments, 0, "")
+
+
 def _parse_block(
     body: str, index: int, tools: dict[str, ToolSpec], cfg: ProtocolConfig
 ) -> ToolCall | CallError:

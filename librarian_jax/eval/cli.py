@@ -699,9 +699,46 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         "stats": ws.stats(),
         "wall_s": time.perf_counter() - t0,
     }
+    lines, warnings = build_report(summary, c.out)
+    summary["warnings"] = warnings
     with open(os.path.join(c.out, "build.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    if built.failed:
-        logging.warning("the construction failed (%s); exported the raw documents only", built.failed)
-    print(f"workspace: {c.out} ({ws.stats()})")  # noqa: T201
+    for w in warnings:
+        logging.warning("%s", w)
+    logging.info("%s", lines[0])
+    print("\n".join(lines + [f"warning: {w}" for w in warnings]))  # noqa: T201 - the CLI's answer
     return summary
+
+
+# What to use on a real folder, named when a build wrote no synthetic file (README, "Evaluating a run...").
+REAL_BUILDER_HINT = (
+    "for a real folder use a builder that is a real model: a run trained from a real preset "
+    "(--config.run=DIR of configs/grpo.py:qwen3_5_4b) or a Hugging Face instruct model "
+    "(--config.builder=hf:/ckpt/Qwen3.5-4B --config.train_preset=qwen3_5_4b)"
+)
+
+
+def build_report(summary: dict[str, Any], out: str) -> tuple[list[str], list[str]]:
+    """What `build` built, as (lines for the user, warnings): documents, synthetic files and directories,
+    nesting depth, construction tokens and turns, how the builder ended, how to serve the export; a warning
+    when the construction failed or wrote no synthetic file (the workspace then holds the raw documents
+    only: with the embedded run's tiny builder, the usual case on a real folder), naming a real builder."""
+    st = summary["stats"]
+    how = "failed" if summary["failed"] else "called stop" if summary["stopped"] else "ended at its budget"
+    turns = f"{summary['turns']} turn{'' if summary['turns'] == 1 else 's'}"
+    lines = [
+        f"built {out}: {summary['documents']} raw documents, {st['active_files']} synthetic files in "
+        f"{st['active_dirs']} synthetic directories (nesting depth {st['max_depth']}, "
+        f"{st['synthetic_chars']:,} characters); builder {summary['run']} (step {summary['step']}): "
+        f"{summary['construction_tokens']:,} tokens over {turns}, {how}",
+        f"serve it to any MCP client: python -m librarian_jax.serve {out}",
+    ]
+    warnings = []
+    if summary["failed"]:
+        warnings.append(f"the construction failed ({summary['failed']}); exported the raw documents only")
+    elif st["active_synthetic"] == 0:
+        warnings.append(
+            f"the builder wrote no synthetic file ({how} after {turns}): the workspace "
+            f"holds the raw documents only; {REAL_BUILDER_HINT}"
+        )
+    return lines, warnings

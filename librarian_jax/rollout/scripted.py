@@ -1,10 +1,10 @@
 """A scripted engine: the real engine's session API, answering each turn with text from a policy function.
 
 It replays scripted behaviour through the real agents and scheduler: the embedded world's demonstration
-builders (`warm_start.demos`) run through it, so their transcripts are exactly what the tool protocol produces, and
-unit tests use it to script exact actions. `policy(session) -> str | list[int]`: text is encoded with the
-engine's tokenizer and ends with `end_id`; ids are used as they are. Sampled ids get log-prob -0.5 and the
-tag their turn was submitted with. Its sessions keep the real engine's token record
+builders (`warm_start.demos`) run through it, so their transcripts are exactly what the tool protocol
+produces, and unit tests use it to script exact actions. `policy(session) -> str | list[int]`: text is
+encoded with the engine's tokenizer and ends with `end_id`; ids are used as they are. Sampled ids get
+log-prob -0.5 and the tag their turn was submitted with. Its sessions keep the real engine's token record
 (`engine.session.TokenRecord`), so agents read the same record either way. It records the batch size of every
 `step()`. Training and evaluation of models always use `librarian_jax.engine.Engine`.
 """

@@ -190,7 +190,7 @@ def demo_tasks(config: Any) -> list[Any]:
 
 
 def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
-    """The embedded world's demonstrations (`warm_start.demos`, cached as `workdir/demos.jsonl`) and the tokenizer
+    """The embedded world's demonstrations (`demos`, cached as `workdir/demos.jsonl`) and the tokenizer
     (GRPO and eval then load that file). Each is scored with the `config.rollout` answerer.
 
     The tokenizer is trained on the demonstrations' worlds only, never on the run's tasks: no held-out text

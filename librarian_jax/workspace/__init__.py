@@ -2,6 +2,7 @@
 state, with the builder's actions (create / merge / delete), the readers' actions (list / read), provenance,
 staleness, serialisation, export and the hierarchy ablations. No model, no jax. See `workspace.py`."""
 
+from librarian_jax.workspace.exported import ExportError, LoadedExport, load_export
 from librarian_jax.workspace.results import ERROR_CODES, OK, ActionResult
 from librarian_jax.workspace.workspace import (
     DIRECTORY,
@@ -20,6 +21,9 @@ from librarian_jax.workspace.workspace import (
 
 __all__ = [
     "ERROR_CODES",
+    "ExportError",
+    "LoadedExport",
+    "load_export",
     "OK",
     "ActionResult",
     "DIRECTORY",

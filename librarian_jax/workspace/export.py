@@ -1,9 +1,23 @@
-"""Export: every readable file of a workspace rendered as agents read it (`files`), a manifest of the raw
+"""Export: every readable file of a workspace rendered as agents read it (`files`), the files as written to
+disk (`disk_files`: raw documents byte for byte, synthetic files with their headers), a manifest of the raw
 documents and synthetic nodes with their provenance, and writing both to disk (`export`, `write_tree`)
-without ever leaving the target directory or touching a symlink."""
+without ever leaving the target directory or touching a symlink. `exported.load_export` reads such a
+directory back.
+
+Export format `EXPORT_FORMAT` (manifest key `export_format`):
+
+- `raw_docs/<name>.txt` holds the document's text exactly (UTF-8), so a user, the MCP server and an update
+  can compare it with the original by hash. The header agents see when they read it (TITLE, KIND, PATH,
+  DOC_ID, URL, SHA256) is not in the file: its fields are the manifest's `raw_docs` entries (`title`, `kind`,
+  `path`, `doc_id`, `url`, `sha256_16`), with `sha256` (all 64 hex digits of the file's bytes) and `bytes`.
+- Synthetic files (and directory summaries, and `history/`) are written as agents read them: header, `---`,
+  body. The manifest's `synthetic` entries hold each node's structure (`node_id`, `kind`, `title`, `slug`,
+  `parent`, sources by path, turns, status) and its transitive raw provenance with hashes.
+- `README.md` is the generated index; `next_ids` the id counters."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -14,9 +28,11 @@ from absl import logging
 
 from librarian_jax.workspace import paths as P
 from librarian_jax.workspace.index import E_FILE, E_RAW, E_README, E_SUMMARY
-from librarian_jax.workspace.nodes import FORMAT, MANIFEST
+from librarian_jax.workspace.nodes import DIRECTORY, FILE, FORMAT, MANIFEST, RAW_KIND
 from librarian_jax.workspace.results import INVALID_ARGUMENT, INVALID_PATH, PATH_ESCAPE, ActionResult
 from librarian_jax.workspace.views import Views
+
+EXPORT_FORMAT = "librarian_jax.export/2"  # 1 (no key): raw_docs/ files carried the 7-line header
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
 
@@ -50,7 +66,8 @@ def _check(root: Path, rel: str) -> ActionResult | None:
 
 
 def write_tree(root: Path, files: Mapping[str, str]) -> ActionResult:
-    """Write `files` (relative path -> text, UTF-8) under `root`, creating directories as needed.
+    """Write `files` (relative path -> text, as UTF-8 bytes exactly: no newline translation) under `root`,
+    creating directories as needed.
 
     Every path is checked before anything is written; on any refusal nothing is written. Existing files of the
     same names are overwritten; other files in `root` are left alone."""
@@ -76,8 +93,8 @@ def write_tree(root: Path, files: Mapping[str, str]) -> ActionResult:
             elif target.is_symlink() or not target.is_dir():  # appeared after the check
                 return ActionResult.error(PATH_ESCAPE, f"export stopped at {target}: not a plain directory")
         fd = os.open(target / parts[-1], _OPEN_FLAGS, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
         n_chars += len(text)
     logging.info("workspace: exported %d files (%d chars) to %s", len(files), n_chars, root)
     return ActionResult.success(
@@ -86,7 +103,7 @@ def write_tree(root: Path, files: Mapping[str, str]) -> ActionResult:
 
 
 class Export(Views):
-    """`files()`, `manifest()`, `export(directory)`."""
+    """`files()`, `disk_files()`, `manifest()`, `export(directory)`."""
 
     def files(self) -> dict[str, str]:
         """Every readable file of the workspace (README, raw documents, synthetic files and summaries,
@@ -99,19 +116,35 @@ class Export(Views):
                 out[p] = self._text_of(e)
         return out
 
+    def disk_files(self) -> dict[str, str]:
+        """The files `export` writes (without manifest.json): `files()`, except that each raw document holds
+        its text exactly, without the header agents see when they read it (its fields are in the manifest)."""
+        out = self.files()
+        for d in self._raw:
+            out[d.path] = d.text
+        return out
+
     def manifest(self) -> dict[str, Any]:
+        """manifest.json: the export format, stats, id counters, every raw document (the header fields
+        agents see, with the full sha256 and size of the file on disk) and every synthetic node (structure,
+        sources and transitive raw provenance). See the module docstring."""
         idx = self._index
         return {
             "format": FORMAT,
+            "export_format": EXPORT_FORMAT,
             "stats": self.stats(),
+            "next_ids": {"cluster": self._next[FILE], "merge": self._next[DIRECTORY]},
             "raw_docs": [
                 {
                     "path": d.path,
                     "handle": d.handle,
                     "doc_id": d.doc_id,
                     "title": d.title,
+                    "kind": RAW_KIND,
                     "url": d.url,
                     "sha256_16": d.sha,
+                    "sha256": hashlib.sha256(d.text.encode("utf-8")).hexdigest(),
+                    "bytes": len(d.text.encode("utf-8")),
                 }
                 for d in self._raw
             ],
@@ -120,6 +153,7 @@ class Export(Views):
                     "node_id": n.node_id,
                     "kind": n.kind,
                     "title": n.title,
+                    "slug": n.slug,
                     "path": idx.file_path(n),
                     "parent": n.parent,
                     "active": n.active,
@@ -138,10 +172,10 @@ class Export(Views):
         }
 
     def export(self, directory: str | os.PathLike[str]) -> ActionResult:
-        """Write the workspace as a real directory tree: README.md, raw_docs/, the synthetic files (with
-        headers) and directories, history/, and manifest.json. Refuses (writing nothing) if `directory` is a
-        symlink, or if any file would land outside it or pass through a symlink; never follows or writes
-        symlinks."""
-        files = self.files()
+        """Write the workspace as a real directory tree: README.md, raw_docs/ (each document byte for byte),
+        the synthetic files (with headers) and directories, history/, and manifest.json. Refuses (writing
+        nothing) if `directory` is a symlink, or if any file would land outside it or pass through a symlink;
+        never follows or writes symlinks."""
+        files = self.disk_files()
         files[MANIFEST] = json.dumps(self.manifest(), ensure_ascii=False, indent=1) + "\n"
         return write_tree(Path(directory), files)

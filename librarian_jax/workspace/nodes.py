@@ -13,6 +13,7 @@ HISTORY_DIR = "history"
 README = "README.md"
 SUMMARY = "summary.txt"
 MANIFEST = "manifest.json"
+RAW_KIND = "raw document (read-only)"  # the KIND line of a raw document's header
 
 MAX_READ_LINES = 100
 MAX_READ_CHARS = 16_000

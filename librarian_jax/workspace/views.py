@@ -26,6 +26,7 @@ from librarian_jax.workspace.nodes import (
     MAX_READ_CHARS,
     MAX_READ_LINES,
     RAW_DIR,
+    RAW_KIND,
     README,
     README_TREE_LINES,
     SUMMARY,
@@ -49,7 +50,7 @@ class Views(Provenance):
     def render_raw(self, doc: RawDoc) -> str:
         lines = [
             f"TITLE: {doc.title or doc.doc_id}",
-            "KIND: raw document (read-only)",
+            f"KIND: {RAW_KIND}",
             f"PATH: {doc.path}",
             f"DOC_ID: {doc.doc_id}",
         ]
