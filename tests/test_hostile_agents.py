@@ -7,9 +7,11 @@ import json
 import time
 
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from librarian_jax import models
 from librarian_jax.agents.builder import BUILDER_TOOLS
 from librarian_jax.agents.protocol import (
     TOOL_CALL_CLOSE,
@@ -116,18 +118,15 @@ def test_every_block_is_one_call_or_one_error(pieces: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- long-run state
-def _engine_without_model(window: int) -> Engine:
-    """An Engine whose step() has nothing to admit, prefill or decode: only its bookkeeping runs."""
-    e = Engine.__new__(Engine)
-    e.stats_window, e.stats, e.total_steps = window, [], 0
-    e._last_end, e._running, e._ready = None, [], []
-    e._admit = lambda st: None  # type: ignore[method-assign]
-    e._prefill = lambda st: None  # type: ignore[method-assign]
-    return e
+def _idle_engine(window: int) -> Engine:
+    """A real Engine (a 1-layer tiny model) with no session: its step() admits, prefills and decodes
+    nothing, so only its bookkeeping runs."""
+    model = models.Transformer(models.get_preset("tiny", num_layers=1), rngs=nnx.Rngs(0))
+    return Engine(model, 2, 64, stats_window=window)
 
 
 def test_engine_stats_stay_bounded_over_a_long_run() -> None:
-    e = _engine_without_model(window=50)
+    e = _idle_engine(window=50)
     t = time.perf_counter()
     for _ in range(5000):
         e.step()
