@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from librarian_jax.engine.sampling import SamplingParams
 from librarian_jax.segment import Segment
 
 POLICY = "policy"  # the engine of the trained builder
@@ -54,14 +55,9 @@ def engine_for_role(engines: Mapping[str, Any], role: str) -> Any:
     raise KeyError(f"no engine for role {role!r}; engines: {sorted(engines)}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling settings of one turn (converted to the engine's own type by the scheduler)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+# One turn's sampling settings: the engine's own type (temperature, top_p, top_k, seed; checked when made),
+# so a request goes to the engine as it is.
+Sampling = SamplingParams
 
 
 @dataclasses.dataclass

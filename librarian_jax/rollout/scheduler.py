@@ -32,7 +32,6 @@ from librarian_jax.agents.runtime import (
     Parallel,
     engine_for_role,
 )
-from librarian_jax.engine import Engine, SamplingParams
 from librarian_jax.rollout.episode import run_episode
 from librarian_jax.rollout.records import EpisodeRecord
 from librarian_jax.rollout.rewards import RolloutConfig
@@ -64,15 +63,6 @@ class _Task:
     results: list[Any] = dataclasses.field(default_factory=list)
 
 
-def _to_engine_sampling(engine: Any, sampling: Any) -> Any:
-    """The engine's own sampling type (librarian_jax.engine.SamplingParams) for the real engine."""
-    if isinstance(engine, Engine):
-        return SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed
-        )
-    return sampling
-
-
 class Scheduler:
     """Drives agent generators over engines by role (see the module docstring)."""
 
@@ -98,7 +88,7 @@ class Scheduler:
                 engine.submit(
                     req.session,
                     req.max_new_tokens,
-                    _to_engine_sampling(engine, req.sampling),
+                    req.sampling,
                     req.stop_ids,
                     tag=req.tag,
                 )
