@@ -568,7 +568,9 @@ class SFTConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class EngineSizesSection(Section):
-    """Engine sizes for evaluation; 0 = the run's `rollout` value."""
+    """Engine sizes for evaluation; 0 = the run's. `policy_slots` / `max_seq_len`: the builder's engine;
+    `frozen_slots`: the frozen roles the run left at `rollout.frozen_slots` (a role's own context is its
+    `roles.<role>.max_seq_len`, as in training); `round_steps`: every engine."""
 
     policy_slots: int = spec(0, lo=0)
     frozen_slots: int = spec(0, lo=0)

@@ -353,11 +353,15 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
         if trained is None:
             trained = cluster.protocol(plan.run_cfg, models_.tokenizer)
     diffs = cluster.protocol_diff(trained, used) if trained else []
-    if diffs:
-        logging.warning("eval protocol differs from the training run's in %d field(s) (explicit overrides: "
-                        "%s):"
-                        "\n%s", len(diffs), ", ".join(models_.overrides) or "none",
-                        "\n".join(f"  {r}.{f}: {y!r} (trained: {x!r})" for r, f, x, y in diffs))
+    # the builder's own sampling is evaluation's choice (`builder_temperature`, greedy by default): said, not
+    # warned about; any other difference is an override or a changed run, and warned about
+    sampling = [d for d in diffs if d[0] == cluster.BUILDER and d[1] in ("temperature", "top_p")]
+    others = [d for d in diffs if d not in sampling]
+    for level, group in ((logging.INFO, sampling), (logging.WARNING, others)):
+        if group:
+            logging.log(level, "eval protocol differs from the training run's in %d field(s) (explicit "
+                        "overrides: %s):\n%s", len(group), ", ".join(models_.overrides) or "none",
+                        "\n".join(f"  {r}.{f}: {y!r} (trained: {x!r})" for r, f, x, y in group))
     return {"used": used, "trained": trained, "overrides": list(models_.overrides),
             "differences": [{"role": r, "field": f, "trained": x, "eval": y} for r, f, x, y in diffs],
             "table": cluster.protocol_table(used, trained)}
