@@ -74,6 +74,23 @@ def test_full_params_restore_onto_another_mesh_equals_the_trainer(tmp_path, capl
     assert any(not x.sharding.is_fully_replicated for x in flat_got)  # really sharded, not gathered
 
 
+def test_restoring_the_trained_builder_leaves_the_base_builder_as_it_was(tmp_path):
+    """Eval restores the trained builder onto its base model (`restore_builder(..., base=models.base)`) and
+    then evaluates the base builder too: the restore must not write into the base. Red when
+    `restore.shard_model` shares the base's Variables (the base builder then scored as the trained one)."""
+    run_cfg, trainer = _save_run(tmp_path, 0)
+    _, step_dir = restore.select_step(str(tmp_path))
+    mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+    base = restore.shard_model(restore.base_model(run_cfg, mesh, TOK), mesh)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(base, nnx.Param))]
+    trained = restore.restore_builder(run_cfg, step_dir, mesh, TOK, base=base)
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(base, nnx.Param))]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    moved = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))]
+    assert any(not np.array_equal(m, b) for m, b in zip(moved, before, strict=True))
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora_run")

@@ -24,6 +24,7 @@ from flax import nnx
 
 from librarian_jax import checkpoint, cluster, inputs, models, storage, tokenizers
 from librarian_jax.config_validation import ConfigError
+from librarian_jax.models.placement import placed_copy
 from librarian_jax.rl.train_step import apply_lora
 
 CHECKPOINT_DIR = "checkpoints"
@@ -163,10 +164,10 @@ def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
 
 
 def shard_model(model: nnx.Module, mesh: Any) -> nnx.Module:
-    """A copy of `model` (the same arrays, a new module) placed on `mesh` with the engine's logical-axis rules
-    (`models.shard_model`); `model` itself is left as it was."""
-    graphdef, state = nnx.split(model)
-    return models.shard_model(nnx.merge(graphdef, state), mesh)
+    """A copy of `model` (new Variables and arrays) placed on `mesh` with the engine's logical-axis rules
+    (`models.placement.placed_copy`); `model` itself is left as it was, so restoring a checkpoint into the
+    copy never changes it (eval's base builder and the trained one share the base's values this way)."""
+    return placed_copy(model, mesh)
 
 
 def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
