@@ -495,6 +495,9 @@ class CheckpointSection(Section):
     keep: int = spec(2, lo=1)
     async_save: bool = spec(True)
     resume: bool = spec(True)  # restore the newest good checkpoint in workdir/checkpoints
+    # checkpoints exist but none restores (all damaged): stop with each step's reason (False), or move them
+    # to checkpoints/_damaged/ and train from step 0 (True); never silently
+    start_fresh: bool = spec(False)
 
 
 @dataclasses.dataclass(frozen=True)

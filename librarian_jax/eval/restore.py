@@ -180,11 +180,15 @@ def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
 
 
 def restore_builder(
-    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None
+    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None,
+    *, fallback: bool = True,
 ) -> nnx.Module:
     """The policy of `run_cfg` at `step_dir`, on `mesh`: the base model with the checkpoint's params (full),
     or the base wrapped with LoRA adapters holding the checkpoint's LoRA params. The abstract restore target
-    carries `mesh`'s shardings, so Orbax reads straight into them."""
+    carries `mesh`'s shardings, so Orbax reads straight into them. Every array is checked against the step's
+    digests (`checkpoint.restore_step`, the one restore of training, SFT, eval and build): a damaged step
+    falls back to the newest good older one with a warning naming both (`fallback`; a step the user asked for
+    by number should pass False) or raises `checkpoint.CheckpointError` naming the step, array and reason."""
     from librarian_jax.rl.train_step import apply_lora
 
     m = run_cfg.model
@@ -194,12 +198,13 @@ def restore_builder(
     model = shard_model(model, mesh)
     wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
     target = nnx.state(model, wrt)
-    restored = checkpoint.restore_params(step_dir, target)
+    restored, step = checkpoint.restore_params_step(step_dir, target, fallback=fallback)
     nnx.update(model, restored)
     logging.info(
-        "restored the builder (%s) from %s onto mesh %s",
+        "restored the builder (%s) from %s (step %d) onto mesh %s",
         "LoRA" if m.lora_rank else "full params",
         step_dir,
+        step,
         dict(mesh.shape),
     )
     return model
