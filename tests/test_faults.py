@@ -185,3 +185,118 @@ def test_digests_are_in_the_meta_of_every_step(run):
     assert set(meta["digests"]) == {"params", "opt_state"}
     assert len(params) == len(jax.tree.leaves(nnx.state(_model(), nnx.Param)))
     assert all(set(v) == {"crc32c", "shape", "dtype"} for v in params.values())
+
+
+# ------------------------------------------------------------------------------- Hugging Face folders
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden")
+
+
+def _hf_copy(tmp_path, name: str = "llama3") -> str:
+    folder = str(tmp_path / name)
+    shutil.copytree(os.path.join(GOLDEN, name), folder)
+    return folder
+
+
+def _edit_tensors(folder: str, edit) -> str:
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def _edit_config(folder: str, edit) -> str:
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _bias(t):
+    t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(t["model.layers.0.self_attn.q_proj.weight"].shape[0],
+                                                         np.float32)
+
+
+def _extra_layer(t):
+    for k in [k for k in t if k.startswith("model.layers.1.")]:
+        t[k.replace("layers.1.", "layers.2.")] = t[k]
+
+
+def _int8(t):
+    t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].astype(np.int8)
+
+
+def _nan(t):
+    t["model.layers.1.mlp.down_proj.weight"] = np.full_like(t["model.layers.1.mlp.down_proj.weight"], np.nan)
+
+
+def _f16(t):
+    t["model.norm.weight"] = t["model.norm.weight"].astype(np.float16)
+
+
+HF_DAMAGE = {
+    "unexpected_bias": (_bias, r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' "
+                               r"is not used by the model"),
+    "more_layers_than_config": (_extra_layer, r"model\.safetensors holds layers 2\.\.2 \(e\.g\. tensor "
+                                              r"'model\.layers\.2\..*num_hidden_layers=2"),
+    "int8_weights": (_int8, r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is I8: a "
+                            r"quantised checkpoint"),
+    "nan_weights": (_nan, r"non-finite values, e\.g\. 'model\.layers\.1\.mlp\.down_proj\.weight' in "
+                          r".*model\.safetensors"),
+    "dtype_not_config": (_f16, r"tensor 'model\.norm\.weight' is float16 but config\.json declares float32"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_DAMAGE))
+def test_load_hf_refuses_a_wrong_model_naming_file_and_tensor(tmp_path, kind, caplog):
+    folder = _hf_copy(tmp_path)
+    edit, message = HF_DAMAGE[kind]
+    _edit_tensors(folder, edit)
+    with pytest.raises(models.hf_io.HFLoadError, match=message) as e:
+        models.load_hf(folder)
+    assert folder in str(e.value) and "\n" not in str(e.value)
+    if kind in ("unexpected_bias", "more_layers_than_config", "dtype_not_config"):
+        with caplog.at_level("WARNING"):
+            models.load_hf(folder, strict=False)  # the escape hatch: loads, says so at WARNING
+        assert "load_hf (strict=False)" in caplog.text
+    if kind == "nan_weights":
+        with caplog.at_level("WARNING"):
+            models.load_hf(folder, allow_nonfinite=True)
+        assert "loaded anyway (allow_nonfinite=True)" in caplog.text
+
+
+def _cut(path: str, keep: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+HF_FILES = {
+    "truncated_safetensors": (lambda d: _cut(os.path.join(d, "model.safetensors"),
+                                             os.path.getsize(os.path.join(d, "model.safetensors")) // 2),
+                              r"model\.safetensors is not a readable safetensors file"),
+    "empty_safetensors": (lambda d: _cut(os.path.join(d, "model.safetensors"), 0),
+                          r"model\.safetensors is not a readable safetensors file \(0 bytes"),
+    "cut_config": (lambda d: _cut(os.path.join(d, "config.json"), 40), r"config\.json is not readable JSON"),
+    "negative_layers": (lambda d: _edit_config(d, lambda c: c.update(num_hidden_layers=-2)),
+                        r"config\.json: num_hidden_layers must be an integer >= 1, got -2"),
+    "string_field": (lambda d: _edit_config(d, lambda c: c.update(hidden_size="64")),
+                     r"config\.json: hidden_size must be an integer >= 1, got '64'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_FILES))
+def test_load_hf_errors_name_the_file_and_field(tmp_path, kind):
+    folder = _hf_copy(tmp_path)
+    damage, message = HF_FILES[kind]
+    damage(folder)
+    with pytest.raises(models.hf_io.HFLoadError, match=message) as e:
+        models.load_hf(folder)
+    assert folder in str(e.value) and "\n" not in str(e.value)
