@@ -300,3 +300,71 @@ def test_load_hf_errors_name_the_file_and_field(tmp_path, kind):
     with pytest.raises(models.hf_io.HFLoadError, match=message) as e:
         models.load_hf(folder)
     assert folder in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BAD_SETTINGS = [
+    ("rollout.builder.temperature", -0.5, r"config\.rollout\.builder\.temperature: must be >= 0\.0, got -0"),
+    ("rollout.builder.top_p", 1.5, r"config\.rollout\.builder\.top_p: must be <= 1, got 1\.5"),
+    ("rollout.builder.top_p", 0.0, r"config\.rollout\.builder\.top_p: must be > 0\.0, got 0\.0"),
+    ("rollout.builder.top_k", -1, r"config\.rollout\.builder\.top_k: must be >= 0, got -1"),
+    ("rollout.builder.max_new_tokens", 0, r"config\.rollout\.builder\.max_new_tokens: must be >= 1, got 0"),
+    ("rollout.answerer.temperature", -1.0, r"config\.rollout\.answerer\.temperature: must be >= 0\.0"),
+    ("rollout.answerer.max_new_tokens", 0, r"config\.rollout\.answerer\.max_new_tokens: must be >= 1"),
+    ("rollout.group_size", 1, r"config\.rollout\.group_size: must be >= 2 for GRPO, got 1"),
+    ("roles.answerer.slots", -1, r"config\.roles\.answerer\.slots: must be >= 0, got -1"),
+    ("roles.judge.init", "bogus", r"config\.roles\.judge\.init: must be one of .*got 'bogus'"),
+    ("roles.executor.dtype", "int8", r"config\.roles\.executor\.dtype: must be one of .*got 'int8'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_SETTINGS,
+                         ids=[f"{k}={v}" for k, v, _ in BAD_SETTINGS])
+def test_a_bad_setting_stops_the_run_before_any_work(tmp_path, key, value, message):
+    """`main.run` rejects it before the warm start, a compile or a write to the workdir."""
+    from configs import grpo
+    from librarian_jax import main
+    from librarian_jax.config_validation import ConfigError
+
+    cfg = grpo.get_config()
+    cfg.workdir = str(tmp_path / "workdir")
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    with pytest.raises(ConfigError, match=message) as e:
+        main.run(cfg)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(cfg.workdir)  # nothing written, nothing built
+
+
+def test_unknown_keys_are_found_with_the_closest_known_one():
+    from configs import grpo
+    from librarian_jax import cli_flags
+
+    cfg = grpo.get_config()
+    assert cli_flags.unknown_key(cfg, "train.num_steps") is None
+    assert cli_flags.unknown_key(cfg, "train.num_stepz") == (
+        "config.train.num_stepz: unknown key (did you mean config.train.num_steps?)")
+    assert cli_flags.unknown_key(cfg, "trian.num_steps") == (
+        "config.trian: unknown key (did you mean config.train?)")
+    assert "is a value, not a section" in cli_flags.unknown_key(cfg, "train.num_steps.x")
+
+
+def test_an_unknown_key_on_the_command_line_is_one_line_and_exit_2():
+    """The real command line (`main` parses its flags with `cli_flags.parse_flags`)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py",
+                          "--config.train.num_stepz=3", "--dry_run"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert lines[-1] == "error: config.train.num_stepz: unknown key (did you mean config.train.num_steps?)"

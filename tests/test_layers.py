@@ -26,8 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("agents",),
     ("rollout",),
     ("rl",),
-    ("", "data.demos", "checkpoint", "distributed", "config_schema", "config_validation", "eval", "main",
-     "supervised", "testing", "bench"),
+    ("", "data.demos", "checkpoint", "cli_flags", "distributed", "config_schema", "config_validation", "eval",
+     "main", "supervised", "testing", "bench"),
 ]
 
 # Imports inside functions that stay there, by (importing module, imported module), with the reason.
