@@ -837,4 +837,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from librarian_jax import cli_flags
+
+    app.run(main, flags_parser=cli_flags.parse_flags)
