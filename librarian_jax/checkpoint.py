@@ -97,14 +97,14 @@ class DamagedStep(Exception):
         return f"{self.what}: {self.reason}"
 
 
-def _one_line(e: BaseException, limit: int = 240) -> str:
+def one_line(e: BaseException, limit: int = 240) -> str:
     """`Type: first line of the message`, cut at `limit` characters (TensorStore errors carry a multi-kilobyte
     spec dump after the first line)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = text.split(" See full TensorStore details")[0]
     cause = e.__cause__ or e.__context__
     if cause is not None and str(cause).strip():
-        text += f" ({_one_line(cause, limit // 2)})"
+        text += f" ({one_line(cause, limit // 2)})"
     if len(text) > limit:
         text = text[:limit] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -261,7 +261,7 @@ def read_meta(step_dir: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise DamagedStep(step_dir, "meta", f"{path} is missing") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise DamagedStep(step_dir, "meta", f"{path} is not readable JSON ({_one_line(e, 120)})") from None
+        raise DamagedStep(step_dir, "meta", f"{path} is not readable JSON ({one_line(e, 120)})") from None
     if not isinstance(meta, dict):
         raise DamagedStep(step_dir, "meta", f"{path} holds {type(meta).__name__}, not an object")
     return meta
@@ -276,7 +276,7 @@ def _restore_item(step_dir: str, item: str, target: Any) -> Any:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(storage.path(path), _abstract(_convert(target)))
     except Exception as e:  # noqa: BLE001 - any failure to read or decode an item makes the step damaged
-        raise DamagedStep(step_dir, item, _one_line(e)) from None
+        raise DamagedStep(step_dir, item, one_line(e)) from None
 
 
 def restore_step(step_dir: str, *, params: Any, opt_state: Any = None) -> tuple[Any, Any, dict[str, Any]]:
@@ -396,7 +396,7 @@ class Checkpointer:
         prev = f"the previous step {done[-1]} is intact" if done else "no earlier step exists"
         why = "the disk is full" if _is_disk_full(e) else "the write failed"
         return CheckpointError(f"checkpoint step {step} could not be saved to {self.directory}: {why} "
-                               f"({_one_line(e)}); {prev}")
+                               f"({one_line(e)}); {prev}")
 
     def restore(self, *, params: Any, opt_state: Any, step: int | None = None,
                 start_fresh: bool = False) -> Restored | None:

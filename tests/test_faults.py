@@ -368,3 +368,103 @@ def test_an_unknown_key_on_the_command_line_is_one_line_and_exit_2():
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
     assert lines[-1] == "error: config.train.num_stepz: unknown key (did you mean config.train.num_steps?)"
+
+
+# ------------------------------------------------------------------------------- eval and build
+
+FIXTURE_TASKS = os.path.join(REPO, "tests", "fixtures", "data", "tasks.jsonl")
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """A training workdir of the default config (config.json, checkpoints 2 and 3 of moved params)."""
+    from configs import grpo
+    from librarian_jax import main
+    from librarian_jax.eval import restore
+
+    run_dir = tmp_path_factory.mktemp("eval_run")
+    cfg = grpo.get_config()
+    cfg.workdir = str(run_dir)
+    (run_dir / "config.json").write_text(cfg.to_json_best_effort())
+    trainer = ts.Trainer(main.build_model(cfg, None, _Tok()), main.train_config(cfg))
+    ck = checkpoint.Checkpointer(str(run_dir / "checkpoints"), async_save=False, keep=3)
+    saved = {}
+    for step in (2, 3):
+        moved = jax.tree.map(lambda x, s=step: x + 0.01 * s, trainer.params)
+        saved[step] = _leaves(moved)
+        ck.save(step, params=moved, opt_state=trainer.opt_state, force=True)
+    ck.close()
+    return str(run_dir), restore.load_run_config(str(run_dir)), saved
+
+
+class _Tok:
+    vocab_size = 64
+
+
+@pytest.fixture
+def eval_copy(eval_run, tmp_path):
+    src, run_cfg, saved = eval_run
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(src, run_dir)
+    return run_dir, run_cfg, saved
+
+
+def _eval_cfg(run_dir: str, **kw):
+    from configs import eval as eval_configs
+
+    c = eval_configs.get_config()
+    c.update(run=run_dir, tasks=FIXTURE_TASKS, methods="trained", **kw)
+    return c
+
+
+def test_eval_skips_a_step_with_damaged_metadata_at_plan_time(eval_copy, caplog):
+    from librarian_jax.eval import cli
+
+    run_dir, _, _ = eval_copy
+    ckpts = os.path.join(run_dir, "checkpoints")
+    _garbage(os.path.join(ckpts, "3", "meta", "metadata"), "all")
+    with caplog.at_level("WARNING"):
+        plan = cli.plan_eval(_eval_cfg(run_dir))
+    assert plan.step == 2 and "checkpoint step 3" in caplog.text and "not readable JSON" in caplog.text
+    # the damaged step asked for by number: one line naming it
+    from librarian_jax.config_validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config\.step: '.*/checkpoints/3' is damaged \(meta: "):
+        cli.plan_eval(_eval_cfg(run_dir, step=3))
+    _garbage(os.path.join(ckpts, "2", "params", "_METADATA"), "all")
+    with pytest.raises(ConfigError) as e:
+        cli.plan_eval(_eval_cfg(run_dir))
+    msg = str(e.value)
+    assert msg.startswith("config.run: no checkpoint step in") and "step 3: meta" in msg and "step 2:" in msg
+    assert "\n" not in msg and len(msg) < 1000, msg
+
+
+def test_eval_restore_falls_back_from_damaged_arrays_and_never_uses_them(eval_copy, caplog):
+    from librarian_jax.eval import restore
+
+    run_dir, run_cfg, saved = eval_copy
+    step_dir = os.path.join(run_dir, "checkpoints", "3")
+    _garbage(_largest_data_file(step_dir))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    with caplog.at_level("WARNING"):
+        model = restore.restore_builder(run_cfg, step_dir, mesh, _Tok())
+    assert "checkpoint step 3" in caplog.text and "crc32c" in caplog.text and "using step 2" in caplog.text
+    for a, b in zip(saved[2], _leaves(nnx.state(model, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 3: params/\S+: crc32c"):
+        restore.restore_builder(run_cfg, step_dir, mesh, _Tok(), fallback=False)
+
+
+def test_eval_checks_its_output_directory_before_any_work(eval_copy, monkeypatch):
+    from librarian_jax.config_validation import ConfigError
+    from librarian_jax.eval import cli, restore
+
+    run_dir, _, _ = eval_copy
+    # /proc takes no file, even for root (a chmod'ed directory does not stop root)
+    with pytest.raises(ConfigError, match=r"config\.out: '/proc/librarian_out/x' is not writable \('/proc'"):
+        cli.plan_eval(_eval_cfg(run_dir, out="/proc/librarian_out/x"))
+    monkeypatch.setattr(restore, "MIN_FREE_BYTES", 1 << 62)
+    with pytest.raises(ConfigError, match=r"config\.run: '.*/eval/default': only \d+ MiB free on its disk"):
+        cli.plan_eval(_eval_cfg(run_dir))
+    monkeypatch.undo()
+    assert cli.plan_eval(_eval_cfg(run_dir)).step == 3

@@ -156,6 +156,7 @@ def plan_eval(config: Any) -> Plan:
         out_dir = storage.join(run_dir, "eval", c.name)
     else:
         raise _err("out", "required without config.run")
+    restore.check_output_dir(out_dir, "out" if c.out else "run")  # writable, with free space: before any work
     return Plan(
         c,
         run_dir,
