@@ -364,6 +364,8 @@ class OptimSection(Section):
     # the 4-6 layer CPU presets (BENCHMARKS.md)
     scan_layers: bool = spec(False)
     max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
+    # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never
+    max_skipped_in_a_row: int = spec(3, lo=0)
 
     def optim_config(self) -> train_step.OptimConfig:
         return train_step.OptimConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
@@ -402,7 +404,8 @@ class TrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs=self.old_logprobs,
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef)
+            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef,
+            max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +425,7 @@ class SFTTrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs="trainer",
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers)
+            scan_layers=self.scan_layers, max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
 # ------------------------------------------------------------------------------------------- the rest

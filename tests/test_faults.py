@@ -468,3 +468,33 @@ def test_eval_checks_its_output_directory_before_any_work(eval_copy, monkeypatch
         cli.plan_eval(_eval_cfg(run_dir))
     monkeypatch.undo()
     assert cli.plan_eval(_eval_cfg(run_dir)).step == 3
+
+
+# ------------------------------------------------------------------------------------- training faults
+
+
+def test_non_finite_updates_are_skipped_counted_and_stop_after_n_in_a_row(tmp_path, caplog):
+    trainer = ts.Trainer(_model(), CONFIG)  # max_skipped_in_a_row=3 (the default)
+    nan = dict(_batch(1), advantages=np.full((ROWS, SEQ), np.nan, np.float32))
+    assert trainer.update(_batch(1))["skipped"] == 0.0
+    good = _leaves(trainer.params)
+    with caplog.at_level("WARNING"):
+        for i in (1, 2):
+            out = trainer.update(nan)
+            assert (out["skipped"], out["skipped_in_a_row"], out["skipped_total"]) == (1.0, i, i)
+    assert "update skipped, params kept (2 in a row, 2 in all)" in caplog.text
+    for a, b in zip(good, _leaves(trainer.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # a skipped update changes nothing
+    # a checkpoint saved now holds the finite params of before the skips
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
+    ck.save(trainer.step, params=trainer.params, opt_state=trainer.opt_state, force=True)
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert all(np.isfinite(x).all() for x in _leaves(restored.params) + _leaves(restored.opt_state))
+    out = trainer.update(_batch(2))  # a finite update resets the run of skips
+    assert (out["skipped"], out["skipped_in_a_row"], out["skipped_total"]) == (0.0, 0, 2)
+    trainer.update(nan)
+    trainer.update(nan)
+    with pytest.raises(ts.NonFiniteUpdates, match=r"train step 6: 3 updates in a row \(steps 4\.\.6\) had a "
+                                                  r"non-finite loss or gradient.*max_skipped_in_a_row=3"):
+        trainer.update(nan)

@@ -8,9 +8,9 @@
 Every check reads only JSON and Orbax metadata, so a bad run directory fails with one line naming the path
 (`ConfigError`) before any weight is loaded; a newest step whose metadata does not read is skipped with a
 warning; `check_output_dir` checks the output directory takes a file and has free space. The restore goes
-through `checkpoint.restore_step` (every array against its saved digest; a damaged step falls back). The restore itself is Orbax's `StandardRestore` into abstract
-targets that carry this mesh's shardings (each process reads its own shards; no gather to one host), so a
-run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
+through `checkpoint.restore_step` (every array against its saved digest; a damaged step falls back): Orbax's
+`StandardRestore` into abstract targets that carry this mesh's shardings (each process reads its own shards;
+no gather to one host), so a run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
 """
 
 from __future__ import annotations
