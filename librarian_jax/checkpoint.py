@@ -370,6 +370,8 @@ class Checkpointer:
         if step in self.manager.all_steps():
             logging.info("checkpoint step %d already exists in %s; not saving it again", step, self.directory)
             return False
+        # the previous async save first (Orbax waits for it anyway): its failure names its own step
+        self.wait()
         pure_params, pure_opt = _convert(params), _convert(opt_state)
         t0 = time.perf_counter()
         meta = {"step": int(step), "rng": rng_to_json(rng) if rng is not None else None,
@@ -384,7 +386,7 @@ class Checkpointer:
                                   meta=ocp.args.JsonSave(meta))
         try:
             saved = self.manager.save(step, args=args, force=True)
-        except Exception as e:  # noqa: BLE001 - a failed earlier async save surfaces here too
+        except Exception as e:  # noqa: BLE001 - a full disk in the synchronous part of the save
             raise self._save_error(step, e) from e
         if saved:
             self._pending = step
@@ -447,10 +449,12 @@ class Checkpointer:
         return None
 
     def wait(self) -> None:
+        """Waits for the pending async save; its failure (a full disk) raises `CheckpointError` naming it."""
+        pending, self._pending = getattr(self, "_pending", None), None
         try:
             self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 - the async writer's failure (a full disk)
-            raise self._save_error(getattr(self, "_pending", -1), e) from e
+        except Exception as e:  # noqa: BLE001 - the async writer's failure
+            raise self._save_error(-1 if pending is None else pending, e) from e
 
     def close(self) -> None:
         try:

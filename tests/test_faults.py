@@ -498,3 +498,19 @@ def test_non_finite_updates_are_skipped_counted_and_stop_after_n_in_a_row(tmp_pa
     with pytest.raises(ts.NonFiniteUpdates, match=r"train step 6: 3 updates in a row \(steps 4\.\.6\) had a "
                                                   r"non-finite loss or gradient.*max_skipped_in_a_row=3"):
         trainer.update(nan)
+
+
+def test_a_failed_async_save_names_its_step_at_the_next_save(damaged, monkeypatch):
+    d, _, trainer = damaged
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    assert ck.save(4, params=trainer.params, opt_state=trainer.opt_state)
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.manager, "wait_until_finished", full)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"checkpoint step 4 could not be saved .*disk is full"):
+        ck.save(5, params=trainer.params, opt_state=trainer.opt_state)
+    monkeypatch.undo()
+    ck.close()
