@@ -328,6 +328,25 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
+def check_schedule(restored: Restored, schedule: dict[str, Any], directory: str = "") -> list[str]:
+    """Compares the optimizer schedule a checkpoint recorded (`meta["extra"]["schedule"]`, saved as
+    `extra={"schedule": trainer.schedule_info()}`) with this run's; logs a WARNING naming each setting that
+    changed and returns those names. A run resumed with another `train.num_steps` follows another cosine
+    schedule from the resumed step on, so it cannot equal the run it resumes (nor a straight run of either
+    length). Checkpoints without the record are not compared."""
+    saved = (restored.meta.get("extra") or {}).get("schedule")
+    if not isinstance(saved, dict):
+        return []
+    changed = sorted(k for k in set(saved) | set(schedule) if saved.get(k) != schedule.get(k))
+    if changed:
+        logging.warning(
+            "checkpoint step %d%s was trained with another optimizer schedule (%s); the resumed run follows "
+            "this run's from step %d on, so it is not the run that saved it", restored.step,
+            f" of {directory}" if directory else "",
+            ", ".join(f"{k}: {saved.get(k)!r} -> {schedule.get(k)!r}" for k in changed), restored.step + 1)
+    return changed
+
+
 class Checkpointer:
     """Saves and restores a run's state under `directory` (see module doc)."""
 

@@ -442,6 +442,12 @@ class Trainer:
                 f"(train.max_skipped_in_a_row={limit}). The params are those before step {first}, as is "
                 "every checkpoint; look at the loss inputs of those steps (rewards, advantages, log-probs)")
 
+    def schedule_info(self) -> dict[str, Any]:
+        """The optimizer settings a step's update depends on besides the batch (the learning-rate schedule's
+        length and shape, AdamW's constants): a checkpoint records them, so a resume with other ones (e.g.
+        another `train.num_steps`, which sets the cosine schedule's length) is reported as another run."""
+        return dataclasses.asdict(self.config.optim)
+
     def get_state(self) -> dict[str, Any]:
         """What a checkpoint holds of the trainer: trainable params, optimizer state, step."""
         return {"params": self.params, "opt_state": self.opt_state, "step": self.step}
