@@ -514,3 +514,20 @@ def test_a_failed_async_save_names_its_step_at_the_next_save(damaged, monkeypatc
         ck.save(5, params=trainer.params, opt_state=trainer.opt_state)
     monkeypatch.undo()
     ck.close()
+
+
+def test_a_resume_with_another_lr_schedule_is_reported(tmp_path, caplog):
+    """A 2-step and a 4-step run follow other cosine schedules (train.num_steps sets its length): the
+    measured cause of 'two launches differ' (BENCHMARKS.md, "Bit-identical launches")."""
+    short = ts.Trainer(_model(), CONFIG)
+    longer = ts.Trainer(_model(), ts.TrainConfig(loss=CONFIG.loss, optim=ts.OptimConfig(
+        learning_rate=1e-2, warmup_steps=1, total_steps=16)))
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
+    ck.save(1, params=short.params, opt_state=short.opt_state, force=True,
+            extra={"schedule": short.schedule_info()})
+    restored = ck.restore(params=short.params, opt_state=short.opt_state)
+    ck.close()
+    assert checkpoint.check_schedule(restored, short.schedule_info()) == []
+    with caplog.at_level("WARNING"):
+        assert checkpoint.check_schedule(restored, longer.schedule_info()) == ["total_steps"]
+    assert "total_steps: 8 -> 16" in caplog.text and "not the run that saved it" in caplog.text
