@@ -97,6 +97,12 @@ class DamagedStep(Exception):
         return f"{self.what}: {self.reason}"
 
 
+class MissingMeta(DamagedStep):
+    """A step directory without a `meta` item: not a step this module saved (e.g. a params-only step another
+    tool wrote). `restore_params` takes its params unverified; a training resume cannot (no RNG, no data
+    position)."""
+
+
 def one_line(e: BaseException, limit: int = 240) -> str:
     """`Type: first line of the message`, cut at `limit` characters (TensorStore errors carry a multi-kilobyte
     spec dump after the first line)."""
@@ -259,7 +265,7 @@ def read_meta(step_dir: str) -> dict[str, Any]:
     try:
         meta = json.loads(storage.read_text(path))
     except FileNotFoundError:
-        raise DamagedStep(step_dir, "meta", f"{path} is missing") from None
+        raise MissingMeta(step_dir, "meta", f"{path} is missing") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DamagedStep(step_dir, "meta", f"{path} is not readable JSON ({one_line(e, 120)})") from None
     if not isinstance(meta, dict):
@@ -279,15 +285,23 @@ def _restore_item(step_dir: str, item: str, target: Any) -> Any:
         raise DamagedStep(step_dir, item, one_line(e)) from None
 
 
-def restore_step(step_dir: str, *, params: Any, opt_state: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+def restore_step(step_dir: str, *, params: Any, opt_state: Any = None,
+                 require_meta: bool = True) -> tuple[Any, Any, dict[str, Any]]:
     """The one restore of a step, for training, SFT, eval and build: `(params, opt_state, meta)` with
     params/opt_state in the structure and shardings of the targets (opt_state None when not asked for), every
-    array checked against the digest saved in `meta`. Raises `DamagedStep` naming the item or array."""
-    meta = read_meta(step_dir)
+    array checked against the digest saved in `meta`. Raises `DamagedStep` naming the item or array. With
+    `require_meta=False` a step without `meta` (`MissingMeta`: a params-only step) restores unverified, with
+    a warning, and `meta` is `{}`; unreadable `meta` is damage either way."""
+    try:
+        meta = read_meta(step_dir)
+    except MissingMeta:
+        if require_meta:
+            raise
+        meta = {}
     saved = meta.get("digests")
     if not isinstance(saved, dict):
-        logging.warning("checkpoint %s has no array digests (saved before they existed); its arrays are "
-                        "restored unverified", step_dir)
+        logging.warning("checkpoint %s has no array digests (%s); its arrays are restored unverified",
+                        step_dir, "saved before they existed" if meta else "no meta item: a params-only step")
         saved = {}
     out = []
     for item, target in (("params", params), ("opt_state", opt_state)):
@@ -513,7 +527,7 @@ def restore_params_step(path: str, target: Any, *, fallback: bool = True) -> tup
     failed: list[tuple[int, DamagedStep]] = []
     for i, (s, step_dir) in enumerate(candidates):
         try:
-            params, _, _ = restore_step(step_dir, params=target)
+            params, _, _ = restore_step(step_dir, params=target, require_meta=False)
         except DamagedStep as e:
             failed.append((s, e))
             logging.warning("checkpoint step %d in %s is damaged (%s)%s", s, directory, e,

@@ -93,6 +93,8 @@ DAMAGE = {
     "garbage_meta": (lambda s: open(os.path.join(s, "meta", "metadata"), "wb").write(b"\xff\xfe{garbage"),
                      r"meta: .*/meta/metadata is not readable JSON"),
     "deleted_params": (lambda s: shutil.rmtree(os.path.join(s, "params")), r"params: .*/params is missing"),
+    # a training resume needs meta (RNG, data position); restore_params takes a params-only step unverified
+    "deleted_meta": (lambda s: shutil.rmtree(os.path.join(s, "meta")), r"meta: .*/meta/metadata is missing"),
 }
 
 
@@ -156,6 +158,16 @@ def test_restore_params_eval_path_falls_back_or_names_the_step(damaged, caplog):
         checkpoint.restore_params(os.path.join(d, "3"), target, fallback=False)
     params, step = checkpoint.restore_params_step(d, target)  # the run's directory: newest good step
     assert step == 2
+
+
+def test_a_params_only_step_restores_unverified_with_a_warning(damaged, caplog):
+    d, saved, _ = damaged
+    shutil.rmtree(os.path.join(d, "3", "meta"))
+    with caplog.at_level("WARNING"):
+        params, step = checkpoint.restore_params_step(os.path.join(d, "3"), nnx.state(_model(9), nnx.Param))
+    assert step == 3 and "no meta item: a params-only step" in caplog.text
+    for a, b in zip(saved[3], _leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_step_and_stops(damaged, monkeypatch):

@@ -65,6 +65,8 @@ def step_is_readable(step_dir: str) -> str | None:
     digests when they are restored (`checkpoint.restore_step`)."""
     try:
         checkpoint.read_meta(step_dir)
+    except checkpoint.MissingMeta:
+        pass  # a params-only step: restored unverified, with a warning
     except checkpoint.DamagedStep as e:
         return str(e)
     try:
