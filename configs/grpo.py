@@ -148,6 +148,7 @@ def _base() -> ml_collections.ConfigDict:
         keep=2,
         async_save=True,
         resume=True,            # restore the newest good checkpoint in workdir/checkpoints
+        start_fresh=False,      # all checkpoints damaged: stop naming each (False) or start over (True)
     ))
     return c
 

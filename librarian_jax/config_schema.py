@@ -274,6 +274,35 @@ class SFTDataSection(DataSection):
 # ------------------------------------------------------------------------------------------- rollout
 
 
+# (field, lowest value, strictly above it) of the builder's and answerer's sampling and length settings,
+# checked when the config is parsed, so a bad one stops the run before the warm start or any compile
+_SAMPLING_BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
+    "builder": (("temperature", 0.0, False), ("top_p", 0.0, True), ("top_k", 0, False),
+                ("max_new_tokens", 1, False), ("executor_max_new_tokens", 1, False),
+                ("compaction_summary_tokens", 1, False)),
+    "answerer": (("temperature", 0.0, False), ("max_new_tokens", 1, False),
+                 ("forced_max_new_tokens", 1, False)),
+    "": (("repeat_temperature", 0.0, False), ("judge_max_new_tokens", 1, False)),
+}
+
+
+def check_sampling(rollout: RolloutConfig, key: str = "rollout") -> None:
+    """Every sampling setting of `rollout` in range (temperature >= 0, 0 < top_p <= 1, top_k >= 0, token
+    budgets >= 1); raises ConfigError naming the key."""
+    for part, bounds in _SAMPLING_BOUNDS.items():
+        obj = getattr(rollout, part) if part else rollout
+        for name, lo, lo_open in bounds:
+            v = getattr(obj, name)
+            k = key_of(key, f"{part}.{name}" if part else name)
+            kind = int if isinstance(lo, int) else float
+            if isinstance(v, bool) or not isinstance(v, kind if kind is int else int | float):
+                raise config_error(k, f"must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            if v < lo or (lo_open and v == lo):
+                raise config_error(k, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+        if part == "builder" and obj.top_p > 1:
+            raise config_error(key_of(key, "builder.top_p"), f"must be <= 1, got {obj.top_p}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSection(Section):
     """The engine sizes main reads itself, and every other key: `rollout.RolloutConfig` (its own schema)."""
@@ -304,6 +333,7 @@ class RolloutSection(Section):
         if rollout.answerer.kind not in ANSWERER_KINDS:
             raise config_error(f"{key}.answerer.kind", f"must be one of {sorted(ANSWERER_KINDS)}, "
                                f"got {rollout.answerer.kind!r}")
+        check_sampling(rollout, key)
         return cls(**kwargs, config=rollout)
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,6 +367,8 @@ class OptimSection(Section):
     # the 4-6 layer CPU presets (BENCHMARKS.md)
     scan_layers: bool = spec(False)
     max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
+    # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never
+    max_skipped_in_a_row: int = spec(3, lo=0)
 
     def optim_config(self) -> train_step.OptimConfig:
         return train_step.OptimConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
@@ -375,7 +407,8 @@ class TrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs=self.old_logprobs,
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef)
+            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef,
+            max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +428,7 @@ class SFTTrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs="trainer",
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers)
+            scan_layers=self.scan_layers, max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
 # ------------------------------------------------------------------------------------------- the rest
@@ -442,12 +475,12 @@ class RoleSection(Section):
     rollout.max_seq_len); mesh ("" = the run's, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the Qwen3.5
     template's switch). Defaults are filled and the values checked by `config_validation.resolve_roles`."""
 
-    init: str = spec("policy", choices=ROLE_INITS)
+    init: str = spec("policy", choices=("", *ROLE_INITS))
     path: str = spec("")
     preset: str = spec("")
-    dtype: str = spec("")
-    slots: int = spec(0)
-    max_seq_len: int = spec(0)
+    dtype: str = spec("", choices=DTYPES)
+    slots: int = spec(0, lo=0)  # 0 = rollout.frozen_slots
+    max_seq_len: int = spec(0, lo=0)  # 0 = rollout.max_seq_len
     mesh: str = spec("")
     thinking: bool = spec(False)
     template: str = spec("", choices=("", *CHAT_STYLES))  # "" = Qwen3.5's for a qwen3_5 preset, else detected
@@ -500,6 +533,9 @@ class CheckpointSection(Section):
     keep: int = spec(2, lo=1)
     async_save: bool = spec(True)
     resume: bool = spec(True)  # restore the newest good checkpoint in workdir/checkpoints
+    # checkpoints exist but none restores (all damaged): stop with each step's reason (False), or move them
+    # to checkpoints/_damaged/ and train from step 0 (True); never silently
+    start_fresh: bool = spec(False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,6 +576,10 @@ class GRPOConfig(Section):
     checkpoint: CheckpointSection = _section(CheckpointSection)
 
     def check(self, key: str) -> None:
+        if self.rollout.group_size < 2:
+            raise config_error("rollout.group_size", f"must be >= 2 for GRPO, got {self.rollout.group_size}: "
+                               "advantages are rewards relative to the group's mean, so a group of one gives "
+                               "every episode advantage 0 and nothing trains")
         if self.warm_start.enabled and self.data.source != "synthetic":
             raise config_error("warm_start.enabled", "the warm start's demonstrations need the synthetic "
                                f"world (data.source is {self.data.source!r}); run configs/sft.py on your own "

@@ -21,7 +21,9 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from librarian_jax import compile_cache, config_validation, distributed
+from librarian_jax import cli_flags, compile_cache, config_validation, distributed
+from librarian_jax.models.hf_io import HFLoadError
+from librarian_jax.rl.train_step import NonFiniteUpdates
 
 # Defined once per process (a test that imports this module next to `python -m` must not define them twice).
 if "config" not in flags.FLAGS:
@@ -75,7 +77,8 @@ def main(argv: list[str]) -> None:
             raise config_validation.ConfigError(
                 f"config.command: must be one of {list(COMMANDS)}, got {command!r}")
         _command(command)(config, dry_run=flags.FLAGS.dry_run)
-    except config_validation.ConfigError as e:
+    except (config_validation.ConfigError, HFLoadError, NonFiniteUpdates) as e:
+        # a bad setting or file, or a run whose updates keep failing: one line naming it, exit 2
         logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)  # noqa: T201
         if multi:
@@ -91,4 +94,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli_flags.parse_flags)

@@ -35,7 +35,7 @@ from librarian_jax import (
 )
 from librarian_jax import eval as eval_lib
 from librarian_jax.data import TaskPipeline
-from librarian_jax.eval import pipeline
+from librarian_jax.eval import pipeline, restore
 from librarian_jax.rl import rows as rows_lib
 from librarian_jax.rl import train_step
 from librarian_jax.warm_start import sft as warm_start_sft
@@ -179,9 +179,11 @@ def build(config: Any) -> Run:
 
 def resume(run: Run, ck: Any) -> None:
     """Restores params, optimizer state, step, RNG and data position from the newest good checkpoint."""
-    restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state)
+    restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state,
+                          start_fresh=bool(run.config.checkpoint.get("start_fresh", False)))
     if restored is None:
         return
+    checkpoint.check_schedule(restored, run.trainer.schedule_info(), ck.directory)
     run.trainer.set_state(restored.params, restored.opt_state, restored.step)
     run.rng = restored.rng if restored.rng is not None else run.rng
     data_state = restored.data_state
@@ -271,6 +273,7 @@ def run(config: Any) -> dict[str, Any]:
     config_validation.validate(config)
     logging.info("%s", describe(config))
     workdir = storage.abspath(config.workdir)  # a local directory or a URL (gs://...): launch/README.md
+    restore.check_output_dir(workdir, "workdir")  # writable, with free disk: one line before any work
     storage.makedirs(workdir)
     primary = jax.process_index() == 0
     sft_summary: dict[str, Any] = {}
@@ -324,7 +327,8 @@ def run(config: Any) -> dict[str, Any]:
             # each process's iterator state (a collective, so every process takes the same branch)
             by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
             ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
-                    data_state=data_state, data_by_process=by_process, force=step == num_steps)
+                    data_state=data_state, data_by_process=by_process, force=step == num_steps,
+                    extra={"schedule": state.trainer.schedule_info()})
     finally:
         ck.close()
         if writer is not None:

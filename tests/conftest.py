@@ -18,6 +18,7 @@ LONGEST_FIRST = (  # seconds of its tests in two full runs on 2 cores (tests/run
     "test_qwen3_5_moe.py",  # 95-97
     "test_engine.py",  # 76-88
     "test_rl_train.py",  # 60-73
+    "test_determinism.py",  # 60-70 alone (2026-12-03): 2-step runs in fresh processes, compared bit for bit
     "test_scan_layers.py",  # 68-70
     "test_bench_smoke.py",  # 57-68: one subprocess runs every bench
     "test_eval_multiprocess.py",  # 60-67

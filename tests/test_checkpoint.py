@@ -97,7 +97,8 @@ def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
         restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
     ck.close()
     assert restored.step == 2 and restored.data_state == {"step": 2}
-    assert "checkpoint step 4" in caplog.text and "could not be restored" in caplog.text
+    assert "checkpoint step 4" in caplog.text and "is damaged (params:" in caplog.text
+    assert os.listdir(os.path.join(d, checkpoint.DAMAGED_DIR))[0].startswith("4.")
     np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(2)))
 
 

@@ -160,6 +160,7 @@ def plan_eval(config: Any) -> Plan:
         out_dir = storage.join(run_dir, "eval", c.name)
     else:
         raise _err("out", "required without config.run")
+    restore.check_output_dir(out_dir, "out" if c.out else "run")  # writable, with free space: before any work
     return Plan(
         c,
         run_dir,
@@ -328,8 +329,9 @@ class Models:
                 return models.load_hf(
                     plan.config.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
                 )
-            return restore.restore_builder(
-                self.run_cfg, plan.step_dir, self.mesh, self.tokenizer, base=self.base
+            return restore.restore_builder(  # a step asked for by number never falls back to another
+                self.run_cfg, plan.step_dir, self.mesh, self.tokenizer, base=self.base,
+                fallback=plan.config.step < 0,
             )
         run_cfg, step_dir, _ = plan.extra_runs[label]
         return restore.restore_builder(run_cfg, step_dir, self.mesh, self.tokenizer)

@@ -6,15 +6,19 @@
     model = restore_builder(run_cfg, step_dir, mesh, tok)    # full params, or LoRA params on the base
 
 Every check reads only JSON and Orbax metadata, so a bad run directory fails with one line naming the path
-(`ConfigError`) before any weight is loaded. The restore itself is Orbax's `StandardRestore` into abstract
-targets that carry this mesh's shardings (each process reads its own shards; no gather to one host), so a
-run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
+(`ConfigError`) before any weight is loaded; a newest step whose metadata does not read is skipped with a
+warning; `check_output_dir` checks the output directory takes a file and has free space. The restore goes
+through `checkpoint.restore_step` (every array against its saved digest; a damaged step falls back): Orbax's
+`StandardRestore` into abstract targets that carry this mesh's shardings (each process reads its own shards;
+no gather to one host), so a run trained on a (8, 1, 1) mesh restores onto (2, 4, 1) or one device alike.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -57,9 +61,28 @@ def committed_steps(ckpt_dir: str) -> list[int]:
     )
 
 
+def step_is_readable(step_dir: str) -> str | None:
+    """Why `step_dir` cannot be restored, judged on its metadata alone (the step's `meta` JSON and the
+    params item's Orbax metadata; no array is read), or None. The arrays themselves are checked against their
+    digests when they are restored (`checkpoint.restore_step`)."""
+    try:
+        checkpoint.read_meta(step_dir)
+    except checkpoint.MissingMeta:
+        pass  # a params-only step: restored unverified, with a warning
+    except checkpoint.DamagedStep as e:
+        return str(e)
+    try:
+        checkpoint_shapes(step_dir)
+    except ConfigError as e:
+        return str(e).removeprefix("config.run: ")
+    return None
+
+
 def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tuple[int, str]:
-    """(step, step directory): `step`, or the newest committed one; a half-written or missing step is an
-    error naming its path (a newer half-written step is skipped with a warning)."""
+    """(step, step directory): `step`, or the newest committed one whose metadata reads (a newer damaged one
+    is skipped with a warning naming it and why, as training's restore does); a half-written, missing or
+    damaged asked-for step is an error naming its path (a newer half-written step is skipped with a
+    warning)."""
     ckpt_dir = storage.join(run_dir, CHECKPOINT_DIR)
     steps = committed_steps(ckpt_dir)
     if step is not None and step >= 0:
@@ -70,9 +93,23 @@ def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tupl
             raise _err(
                 "step", f"{path!r} is half-written (no {checkpoint.COMMIT_MARKER}); committed steps: {steps}"
             )
+        why = step_is_readable(path)
+        if why:
+            raise _err("step", f"{path!r} is damaged ({why}); committed steps: {steps}")
         return step, path
     if not steps:
         raise _err(key, f"{ckpt_dir!r} holds no committed checkpoint step")
+    failed = []
+    while steps:
+        why = step_is_readable(storage.join(ckpt_dir, str(steps[-1])))
+        if not why:
+            break
+        failed.append(f"step {steps[-1]}: {why}")
+        logging.warning("checkpoint step %d in %s is damaged (%s); trying the previous step", steps[-1],
+                        ckpt_dir, why)
+        steps = steps[:-1]
+    if not steps:
+        raise _err(key, f"no checkpoint step in {ckpt_dir!r} restores ({'; '.join(failed)})")
     newer = [
         n
         for n in storage.listdir(ckpt_dir)
@@ -135,9 +172,38 @@ def checkpoint_shapes(step_dir: str) -> dict[str, tuple[int, ...]]:
     handler = ocp.StandardCheckpointHandler()
     try:
         md = handler.metadata(storage.path(path))
+    except Exception as e:  # noqa: BLE001 - unreadable metadata (garbage, a cut file) is one line naming it
+        raise _err("run", f"{path!r}: Orbax metadata not readable ({checkpoint.one_line(e, 160)})") from None
     finally:
         handler.close()
     return _shapes(getattr(md, "tree", md))
+
+
+# what an eval or build writes besides its workspaces (report, records); checked free at start
+MIN_FREE_BYTES = 64 * 1024**2
+
+
+def check_output_dir(out_dir: str, key: str = "out", min_free_bytes: int | None = None) -> None:
+    """Before any work: `out_dir` (or its nearest existing parent) takes a file, and its disk has
+    `min_free_bytes` free (default `MIN_FREE_BYTES`); else a one-line ConfigError naming the path. A
+    `gs://` directory is not probed (its writes are checked by the first one)."""
+    if storage.is_remote(out_dir):
+        return
+    parent = os.path.abspath(out_dir)
+    while not os.path.isdir(parent):
+        if os.path.exists(parent):
+            raise _err(key, f"{out_dir!r}: {parent!r} is a file, not a directory")
+        parent = os.path.dirname(parent)
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".librarian_write_check_"):
+            pass
+    except OSError as e:
+        raise _err(key, f"{out_dir!r} is not writable ({parent!r}: {e.strerror or e})") from None
+    free = shutil.disk_usage(parent).free
+    min_free_bytes = MIN_FREE_BYTES if min_free_bytes is None else min_free_bytes
+    if free < min_free_bytes:
+        raise _err(key, f"{out_dir!r}: only {free / 1024**2:.0f} MiB free on its disk "
+                        f"({min_free_bytes / 1024**2:.0f} MiB needed)")
 
 
 def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
@@ -176,11 +242,15 @@ def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
 
 
 def restore_builder(
-    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None
+    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None,
+    *, fallback: bool = True,
 ) -> nnx.Module:
     """The policy of `run_cfg` at `step_dir`, on `mesh`: the base model with the checkpoint's params (full),
     or the base wrapped with LoRA adapters holding the checkpoint's LoRA params. The abstract restore target
-    carries `mesh`'s shardings, so Orbax reads straight into them."""
+    carries `mesh`'s shardings, so Orbax reads straight into them. Every array is checked against the step's
+    digests (`checkpoint.restore_step`, the one restore of training, SFT, eval and build): a damaged step
+    falls back to the newest good older one with a warning naming both (`fallback`; a step the user asked for
+    by number should pass False) or raises `checkpoint.CheckpointError` naming the step, array and reason."""
 
     m = run_cfg.model
     model = base if base is not None else base_model(run_cfg, mesh, tokenizer)
@@ -189,12 +259,13 @@ def restore_builder(
     model = shard_model(model, mesh)
     wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
     target = nnx.state(model, wrt)
-    restored = checkpoint.restore_params(step_dir, target)
+    restored, step = checkpoint.restore_params_step(step_dir, target, fallback=fallback)
     nnx.update(model, restored)
     logging.info(
-        "restored the builder (%s) from %s onto mesh %s",
+        "restored the builder (%s) from %s (step %d) onto mesh %s",
         "LoRA" if m.lora_rank else "full params",
         step_dir,
+        step,
         dict(mesh.shape),
     )
     return model

@@ -64,6 +64,11 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                              moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
                              num_experts_per_tok=8, tie_word_embeddings=False),
 }
+_POSITIVE_INTS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "hidden_size", "intermediate_size", "head_dim", "max_position_embeddings")
+# safetensors dtype names of weights a quantised checkpoint stores (int weights, fp8, packed 4-bit)
+_QUANTISED = ("I8", "U8", "I4", "U4", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
+_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _EMBED_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 
@@ -152,6 +157,18 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
     if d.get("use_bidirectional_attention"):
         raise NotImplementedError("config.json: use_bidirectional_attention=true is not supported")
 
+    for key in _POSITIVE_INTS:
+        if key not in d:
+            continue
+        v = d[key]
+        if v is None and key in ("num_key_value_heads", "head_dim"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.json: {key} must be an integer >= 1, got {v!r}")
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "vocab_size", "hidden_size",
+                           "intermediate_size") if k not in d]
+    if missing:
+        raise ValueError(f"config.json: missing field {missing[0]!r}")
     n_layers = int(d["num_hidden_layers"])
     heads = int(d["num_attention_heads"])
     fields: dict[str, Any] = dict(
@@ -396,6 +413,47 @@ def _place(host: np.ndarray, var: nnx.Variable, shape: tuple[int, ...], mesh: Me
     return jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
 
 
+class HFLoadError(ValueError):
+    """A Hugging Face folder that cannot be loaded as the model its config.json describes; the message names
+    the file and the tensor or field."""
+
+
+@jax.jit
+def _nonfinite_count(x: jax.Array) -> jax.Array:
+    """How many entries of `x` are NaN or infinite: one jitted reduction per array, on its device(s)."""
+    return jnp.sum(~jnp.isfinite(x))
+
+
+def _read_config(directory: str, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, raw dict) of `directory/config.json`; errors name the file and the field."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise HFLoadError(f"load_hf: {path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise HFLoadError(f"load_hf: {path} is not readable JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise HFLoadError(f"load_hf: {path} holds {type(raw).__name__}, not an object")
+    try:
+        return config_from_hf(raw, dtype=dtype), raw
+    except NotImplementedError as e:
+        raise NotImplementedError(f"load_hf: {path}: {str(e).removeprefix('config.json: ')}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        msg = str(e).removeprefix("config.json: ") if isinstance(e, ValueError) else f"field {e} ({e!r})"
+        raise HFLoadError(f"load_hf: {path}: {msg}") from None
+
+
+def _declared_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype config.json declares for the weights (`torch_dtype`/`dtype`, top level or text_config)."""
+    for d in (raw.get("text_config") or {}, raw):
+        for key in ("torch_dtype", "dtype"):
+            if isinstance(d.get(key), str):
+                return d[key]
+    return None
+
+
 class _Tensors:
     """Lazy view of the safetensors files of a checkpoint folder: key -> (file, shape)."""
 
@@ -408,12 +466,23 @@ class _Tensors:
         else:
             files = sorted(x for x in os.listdir(directory) if x.endswith(".safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {directory}")
-        self.handles = [safe_open(os.path.join(directory, f), framework="np") for f in files]
+            raise FileNotFoundError(f"load_hf: no *.safetensors files in {directory}")
+        self.handles = []
         self.where: dict[str, Any] = {}
-        for h in self.handles:
+        self.file_of: dict[str, str] = {}
+        for f in files:
+            path = os.path.join(directory, f)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"load_hf: {path} is missing (named by model.safetensors.index.json)")
+            try:
+                h = safe_open(path, framework="np")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+                raise HFLoadError(f"load_hf: {path} is not a readable safetensors file "
+                                  f"({os.path.getsize(path)} bytes; {type(e).__name__}: {e})") from None
+            self.handles.append(h)
             for k in h.keys():
                 self.where[k] = h
+                self.file_of[k] = path
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -421,11 +490,26 @@ class _Tensors:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.where[key].get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name (`F32`, `BF16`, `I8`, ...)."""
+        return str(self.where[key].get_slice(key).get_dtype())
+
     def get(self, key: str) -> np.ndarray:
-        return self.where[key].get_tensor(key)
+        try:
+            return self.where[key].get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - a truncated file fails only when its tensor is read
+            raise HFLoadError(f"load_hf: {self.file_of[key]}: tensor {key!r} cannot be read "
+                              f"({type(e).__name__}: {e})") from None
 
     def keys(self) -> Iterator[str]:
         return iter(self.where)
+
+
+def _layer_index(key: str, prefix: str) -> int | None:
+    """`i` of a `{prefix}layers.{i}.` tensor name, else None."""
+    head = prefix + "layers."
+    part = key[len(head):].split(".")[0] if key.startswith(head) else ""
+    return int(part) if part.isdigit() else None
 
 
 def _find_prefix(tensors: _Tensors, directory: str) -> str:
@@ -442,18 +526,45 @@ def load_hf(
     dtype: Any = jnp.float32,
     mesh: Mesh | None = None,
     rules: Rules | None = None,
+    *,
+    strict: bool = True,
+    allow_nonfinite: bool = False,
 ) -> Transformer:
     """Transformer with the weights of the HF checkpoint in `directory` (config.json + *.safetensors).
 
     Params and activations in `dtype`. With `mesh`, each tensor is placed straight onto its NamedSharding
     (logical axes of the parameter mapped through `rules`, default `DEFAULT_RULES`); each device receives
-    only its slice. Raises ValueError for an unknown model_type or a shape mismatch, KeyError for a missing
-    tensor; both name the tensor key and shapes.
+    only its slice.
+
+    Strict: every error names the file and the tensor or field. A missing tensor is a KeyError; a shape
+    mismatch, a tensor of the text model the config does not use (a bias with `attention_bias=false`, layers
+    beyond `num_hidden_layers`), a weight whose dtype is not the one config.json declares (float32 weights
+    are accepted in a bfloat16/float16 checkpoint: a loss-free widening some checkpoints use for a few
+    tensors), an integer or fp8 weight (a quantised checkpoint: refused until a quantised path exists), an
+    unreadable file or config field are `HFLoadError`s (ValueErrors). `strict=False` turns the unexpected
+    tensors and dtype mismatches into WARNING lines. Tensors outside the text model (a vision tower, `mtp.`)
+    are skipped with an INFO line. Non-finite weights are counted on device (one jitted reduction per array)
+    and refused unless `allow_nonfinite`.
     """
-    with open(os.path.join(directory, "config.json")) as f:
-        config = config_from_hf(json.load(f), dtype=dtype)
+    config, raw = _read_config(directory, dtype)
     tensors = _Tensors(directory)
     prefix = _find_prefix(tensors, directory)
+    declared = _declared_dtype(raw)
+
+    def problem(msg: str) -> None:
+        if strict:
+            raise HFLoadError(f"load_hf: {msg}")
+        logging.warning("load_hf (strict=False): %s", msg)
+
+    def check_dtype(key: str) -> None:
+        have = tensors.dtype(key)
+        where = tensors.file_of[key]
+        if have in _QUANTISED or have not in _FLOATS:
+            raise HFLoadError(f"load_hf: {where}: tensor {key!r} is {have}: a quantised checkpoint (or a "
+                              "non-float weight) is not supported; load an unquantised (bf16/fp32) one")
+        if declared and _FLOATS[have] != declared and not (have == "F32" and declared in ("bfloat16",
+                                                                                          "float16")):
+            problem(f"{where}: tensor {key!r} is {_FLOATS[have]} but config.json declares {declared}")
 
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -462,6 +573,7 @@ def load_hf(
     target_dtype = config.jnp_param_dtype
     used: set[str] = set()
     new_leaves = []
+    counts: list[tuple[str, jax.Array]] = []
     for path, var in flat:
         if path not in names:
             raise KeyError(f"load_hf: model variable {_path_str(path)} has no Hugging Face tensor name")
@@ -473,10 +585,14 @@ def load_hf(
         if transpose in ("gate_up", "down"):
             arr = tensors.get(key) if key in tensors else None
             if arr is not None:
+                check_dtype(key)
                 arr = _to_ours(arr, transpose)
                 used.add(key)
             else:
+                before = set(used)
                 arr = _read_experts(tensors, key, transpose, config.num_experts, used)
+                for k in sorted(used - before):
+                    check_dtype(k)
             if arr is None:
                 raise KeyError(f"load_hf: missing tensor {key!r} (or its per-expert form "
                                f"{_per_expert_keys(key, transpose, 0)}) in {directory}")
@@ -485,8 +601,9 @@ def load_hf(
                                  f"gives {tuple(arr.shape)} in model layout but the model expects {expected} "
                                  f"for "
                                  f"{_path_str(path)}")
-            new_leaves.append((path, var.replace(_place(arr.astype(target_dtype, copy=False), var, expected,
-                                                        mesh, rules))))
+            placed = _place(arr.astype(target_dtype, copy=False), var, expected, mesh, rules)
+            counts.append((key, _nonfinite_count(placed)))
+            new_leaves.append((path, var.replace(placed)))
             continue
         if key not in tensors:
             hf_expected = expected[::-1] if transpose else expected
@@ -498,19 +615,46 @@ def load_hf(
         ours = hf_shape[::-1] if transpose and len(hf_shape) == 2 else hf_shape
         if ours != expected:
             raise ValueError(
-                f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint shape {hf_shape} "
-                f"(as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
+                f"load_hf: shape mismatch for tensor {key!r} in {tensors.file_of[key]}: checkpoint shape "
+                f"{hf_shape} (as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
             )
+        check_dtype(key)
         host = _to_ours(tensors.get(key), transpose).astype(target_dtype, copy=False)
         used.add(key)
-        new_leaves.append((path, var.replace(_place(host, var, expected, mesh, rules))))
+        placed = _place(host, var, expected, mesh, rules)
+        counts.append((key, _nonfinite_count(placed)))
+        new_leaves.append((path, var.replace(placed)))
 
     ignored = [k for k in tensors.keys() if k not in used]
     if config.tie_embeddings:
         ignored = [k for k in ignored if k not in _LM_HEAD_KEYS]
-    if ignored:
-        logging.info("load_hf: ignored %d tensors not used by the text model (e.g. %s) in %s",
-                     len(ignored), ignored[0], directory)
+    # buffers some older checkpoints carry (rotary inverse frequencies) are not weights
+    ignored = [k for k in ignored if not k.endswith("rotary_emb.inv_freq")]
+    if config.num_experts and not config.shared_expert_intermediate_size:
+        # a width-0 shared expert (transformers writes its empty weights and its unused gate)
+        ignored = [k for k in ignored if not (k.endswith("shared_expert_gate.weight")
+                                              or (".shared_expert." in k and 0 in tensors.shape(k)))]
+    ours = [k for k in ignored if k.startswith(prefix) or k in _LM_HEAD_KEYS]
+    beyond = {k: i for k in ours if (i := _layer_index(k, prefix)) is not None and i >= config.num_layers}
+    if beyond:
+        k = min(beyond, key=beyond.get)
+        problem(f"{tensors.file_of[k]} holds layers {min(beyond.values())}..{max(beyond.values())} (e.g. "
+                f"tensor {k!r}) but {os.path.join(directory, 'config.json')} has "
+                f"num_hidden_layers={config.num_layers}")
+    elif ours:
+        problem(f"{tensors.file_of[ours[0]]}: tensor {ours[0]!r} is not used by the model config.json "
+                f"describes ({len(ours)} such tensor(s); e.g. a bias with attention_bias=false)")
+    other = [k for k in ignored if k not in ours]
+    if other:
+        logging.info("load_hf: skipped %d tensors outside the text model (e.g. %s) in %s",
+                     len(other), other[0], directory)
+    bad = [(k, int(n)) for (k, _), n in zip(counts, jax.device_get([c for _, c in counts]), strict=True) if n]
+    if bad:
+        msg = (f"load_hf: {len(bad)} tensor(s) hold non-finite values, e.g. {bad[0][0]!r} in "
+               f"{tensors.file_of.get(bad[0][0], directory)} ({bad[0][1]} NaN/inf entries)")
+        if not allow_nonfinite:
+            raise HFLoadError(msg + "; refused (allow_nonfinite=True loads them anyway)")
+        logging.warning("%s; loaded anyway (allow_nonfinite=True)", msg)
     state = nnx.from_flat_state(new_leaves)
     model = nnx.merge(graphdef, state)
     if mesh is not None and config.num_experts:

@@ -105,6 +105,10 @@ class TrainConfig:
     # so a new row count compiles nothing; 0: the step's rows split into `micro_batches` equal micro-batches
     # inside one program, compiled once per row count. Same loss, gradients and update either way.
     micro_batch_rows: int = 0
+    # this many updates in a row skipped for a non-finite loss or gradient stop the run (`NonFiniteUpdates`,
+    # naming the steps); 0 = never stop. A skipped update leaves params and optimizer state as they were, so
+    # no checkpoint ever holds a non-finite update. Host-side only (not part of the compiled step).
+    max_skipped_in_a_row: int = 3
 
 
 REMAT_MODES = ("none", "full", "layer")
@@ -162,10 +166,9 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 def _static_config(config: TrainConfig) -> TrainConfig:
     """The part of the config the compiled step depends on (the schedule is a runtime input)."""
     o = config.optim
-    return dataclasses.replace(config, optim=OptimConfig(learning_rate=0.0, warmup_steps=0, decay="constant",
-                                                         total_steps=0, end_lr_ratio=0.0, b1=o.b1, b2=o.b2,
-                                                         eps=o.eps, weight_decay=o.weight_decay,
-                                                         grad_clip=o.grad_clip))
+    optim = OptimConfig(learning_rate=0.0, warmup_steps=0, decay="constant", total_steps=0, end_lr_ratio=0.0,
+                        b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    return dataclasses.replace(config, optim=optim, max_skipped_in_a_row=0)
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
@@ -292,6 +295,10 @@ def _tree_where(cond: jax.Array, new: Any, old: Any) -> Any:
 _constrain = partitioning.constrain
 
 
+class NonFiniteUpdates(RuntimeError):
+    """`TrainConfig.max_skipped_in_a_row` updates in a row had a non-finite loss or gradient."""
+
+
 class Trainer:
     """Owns the trainable state and the compiled update of one policy model (full or LoRA)."""
 
@@ -361,6 +368,8 @@ class Trainer:
                                    NamedSharding(mesh, P()))  # the accumulator's scalars
         self._zero_acc_fn: Any = None  # makes the micro-batch accumulator at zero (`micro_batch_rows > 0`)
         self.step = 0
+        self.skipped_total = 0  # updates skipped for a non-finite loss or gradient, this process's run
+        self.skipped_in_a_row = 0
         self.ref_params = None
         if config.loss.kl_beta:
             if self.lora:  # the base model: every adapter zeroed
@@ -408,10 +417,36 @@ class Trainer:
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step += 1
         out["time_s"] = time.perf_counter() - t0
-        if out["skipped"]:
-            logging.warning("train step %d: non-finite loss (%s) or gradient norm (%s); update skipped",
-                            self.step - 1, out["loss"], out["grad_norm"])
+        self._count_skipped(out)
         return out
+
+    def _count_skipped(self, out: dict[str, float]) -> None:
+        """Counts a skipped update (metrics `skipped_total`, `skipped_in_a_row`), logs it, and raises
+        `NonFiniteUpdates` when `max_skipped_in_a_row` were skipped in a row."""
+        if out["skipped"]:
+            self.skipped_total += 1
+            self.skipped_in_a_row += 1
+            logging.warning("train step %d: non-finite loss (%s) or gradient norm (%s); update skipped, "
+                            "params kept (%d in a row, %d in all)", self.step - 1, out["loss"],
+                            out["grad_norm"], self.skipped_in_a_row, self.skipped_total)
+        else:
+            self.skipped_in_a_row = 0
+        out["skipped_total"] = float(self.skipped_total)
+        out["skipped_in_a_row"] = float(self.skipped_in_a_row)
+        limit = self.config.max_skipped_in_a_row
+        if limit and self.skipped_in_a_row >= limit:
+            first = self.step - self.skipped_in_a_row
+            raise NonFiniteUpdates(
+                f"train step {self.step - 1}: {self.skipped_in_a_row} updates in a row (steps {first}.."
+                f"{self.step - 1}) had a non-finite loss or gradient and were skipped; stopping "
+                f"(train.max_skipped_in_a_row={limit}). The params are those before step {first}, as is "
+                "every checkpoint; look at the loss inputs of those steps (rewards, advantages, log-probs)")
+
+    def schedule_info(self) -> dict[str, Any]:
+        """The optimizer settings a step's update depends on besides the batch (the learning-rate schedule's
+        length and shape, AdamW's constants): a checkpoint records them, so a resume with other ones (e.g.
+        another `train.num_steps`, which sets the cosine schedule's length) is reported as another run."""
+        return dataclasses.asdict(self.config.optim)
 
     def get_state(self) -> dict[str, Any]:
         """What a checkpoint holds of the trainer: trainable params, optimizer state, step."""

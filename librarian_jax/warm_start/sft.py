@@ -83,7 +83,8 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     rng = jax.random.key(config.seed)
     if config.checkpoint.resume:
-        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state,
+                              start_fresh=bool(config.checkpoint.get("start_fresh", False)))
         if restored is not None:
             trainer.set_state(restored.params, restored.opt_state, restored.step)
             if restored.data_state:

@@ -1,0 +1,545 @@
+"""Fault injection: damaged copies of a real tiny run's checkpoints, damaged Hugging Face directories, a
+read-only workdir, bad settings. Each gives the documented fall-back or a one-line error naming what is wrong,
+and never trains or evaluates on wrong weights (issue 39)."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from librarian_jax import checkpoint, models
+from librarian_jax.rl import losses
+from librarian_jax.rl import train_step as ts
+
+VOCAB, ROWS, SEQ = 16, 4, 16
+CONFIG = ts.TrainConfig(loss=losses.LossConfig(tis_cap=2.0),
+                        optim=ts.OptimConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8))
+STEPS = (1, 2, 3)
+
+
+def _model(seed: int = 0) -> models.Transformer:
+    cfg = models.get_preset("tiny", vocab_size=VOCAB, num_layers=1, hidden_size=32, intermediate_size=64,
+                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
+    return models.Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _batch(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    mask = np.zeros((ROWS, SEQ), np.float32)
+    mask[:, 4:] = 1
+    return {"tokens": rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
+            "valid": np.ones((ROWS, SEQ), bool), "loss_mask": mask,
+            "sampler_logprobs": np.full((ROWS, SEQ), -2.7, np.float32) * mask,
+            "advantages": (rng.normal(size=(ROWS, 1)) * mask).astype(np.float32),
+            "row_weights": np.ones(ROWS, np.float32)}
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A real tiny run: 3 updates, each step checkpointed; the params of every step, as trained."""
+    d = str(tmp_path_factory.mktemp("run") / "checkpoints")
+    trainer = ts.Trainer(_model(), CONFIG)
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    saved = {}
+    for step in STEPS:
+        trainer.update(_batch(step))
+        saved[step] = _leaves(trainer.params)
+        ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=jax.random.key(step),
+                data_state={"step": step})
+    ck.close()
+    return d, saved
+
+
+@pytest.fixture
+def damaged(run, tmp_path):
+    """A fresh copy of the run's checkpoints (the test damages it) and a fresh trainer as the target."""
+    src, saved = run
+    d = str(tmp_path / "checkpoints")
+    shutil.copytree(src, d)
+    return d, saved, ts.Trainer(_model(seed=5), CONFIG)
+
+
+def _largest_data_file(step_dir: str, item: str = "params") -> str:
+    files = glob.glob(os.path.join(step_dir, item, "ocdbt.process_0", "d", "*"))
+    return max(files, key=os.path.getsize)
+
+
+def _garbage(path: str, where: str = "middle", n: int = 64) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2 if where == "middle" else 0)
+        f.write(np.random.default_rng(0).bytes(size if where == "all" else n))
+
+
+DAMAGE = {
+    # bytes in the middle of a data file: orbax decodes them into wrong values; only the digest sees it
+    "garbage_in_data": (lambda s: _garbage(_largest_data_file(s)), r"params/\S+: crc32c 0x[0-9a-f]+ != "),
+    "garbage_data_file": (lambda s: _garbage(_largest_data_file(s), "all"), r"params: .*Error reading"),
+    "truncated_data_file": (lambda s: os.truncate(_largest_data_file(s), 10), r"params: .*Error reading"),
+    "deleted_data_file": (lambda s: os.remove(_largest_data_file(s)), r"params: .*Error reading"),
+    "garbage_opt_state": (lambda s: _garbage(_largest_data_file(s, "opt_state")), r"opt_state(/\S+)?: "),
+    "garbage_meta": (lambda s: open(os.path.join(s, "meta", "metadata"), "wb").write(b"\xff\xfe{garbage"),
+                     r"meta: .*/meta/metadata is not readable JSON"),
+    "deleted_params": (lambda s: shutil.rmtree(os.path.join(s, "params")), r"params: .*/params is missing"),
+    # a training resume needs meta (RNG, data position); restore_params takes a params-only step unverified
+    "deleted_meta": (lambda s: shutil.rmtree(os.path.join(s, "meta")), r"meta: .*/meta/metadata is missing"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_a_damaged_newest_step_falls_back_to_the_previous_good_one(damaged, kind, caplog):
+    d, saved, trainer = damaged
+    damage, reason = DAMAGE[kind]
+    damage(os.path.join(d, "3"))
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    with caplog.at_level("WARNING"):
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert restored.step == 2 and restored.data_state == {"step": 2}
+    for a, b in zip(saved[2], _leaves(restored.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # the step-2 weights, bit for bit: never the damaged ones
+    warning = [r.getMessage() for r in caplog.records if "checkpoint step 3" in r.getMessage()]
+    assert warning and "is damaged (" in warning[0], caplog.text
+    assert re.search(reason, warning[0]), warning[0]
+    assert len(warning[0]) < 600, warning[0]  # one line, no TensorStore spec dump
+    assert ck.steps() == [1, 2] and os.listdir(os.path.join(d, checkpoint.DAMAGED_DIR))[0].startswith("3.")
+
+
+def test_every_step_damaged_stops_with_each_reason_and_never_starts_over(damaged):
+    d, _, trainer = damaged
+    for s in STEPS:
+        _garbage(_largest_data_file(os.path.join(d, str(s))))
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    msg = str(e.value)
+    assert "\n" not in msg and "not starting over" in msg and "checkpoint.start_fresh" in msg
+    for s in STEPS:
+        assert f"step {s}: params/" in msg
+    assert ck.steps() == list(STEPS)  # nothing moved: the next launch stops the same way
+    # starting over needs the explicit flag; the damaged steps are kept aside
+    assert ck.restore(params=trainer.params, opt_state=trainer.opt_state, start_fresh=True) is None
+    assert ck.steps() == [] and len(os.listdir(os.path.join(d, checkpoint.DAMAGED_DIR))) == 3
+    ck.close()
+
+
+def test_an_asked_for_damaged_step_is_an_error_naming_it(damaged):
+    d, _, trainer = damaged
+    _garbage(_largest_data_file(os.path.join(d, "2")))
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint step 2 in .* is damaged: params/"):
+        ck.restore(params=trainer.params, opt_state=trainer.opt_state, step=2)
+    ck.close()
+
+
+def test_restore_params_eval_path_falls_back_or_names_the_step(damaged, caplog):
+    """`restore_params` (eval, build, model.init='orbax') checks the same digests through `restore_step`."""
+    d, saved, _ = damaged
+    _garbage(_largest_data_file(os.path.join(d, "3")))
+    target = nnx.state(_model(seed=9), nnx.Param)
+    with caplog.at_level("WARNING"):
+        params, step = checkpoint.restore_params_step(os.path.join(d, "3"), target)
+    assert step == 2 and "checkpoint step 3" in caplog.text and "crc32c" in caplog.text
+    for a, b in zip(saved[2], _leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(checkpoint.CheckpointError, match=r"no usable step in .*step 3: params/\S+: crc32c"):
+        checkpoint.restore_params(os.path.join(d, "3"), target, fallback=False)
+    params, step = checkpoint.restore_params_step(d, target)  # the run's directory: newest good step
+    assert step == 2
+
+
+def test_a_params_only_step_restores_unverified_with_a_warning(damaged, caplog):
+    d, saved, _ = damaged
+    shutil.rmtree(os.path.join(d, "3", "meta"))
+    with caplog.at_level("WARNING"):
+        params, step = checkpoint.restore_params_step(os.path.join(d, "3"), nnx.state(_model(9), nnx.Param))
+    assert step == 3 and "no meta item: a params-only step" in caplog.text
+    for a, b in zip(saved[3], _leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_step_and_stops(damaged, monkeypatch):
+    d, saved, trainer = damaged
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5, async_save=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.manager, "save", full)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"checkpoint step 4 could not be saved to .*: the disk is full .*previous "
+                             r"step 3 is intact"):
+        ck.save(4, params=trainer.params, opt_state=trainer.opt_state)
+    monkeypatch.undo()
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert restored.step == 3
+    for a, b in zip(saved[3], _leaves(restored.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_digests_are_in_the_meta_of_every_step(run):
+    d, _ = run
+    meta = checkpoint.read_meta(os.path.join(d, "3"))
+    params = meta["digests"]["params"]
+    assert set(meta["digests"]) == {"params", "opt_state"}
+    assert len(params) == len(jax.tree.leaves(nnx.state(_model(), nnx.Param)))
+    assert all(set(v) == {"crc32c", "shape", "dtype"} for v in params.values())
+
+
+# ------------------------------------------------------------------------------- Hugging Face folders
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden")
+
+
+def _hf_copy(tmp_path, name: str = "llama3") -> str:
+    folder = str(tmp_path / name)
+    shutil.copytree(os.path.join(GOLDEN, name), folder)
+    return folder
+
+
+def _edit_tensors(folder: str, edit) -> str:
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def _edit_config(folder: str, edit) -> str:
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _bias(t):
+    t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(t["model.layers.0.self_attn.q_proj.weight"].shape[0],
+                                                         np.float32)
+
+
+def _extra_layer(t):
+    for k in [k for k in t if k.startswith("model.layers.1.")]:
+        t[k.replace("layers.1.", "layers.2.")] = t[k]
+
+
+def _int8(t):
+    t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].astype(np.int8)
+
+
+def _nan(t):
+    t["model.layers.1.mlp.down_proj.weight"] = np.full_like(t["model.layers.1.mlp.down_proj.weight"], np.nan)
+
+
+def _f16(t):
+    t["model.norm.weight"] = t["model.norm.weight"].astype(np.float16)
+
+
+HF_DAMAGE = {
+    "unexpected_bias": (_bias, r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' "
+                               r"is not used by the model"),
+    "more_layers_than_config": (_extra_layer, r"model\.safetensors holds layers 2\.\.2 \(e\.g\. tensor "
+                                              r"'model\.layers\.2\..*num_hidden_layers=2"),
+    "int8_weights": (_int8, r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is I8: a "
+                            r"quantised checkpoint"),
+    "nan_weights": (_nan, r"non-finite values, e\.g\. 'model\.layers\.1\.mlp\.down_proj\.weight' in "
+                          r".*model\.safetensors"),
+    "dtype_not_config": (_f16, r"tensor 'model\.norm\.weight' is float16 but config\.json declares float32"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_DAMAGE))
+def test_load_hf_refuses_a_wrong_model_naming_file_and_tensor(tmp_path, kind, caplog):
+    folder = _hf_copy(tmp_path)
+    edit, message = HF_DAMAGE[kind]
+    _edit_tensors(folder, edit)
+    with pytest.raises(models.hf_io.HFLoadError, match=message) as e:
+        models.load_hf(folder)
+    assert folder in str(e.value) and "\n" not in str(e.value)
+    if kind in ("unexpected_bias", "more_layers_than_config", "dtype_not_config"):
+        with caplog.at_level("WARNING"):
+            models.load_hf(folder, strict=False)  # the escape hatch: loads, says so at WARNING
+        assert "load_hf (strict=False)" in caplog.text
+    if kind == "nan_weights":
+        with caplog.at_level("WARNING"):
+            models.load_hf(folder, allow_nonfinite=True)
+        assert "loaded anyway (allow_nonfinite=True)" in caplog.text
+
+
+def _cut(path: str, keep: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+HF_FILES = {
+    "truncated_safetensors": (lambda d: _cut(os.path.join(d, "model.safetensors"),
+                                             os.path.getsize(os.path.join(d, "model.safetensors")) // 2),
+                              r"model\.safetensors is not a readable safetensors file"),
+    "empty_safetensors": (lambda d: _cut(os.path.join(d, "model.safetensors"), 0),
+                          r"model\.safetensors is not a readable safetensors file \(0 bytes"),
+    "cut_config": (lambda d: _cut(os.path.join(d, "config.json"), 40), r"config\.json is not readable JSON"),
+    "negative_layers": (lambda d: _edit_config(d, lambda c: c.update(num_hidden_layers=-2)),
+                        r"config\.json: num_hidden_layers must be an integer >= 1, got -2"),
+    "string_field": (lambda d: _edit_config(d, lambda c: c.update(hidden_size="64")),
+                     r"config\.json: hidden_size must be an integer >= 1, got '64'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_FILES))
+def test_load_hf_errors_name_the_file_and_field(tmp_path, kind):
+    folder = _hf_copy(tmp_path)
+    damage, message = HF_FILES[kind]
+    damage(folder)
+    with pytest.raises(models.hf_io.HFLoadError, match=message) as e:
+        models.load_hf(folder)
+    assert folder in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BAD_SETTINGS = [
+    ("rollout.builder.temperature", -0.5, r"config\.rollout\.builder\.temperature: must be >= 0\.0, got -0"),
+    ("rollout.builder.top_p", 1.5, r"config\.rollout\.builder\.top_p: must be <= 1, got 1\.5"),
+    ("rollout.builder.top_p", 0.0, r"config\.rollout\.builder\.top_p: must be > 0\.0, got 0\.0"),
+    ("rollout.builder.top_k", -1, r"config\.rollout\.builder\.top_k: must be >= 0, got -1"),
+    ("rollout.builder.max_new_tokens", 0, r"config\.rollout\.builder\.max_new_tokens: must be >= 1, got 0"),
+    ("rollout.answerer.temperature", -1.0, r"config\.rollout\.answerer\.temperature: must be >= 0\.0"),
+    ("rollout.answerer.max_new_tokens", 0, r"config\.rollout\.answerer\.max_new_tokens: must be >= 1"),
+    ("rollout.group_size", 1, r"config\.rollout\.group_size: must be >= 2 for GRPO, got 1"),
+    ("roles.answerer.slots", -1, r"config\.roles\.answerer\.slots: must be >= 0, got -1"),
+    ("roles.judge.init", "bogus", r"config\.roles\.judge\.init: must be one of .*got 'bogus'"),
+    ("roles.executor.dtype", "int8", r"config\.roles\.executor\.dtype: must be one of .*got 'int8'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_SETTINGS,
+                         ids=[f"{k}={v}" for k, v, _ in BAD_SETTINGS])
+def test_a_bad_setting_stops_the_run_before_any_work(tmp_path, key, value, message):
+    """`main.run` rejects it before the warm start, a compile or a write to the workdir."""
+    from configs import grpo
+    from librarian_jax import main
+    from librarian_jax.config_validation import ConfigError
+
+    cfg = grpo.get_config()
+    cfg.workdir = str(tmp_path / "workdir")
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    with pytest.raises(ConfigError, match=message) as e:
+        main.run(cfg)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(cfg.workdir)  # nothing written, nothing built
+
+
+def test_unknown_keys_are_found_with_the_closest_known_one():
+    from configs import grpo
+    from librarian_jax import cli_flags
+
+    cfg = grpo.get_config()
+    assert cli_flags.unknown_key(cfg, "train.num_steps") is None
+    assert cli_flags.unknown_key(cfg, "train.num_stepz") == (
+        "config.train.num_stepz: unknown key (did you mean config.train.num_steps?)")
+    assert cli_flags.unknown_key(cfg, "trian.num_steps") == (
+        "config.trian: unknown key (did you mean config.train?)")
+    assert "is a value, not a section" in cli_flags.unknown_key(cfg, "train.num_steps.x")
+
+
+def test_an_unknown_key_on_the_command_line_is_one_line_and_exit_2():
+    """The real command line (`main` parses its flags with `cli_flags.parse_flags`)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py",
+                          "--config.train.num_stepz=3", "--dry_run"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert lines[-1] == "error: config.train.num_stepz: unknown key (did you mean config.train.num_steps?)"
+
+
+# ------------------------------------------------------------------------------- eval and build
+
+FIXTURE_TASKS = os.path.join(REPO, "tests", "fixtures", "data", "tasks.jsonl")
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """A training workdir of the default config (config.json, checkpoints 2 and 3 of moved params)."""
+    from configs import grpo
+    from librarian_jax import main
+    from librarian_jax.eval import restore
+
+    run_dir = tmp_path_factory.mktemp("eval_run")
+    cfg = grpo.get_config()
+    cfg.workdir = str(run_dir)
+    (run_dir / "config.json").write_text(cfg.to_json_best_effort())
+    trainer = ts.Trainer(main.build_model(cfg, None, _Tok()), main.train_config(cfg))
+    ck = checkpoint.Checkpointer(str(run_dir / "checkpoints"), async_save=False, keep=3)
+    saved = {}
+    for step in (2, 3):
+        moved = jax.tree.map(lambda x, s=step: x + 0.01 * s, trainer.params)
+        saved[step] = _leaves(moved)
+        ck.save(step, params=moved, opt_state=trainer.opt_state, force=True)
+    ck.close()
+    return str(run_dir), restore.load_run_config(str(run_dir)), saved
+
+
+class _Tok:
+    vocab_size = 64
+
+
+@pytest.fixture
+def eval_copy(eval_run, tmp_path):
+    src, run_cfg, saved = eval_run
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(src, run_dir)
+    return run_dir, run_cfg, saved
+
+
+def _eval_cfg(run_dir: str, **kw):
+    from configs import eval as eval_configs
+
+    c = eval_configs.get_config()
+    c.update(run=run_dir, tasks=FIXTURE_TASKS, methods="trained", **kw)
+    return c
+
+
+def test_eval_skips_a_step_with_damaged_metadata_at_plan_time(eval_copy, caplog):
+    from librarian_jax.eval import cli
+
+    run_dir, _, _ = eval_copy
+    ckpts = os.path.join(run_dir, "checkpoints")
+    _garbage(os.path.join(ckpts, "3", "meta", "metadata"), "all")
+    with caplog.at_level("WARNING"):
+        plan = cli.plan_eval(_eval_cfg(run_dir))
+    assert plan.step == 2 and "checkpoint step 3" in caplog.text and "not readable JSON" in caplog.text
+    # the damaged step asked for by number: one line naming it
+    from librarian_jax.config_validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config\.step: '.*/checkpoints/3' is damaged \(meta: "):
+        cli.plan_eval(_eval_cfg(run_dir, step=3))
+    _garbage(os.path.join(ckpts, "2", "params", "_METADATA"), "all")
+    with pytest.raises(ConfigError) as e:
+        cli.plan_eval(_eval_cfg(run_dir))
+    msg = str(e.value)
+    assert msg.startswith("config.run: no checkpoint step in") and "step 3: meta" in msg and "step 2:" in msg
+    assert "\n" not in msg and len(msg) < 1000, msg
+
+
+def test_eval_restore_falls_back_from_damaged_arrays_and_never_uses_them(eval_copy, caplog):
+    from librarian_jax.eval import restore
+
+    run_dir, run_cfg, saved = eval_copy
+    step_dir = os.path.join(run_dir, "checkpoints", "3")
+    _garbage(_largest_data_file(step_dir))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    with caplog.at_level("WARNING"):
+        model = restore.restore_builder(run_cfg, step_dir, mesh, _Tok())
+    assert "checkpoint step 3" in caplog.text and "crc32c" in caplog.text and "using step 2" in caplog.text
+    for a, b in zip(saved[2], _leaves(nnx.state(model, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 3: params/\S+: crc32c"):
+        restore.restore_builder(run_cfg, step_dir, mesh, _Tok(), fallback=False)
+
+
+def test_eval_checks_its_output_directory_before_any_work(eval_copy, monkeypatch):
+    from librarian_jax.config_validation import ConfigError
+    from librarian_jax.eval import cli, restore
+
+    run_dir, _, _ = eval_copy
+    # /proc takes no file, even for root (a chmod'ed directory does not stop root)
+    with pytest.raises(ConfigError, match=r"config\.out: '/proc/librarian_out/x' is not writable \('/proc'"):
+        cli.plan_eval(_eval_cfg(run_dir, out="/proc/librarian_out/x"))
+    monkeypatch.setattr(restore, "MIN_FREE_BYTES", 1 << 62)
+    with pytest.raises(ConfigError, match=r"config\.run: '.*/eval/default': only \d+ MiB free on its disk"):
+        cli.plan_eval(_eval_cfg(run_dir))
+    monkeypatch.undo()
+    assert cli.plan_eval(_eval_cfg(run_dir)).step == 3
+
+
+# ------------------------------------------------------------------------------------- training faults
+
+
+def test_non_finite_updates_are_skipped_counted_and_stop_after_n_in_a_row(tmp_path, caplog):
+    trainer = ts.Trainer(_model(), CONFIG)  # max_skipped_in_a_row=3 (the default)
+    nan = dict(_batch(1), advantages=np.full((ROWS, SEQ), np.nan, np.float32))
+    assert trainer.update(_batch(1))["skipped"] == 0.0
+    good = _leaves(trainer.params)
+    with caplog.at_level("WARNING"):
+        for i in (1, 2):
+            out = trainer.update(nan)
+            assert (out["skipped"], out["skipped_in_a_row"], out["skipped_total"]) == (1.0, i, i)
+    assert "update skipped, params kept (2 in a row, 2 in all)" in caplog.text
+    for a, b in zip(good, _leaves(trainer.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # a skipped update changes nothing
+    # a checkpoint saved now holds the finite params of before the skips
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
+    ck.save(trainer.step, params=trainer.params, opt_state=trainer.opt_state, force=True)
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert all(np.isfinite(x).all() for x in _leaves(restored.params) + _leaves(restored.opt_state))
+    out = trainer.update(_batch(2))  # a finite update resets the run of skips
+    assert (out["skipped"], out["skipped_in_a_row"], out["skipped_total"]) == (0.0, 0, 2)
+    trainer.update(nan)
+    trainer.update(nan)
+    with pytest.raises(ts.NonFiniteUpdates, match=r"train step 6: 3 updates in a row \(steps 4\.\.6\) had a "
+                                                  r"non-finite loss or gradient.*max_skipped_in_a_row=3"):
+        trainer.update(nan)
+
+
+def test_a_failed_async_save_names_its_step_at_the_next_save(damaged, monkeypatch):
+    d, _, trainer = damaged
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    assert ck.save(4, params=trainer.params, opt_state=trainer.opt_state)
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.manager, "wait_until_finished", full)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"checkpoint step 4 could not be saved .*disk is full"):
+        ck.save(5, params=trainer.params, opt_state=trainer.opt_state)
+    monkeypatch.undo()
+    ck.close()
+
+
+def test_a_resume_with_another_lr_schedule_is_reported(tmp_path, caplog):
+    """A 2-step and a 4-step run follow other cosine schedules (train.num_steps sets its length): the
+    measured cause of 'two launches differ' (BENCHMARKS.md, "Bit-identical launches")."""
+    short = ts.Trainer(_model(), CONFIG)
+    longer = ts.Trainer(_model(), ts.TrainConfig(loss=CONFIG.loss, optim=ts.OptimConfig(
+        learning_rate=1e-2, warmup_steps=1, total_steps=16)))
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
+    ck.save(1, params=short.params, opt_state=short.opt_state, force=True,
+            extra={"schedule": short.schedule_info()})
+    restored = ck.restore(params=short.params, opt_state=short.opt_state)
+    ck.close()
+    assert checkpoint.check_schedule(restored, short.schedule_info()) == []
+    with caplog.at_level("WARNING"):
+        assert checkpoint.check_schedule(restored, longer.schedule_info()) == ["total_steps"]
+    assert "total_steps: 8 -> 16" in caplog.text and "not the run that saved it" in caplog.text
