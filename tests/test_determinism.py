@@ -25,14 +25,14 @@ from librarian_jax import checkpoint, compile_cache
 compile_cache.enable(os.environ["DET_CACHE"])
 import jax
 from configs import grpo
-from librarian_jax import main
+from librarian_jax import cluster, training
 from librarian_jax.rl import train_step as ts
 
 cfg = grpo.get_config()
 cfg.train.num_steps = 2
 class Tok:
     vocab_size = 512
-trainer = ts.Trainer(main.build_model(cfg, None, Tok()), main.train_config(cfg))
+trainer = ts.Trainer(cluster.initial_model(cfg, None, Tok()), training.train_config(cfg))
 ROWS, SEQ = 4, 64
 V = trainer.model().config.vocab_size
 

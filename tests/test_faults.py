@@ -336,9 +336,9 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize(("key", "value", "message"), BAD_SETTINGS,
                          ids=[f"{k}={v}" for k, v, _ in BAD_SETTINGS])
 def test_a_bad_setting_stops_the_run_before_any_work(tmp_path, key, value, message):
-    """`main.run` rejects it before the warm start, a compile or a write to the workdir."""
+    """`training.run` rejects it before the warm start, a compile or a write to the workdir."""
     from configs import grpo
-    from librarian_jax import main
+    from librarian_jax import training
     from librarian_jax.config_validation import ConfigError
 
     cfg = grpo.get_config()
@@ -349,7 +349,7 @@ def test_a_bad_setting_stops_the_run_before_any_work(tmp_path, key, value, messa
         node = node[p]
     node[leaf] = value
     with pytest.raises(ConfigError, match=message) as e:
-        main.run(cfg)
+        training.run(cfg)
     assert "\n" not in str(e.value)
     assert not os.path.exists(cfg.workdir)  # nothing written, nothing built
 
@@ -391,14 +391,14 @@ FIXTURE_TASKS = os.path.join(REPO, "tests", "fixtures", "data", "tasks.jsonl")
 def eval_run(tmp_path_factory):
     """A training workdir of the default config (config.json, checkpoints 2 and 3 of moved params)."""
     from configs import grpo
-    from librarian_jax import main
+    from librarian_jax import cluster, training
     from librarian_jax.eval import restore
 
     run_dir = tmp_path_factory.mktemp("eval_run")
     cfg = grpo.get_config()
     cfg.workdir = str(run_dir)
     (run_dir / "config.json").write_text(cfg.to_json_best_effort())
-    trainer = ts.Trainer(main.build_model(cfg, None, _Tok()), main.train_config(cfg))
+    trainer = ts.Trainer(cluster.initial_model(cfg, None, _Tok()), training.train_config(cfg))
     ck = checkpoint.Checkpointer(str(run_dir / "checkpoints"), async_save=False, keep=3)
     saved = {}
     for step in (2, 3):
