@@ -162,9 +162,11 @@ def report_markdown(results: dict[str, Any]) -> str:
                 _ci(r["ci"]),
                 f"{100 * r['diff_vs_base']:+.1f} {_ci(r['diff_ci'])}" if "diff_vs_base" in r else "",
                 f"{r['files_per_query']:.2f}",
+                f"{r.get('passages_per_query', 0.0):.2f}",
                 f"{r['tokens_read_per_query']:.0f}",
                 f"{r['answer_tokens_per_query']:.0f}",
                 f"{r['construction_tokens_per_corpus']:.0f}",
+                f"{r.get('tokens_embedded_per_corpus', 0.0):.0f}",
                 str(results.get("failed_constructions", {}).get(m, 0)),
             ]
         )
@@ -176,9 +178,11 @@ def report_markdown(results: dict[str, Any]) -> str:
                 "95% CI",
                 "vs base (pp, CI)",
                 "files/query",
+                "passages/query",
                 "tokens read/query",
                 "answer tokens/query (A)",
                 "construction tokens/corpus (B)",
+                "tokens embedded/corpus",
                 "failed constructions",
             ],
             rows,

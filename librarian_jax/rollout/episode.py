@@ -32,13 +32,15 @@ REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspec
 
 def answer_and_judge(
     ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig,
-    temperature: float | None = None, preamble: str = "",
+    temperature: float | None = None, preamble: str = "", preamble_passages: int = 0, search: Any = None,
 ) -> AgentGen:
-    """Generator: one answerer run on `ws` (with `preamble` in its first prompt, e.g. retrieved passages),
-    judged; returns the answer record (correctness, utility, reading fields, tokens)."""
+    """Generator: one answerer run on `ws` (with `preamble` in its first prompt, e.g. `preamble_passages`
+    retrieved passages; `search`: the agentic-RAG search tool, `agents.answer_start.Search`), judged; returns
+    the answer record (correctness, utility, reading fields, tokens)."""
     acfg = config.answerer if temperature is None else dataclasses.replace(config.answerer,
                                                                            temperature=temperature)
-    outcome = yield from answer_question(ctx, ws, question.question, acfg, preamble=preamble)
+    outcome = yield from answer_question(ctx, ws, question.question, acfg, preamble=preamble,
+                                         preamble_passages=preamble_passages, search=search)
     correct = yield from judge_answer(
         ctx,
         question.question,
