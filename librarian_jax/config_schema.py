@@ -706,7 +706,7 @@ class EvalConfig(Section):
     step: int = spec(-1, lo=-1)  # checkpoint step; -1 = the newest committed one
     builder: str = spec("")  # the "trained" method's weights: "" = the run's checkpoint, or "hf:/path"
     train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
-    methods: str = spec("trained,base,raw,bm25")  # comma-separated EVAL_METHODS and run:/other/workdir
+    methods: str = spec("trained,base,raw,bm25,agentic")  # comma-separated EVAL_METHODS, run:/other/workdir
     name: str = spec("default")  # report folder name under <run>/eval/
     out: str = spec("")  # report folder; "" = <run>/eval/<name>
     tasks: str = spec("")  # a task file (data.load_tasks); "" = the run's data, held-out ids from split.json

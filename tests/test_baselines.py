@@ -311,3 +311,19 @@ def test_embedding_methods_need_their_model_before_anything_loads(run_dir):
             key = "roles.embedding.path"
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             cli.plan_eval(c)
+
+
+@pytest.mark.parametrize("preset", ["browsecomp_plus", "bright"])
+def test_paper_presets_dry_run_with_every_method(run_dir, tiny_model, preset, capsys):
+    from configs import eval as eval_config
+    from librarian_jax.config_schema import ConfigError
+    from librarian_jax.eval import cli
+
+    c = eval_config.get_config(preset)
+    assert set(cli._csv(c.methods)) == {"trained", "base", *baselines.METHODS}
+    c.run = run_dir
+    with pytest.raises(ConfigError, match=r"config\.roles\.embedding\.path: required"):
+        cli.run_eval(c, dry_run=True)  # named before any model loads
+    c.roles.embedding.path = c.roles.reranker.path = tiny_model[0]
+    assert cli.run_eval(c, dry_run=True) is None
+    assert "'agentic', 'graphrag', 'autocompaction'" in capsys.readouterr().out
