@@ -9,8 +9,8 @@
 The report goes to `<run>/eval/<name>/` (or `out` when set): report.md, results.json, questions.jsonl,
 PNG plots, TensorBoard scalars (`tb/`) and the built workspaces (`workspaces/`).
 Presets: `embedded` (default: trained, base, raw, bm25, agentic), `browsecomp_plus` (the paper's 680/50
-protocol, one sample per question), `bright` (50 sampled questions per domain, pass@1 and pass@3 from 4
-sampled constructions per corpus). The paper presets run every baseline of the paper's central table
+protocol, one sample per question), `bright` (50 sampled questions per domain; pass@1 and pass@3 from 4
+answers sampled per question on one workspace per domain, every method alike). The paper presets run every baseline of the paper's central table
 (docs/eval.md, "Baselines"): give them `--config.roles.embedding.path=/ckpt/Qwen3-Embedding-0.6B` and
 `--config.roles.reranker.path=/ckpt/Qwen3-Reranker-0.6B` (or drop `embedding,rerank` from `methods`).
 The keys are declared in `librarian_jax.config_schema.EvalConfig`; this file sets values.
@@ -50,6 +50,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.samples = 1  # n samples per question (pass@k); a sample = one construction + one answer
     c.pass_k = "1"  # comma-separated k <= samples
     c.builder_temperature = 0.0  # 0 = greedy builder (the default for evaluation)
+    c.answer_temperature = 0.0  # > 0: samples = sampled answers on one construction per corpus
     c.answerer.update(kind="", temperature=-1.0)  # "" / -1 = the run's
     c.bm25.update(top_k=3, passage_words=120)  # every retrieval method's passages and top-k budget
     c.rerank.update(candidates=20, first_stage="bm25")
@@ -90,7 +91,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         c.bootstrap.draws = 10000
     elif preset == "bright":
         c.train_preset = "qwen3_5_4b"
-        c.samples, c.pass_k, c.builder_temperature = 4, "1,3", 1.0
+        # the paper's pass@k: one workspace per domain (greedy), 4 sampled answerer responses per question,
+        # every baseline sampled the same way (the temperature is ours: the paper does not give one)
+        c.samples, c.pass_k, c.builder_temperature, c.answer_temperature = 4, "1,3", 0.0, 1.0
         c.questions_per_domain = 50  # paper Table 3: 50 questions each from AOPS, Biology, Stack Overflow
         c.ablation.enabled = False
         c.engine.update(policy_slots=64, frozen_slots=256)

@@ -718,6 +718,10 @@ class EvalConfig(Section):
     samples: int = spec(1, lo=1)  # n samples per question (pass@k); one construction + one answer each
     pass_k: str = spec("1")  # comma-separated k <= samples
     builder_temperature: float = spec(0.0, lo=0.0)  # 0 = greedy builder
+    # > 0: the `samples` answers per question are sampled at this temperature on ONE construction per corpus,
+    # for every method alike (BRIGHT's pass@k); 0: greedy answers, a sampling builder's samples each their
+    # own construction
+    answer_temperature: float = spec(0.0, lo=0.0)
     answerer: EvalAnswererSection = _section(EvalAnswererSection)
     bm25: BM25Section = _section(BM25Section)  # passages (every retrieval method) and the top-k budget
     rerank: RerankSection = _section(RerankSection)

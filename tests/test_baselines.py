@@ -327,3 +327,41 @@ def test_paper_presets_dry_run_with_every_method(run_dir, tiny_model, preset, ca
     c.roles.embedding.path = c.roles.reranker.path = tiny_model[0]
     assert cli.run_eval(c, dry_run=True) is None
     assert "'agentic', 'graphrag', 'autocompaction'" in capsys.readouterr().out
+
+
+def test_bright_pass_at_k_samples_answers_on_one_construction_for_every_method(run_dir):
+    """`answer_temperature` > 0 (the bright preset): one construction per corpus, `samples` answers sampled per
+    question for the builder's methods and the baselines alike; greedy answers stay one run recorded n times."""
+    import json
+
+    from configs import eval as eval_config
+    from librarian_jax.eval import cli
+
+    c = eval_config.get_config()
+    c.update(samples=3, pass_k="1,3", builder_temperature=1.0, answer_temperature=1.0)
+    c.answerer.kind = "model"  # the tiny run's random-weight answerer: sampling shows in its replies
+    c.bootstrap.draws = 20
+    c.ablation.enabled = False
+    methods = ["trained", "raw", "bm25", "agentic"]
+    results = cli.evaluate_run(run_dir, methods=methods, name="bright_like", config=c, progress=False,
+                               export_workspaces=False)
+    assert "sampled at temperature 1.0" in results["setup"]["sample_unit"]
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "eval", "bright_like", "questions.jsonl"))]
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m]
+        by_q: dict = {}
+        for r in mine:
+            by_q.setdefault((r["corpus"], r["question_id"]), []).append(r)
+        assert all(sorted(r["sample"] for r in rs) == [0, 1, 2] for rs in by_q.values()), m
+        assert all(r["tokens_read"] > 0 for r in mine), m  # every sample its own run, none a free copy
+        assert any(len({r["answer"] for r in rs}) > 1 for rs in by_q.values()), m  # sampled, not copies
+        if m == "trained":  # one construction per corpus: every sample of a corpus has its build cost
+            assert len({(r["corpus"], r["construction_tokens"]) for r in mine}) == len(results["corpora"])
+    assert set(results["pass_at_k"]["bm25"]) == {"1", "3"}
+    c.answer_temperature = 0.0  # greedy answers: one run per question recorded 3 times, at its cost
+    cli.evaluate_run(run_dir, methods=["bm25"], name="greedy", config=c, progress=False,
+                     export_workspaces=False)
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "eval", "greedy", "questions.jsonl"))]
+    assert {r["sample"] for r in rows} == {0, 1, 2}
+    for q in {r["question_id"] for r in rows}:
+        assert len({(r["answer"], r["tokens_read"]) for r in rows if r["question_id"] == q}) == 1

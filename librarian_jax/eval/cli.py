@@ -382,7 +382,8 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 def _rollout_config(plan: Plan, models_: Models) -> Any:
     """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
     return pipeline.eval_rollout_config(config_validation.rollout_config(models_.config),
-                                        builder_temperature=plan.config.builder_temperature)
+                                        builder_temperature=plan.config.builder_temperature,
+                                        answer_temperature=plan.config.get("answer_temperature", 0.0))
 
 
 def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -419,8 +420,12 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     proto = protocol_check(plan, models)
     t_load = time.perf_counter()
     greedy_builder = cfg.builder.temperature == 0.0
-    group = 1 if greedy_builder else c.samples
-    repeats = c.samples if greedy_builder else 1
+    sampled_answers = cfg.repeat_mode == "sample"
+    # one construction per corpus answered `samples` times (a greedy builder, or sampled answers: BRIGHT's
+    # protocol), or (a sampling builder, greedy answers) each sample its own construction + answer
+    one_build = greedy_builder or sampled_answers
+    group = 1 if one_build else c.samples
+    repeats = c.samples if one_build else 1
     # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
     # processes' records of a section, concatenated in process order, are that section's records
     sections: list[tuple[str, list[pipeline.Job]]] = []
@@ -520,9 +525,11 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         f"{cfg.answerer.temperature}, {cfg.answerer.max_turns} turns)",
         "builder_temperature": cfg.builder.temperature,
         "samples": c.samples,
-        "sample_unit": "one construction + one answer"
-        if not greedy_builder
+        "sample_unit": (f"one answer sampled at temperature {cfg.repeat_temperature} on the corpus's one "
+                        f"{'greedy' if greedy_builder else 'sampled'} construction") if sampled_answers
+        else "one construction + one answer" if not greedy_builder
         else "one answer on the (greedy) construction",
+        "answer_temperature": cfg.repeat_temperature if sampled_answers else 0.0,
         "preset": c.get("preset", ""),
         "protocol_overrides": list(models.overrides),
         "retrieval_models": retrieval_models,

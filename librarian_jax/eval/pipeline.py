@@ -40,12 +40,10 @@ from librarian_jax.agents.runtime import (
     POLICY,
     AgentContext,
     AgentGen,
-    Parallel,
 )
 from librarian_jax.eval import retrieval, stats
 from librarian_jax.rollout import Scheduler, evaluate, run_batch
 from librarian_jax.rollout import rewards as R
-from librarian_jax.rollout.episode import answer_and_judge
 from librarian_jax.rollout.scheduler import fit_to_engines
 from librarian_jax.workspace import Workspace
 
@@ -199,22 +197,16 @@ def build_workspaces(
 
 
 def _job_gen(ctx: AgentContext, job: Job, config: R.RolloutConfig) -> AgentGen:
+    """Every answer of one job; its `samples` repeats follow `config.repeat_mode` for every method alike
+    (greedy: one run recorded `samples` times; "sample": `samples` runs at `repeat_temperature`)."""
     questions = questions_of(job.task, config)
-    if job.preambles is None and job.search is None:
-        _, answers = yield from evaluate(ctx, job.workspace, questions, job.samples, job.method, config)
-        return answers
     if job.search is not None and config.answerer.kind == "scripted":
         search: Any = lambda query, k: job.search(query, job.search_k)  # the navigator's k  # noqa: E731
     else:
         search = job.search
-    gens = [
-        answer_and_judge(ctx, job.workspace, q, r, job.method, config,
-                         preamble=(job.preambles or {}).get(q.question_id, ""),
-                         preamble_passages=job.passages if job.preambles else 0, search=search)
-        for q in questions
-        for r in range(job.samples)
-    ]
-    return (yield Parallel(gens)) if gens else []
+    _, answers = yield from evaluate(ctx, job.workspace, questions, job.samples, job.method, config,
+                                     preambles=job.preambles, preamble_passages=job.passages, search=search)
+    return answers
 
 
 def task_seed(task_id: str) -> int:
@@ -481,11 +473,14 @@ def scalar_metrics(table: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def eval_rollout_config(
-    config: R.RolloutConfig, *, builder_temperature: float = 0.0, answerer: dict[str, Any] | None = None
+    config: R.RolloutConfig, *, builder_temperature: float = 0.0, answerer: dict[str, Any] | None = None,
+    answer_temperature: float = 0.0,
 ) -> R.RolloutConfig:
     """The rollout config for evaluation: no probes, final snapshots kept, the builder's temperature as
-    given, greedy answer repeats made once (and recorded n times, at the original's cost)."""
+    given, greedy answer repeats made once (and recorded n times, at the original's cost); with
+    `answer_temperature` > 0 every repeat is its own answer sampled at that temperature."""
     a = dataclasses.replace(config.answerer, **(answerer or {}))
+    sampled = float(answer_temperature) > 0
     return dataclasses.replace(
         config,
         builder=dataclasses.replace(config.builder, temperature=float(builder_temperature)),
@@ -494,5 +489,7 @@ def eval_rollout_config(
         probe_at_start=False,
         record_snapshots=True,
         snapshot_raw_text=False,
-        dedupe_greedy_repeats=True,
+        dedupe_greedy_repeats=not sampled,
+        repeat_mode="sample" if sampled else "greedy_once",
+        repeat_temperature=float(answer_temperature) if sampled else config.repeat_temperature,
     )

@@ -16,7 +16,7 @@ Rewards and the schedule: `rollout.rewards`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from librarian_jax.agents.answerer import answer_question
@@ -69,17 +69,22 @@ def answer_and_judge(
 
 
 def evaluate(
-    ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig
+    ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig,
+    *, preambles: Mapping[str, str] | None = None, preamble_passages: int = 0, search: Any = None,
 ) -> AgentGen:
     """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts).
 
     The score is the mean utility (= mean correctness without cost terms). Repeats follow
     `config.repeat_mode` (`rollout.rewards`): a greedy answerer's R runs of a question would be identical, so
     one run is made and recorded R times (copies carry `"copy": True` and no tokens); `"sample"` samples R.
+    `preambles` (question id -> text, `preamble_passages` passages each) and `search` (the agentic-RAG tool):
+    the retrieval baselines' first prompt and tool (`answer_and_judge`).
     """
     runs, temperature = R.repeat_plan(repeats, config)
     dedupe = runs < repeats
-    gens = [answer_and_judge(ctx, ws, q, r, phase, config, temperature)
+    gens = [answer_and_judge(ctx, ws, q, r, phase, config, temperature,
+                             preamble=(preambles or {}).get(q.question_id, ""),
+                             preamble_passages=preamble_passages if preambles else 0, search=search)
             for q in questions for r in range(runs)]
     answers = (yield Parallel(gens)) if gens else []
     if dedupe:
