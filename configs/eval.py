@@ -10,8 +10,9 @@ The report goes to `<run>/eval/<name>/` (or `out` when set): report.md, results.
 PNG plots, TensorBoard scalars (`tb/`) and the built workspaces (`workspaces/`).
 Presets: `embedded` (default: trained, base, raw, bm25, agentic), `browsecomp_plus` (the paper's 680/50
 protocol, one sample per question), `bright` (50 sampled questions per domain; pass@1 and pass@3 from 4
-answers sampled per question on one workspace per domain, every method alike). The paper presets run every baseline of the paper's central table
-(docs/eval.md, "Baselines"): give them `--config.roles.embedding.path=/ckpt/Qwen3-Embedding-0.6B` and
+answers sampled per question on one workspace per domain, every method alike). The paper presets run every
+baseline of the paper's central table (docs/eval.md, "Baselines"): give them
+`--config.roles.embedding.path=/ckpt/Qwen3-Embedding-0.6B` and
 `--config.roles.reranker.path=/ckpt/Qwen3-Reranker-0.6B` (or drop `embedding,rerank` from `methods`).
 The keys are declared in `librarian_jax.config_schema.EvalConfig`; this file sets values.
 """

@@ -330,8 +330,9 @@ def test_paper_presets_dry_run_with_every_method(run_dir, tiny_model, preset, ca
 
 
 def test_bright_pass_at_k_samples_answers_on_one_construction_for_every_method(run_dir):
-    """`answer_temperature` > 0 (the bright preset): one construction per corpus, `samples` answers sampled per
-    question for the builder's methods and the baselines alike; greedy answers stay one run recorded n times."""
+    """`answer_temperature` > 0 (the bright preset): one construction per corpus, `samples` answers sampled
+    per question for the builder's methods and the baselines alike; greedy answers: one run recorded n
+    times."""
     import json
 
     from configs import eval as eval_config
