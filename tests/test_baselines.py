@@ -284,6 +284,10 @@ def test_every_baseline_end_to_end_through_configs_eval(run_dir, tiny_model):
     assert results["workspaces"]["graphrag"] == results["workspaces"]["autocompaction"] == len(tasks)
     report = open(os.path.join(out, "report.md")).read()
     assert "tokens embedded/corpus" in report and "passages/query" in report
+    # the paper's "files read per query": distinct files in context, the preloaded community files included
+    assert "## Reading per question as the paper counts it" in report
+    assert all(r["files_opened"] >= len(set(r["files"])) for r in records)
+    assert acc["graphrag"]["files_opened_per_query"] > acc["graphrag"]["files_per_query"]
 
 
 def _with_run(c, run_dir):

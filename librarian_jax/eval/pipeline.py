@@ -293,6 +293,7 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
                 "error": job.failed or f"{type(answers).__name__}: {answers}",
                 "files": [],
                 "files_read": 0,
+                "files_opened": 0,
                 "passages_read": 0,
                 "tokens_read": 0,
                 "tokens_written": 0,
@@ -327,6 +328,9 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
                 else ("cache_full" if a.get("status") == "cache_full" else "incorrect"),
                 "files": list(src.get("files_read", [])),
                 "files_read": len(src.get("files_read", [])),
+                # distinct files in the answerer's context, preloaded root files included (the paper's
+                # "files read per query")
+                "files_opened": int(src.get("num_files_opened", len(set(src.get("files_read", []))))),
                 "passages_read": int(src.get("passages_read", 0)),
                 "tokens_read": int(src["prompt_tokens"]),
                 "tokens_written": int(src["generated_tokens"]),
@@ -458,6 +462,7 @@ def periodic_eval(
 SCALARS = (
     "accuracy",
     "files_per_query",
+    "files_opened_per_query",
     "passages_per_query",
     "tokens_embedded_per_corpus",
     "tokens_read_per_query",

@@ -59,14 +59,16 @@ def percentile_ci(values: np.ndarray, level: float = CI_LEVEL) -> tuple[float, f
 
 # ------------------------------------------------------------------------------------------- per-corpus sums
 
-SUM_FIELDS = ("n", "correct", "answer_tokens", "tokens_read", "files_read", "passages_read", "turns")
+SUM_FIELDS = ("n", "correct", "answer_tokens", "tokens_read", "files_read", "files_opened", "passages_read",
+              "turns")
 
 
 def corpus_sums(
     records: Sequence[Mapping[str, Any]], methods: Sequence[str], corpora: Sequence[str]
 ) -> dict[str, dict[str, np.ndarray]]:
     """Per method, per corpus (in `corpora` order) sums over question records: `n` (records), `correct`,
-    `answer_tokens` (read + written), `tokens_read`, `files_read`, `passages_read`, `turns`, `construction`
+    `answer_tokens` (read + written), `tokens_read`, `files_read`, `files_opened`, `passages_read`, `turns`,
+    `construction`
     (the corpus's construction tokens, the mean over its samples) and `embedded` (the corpus's tokens
     embedded by retrieval models). Each array is float64 `[C]`.
 
@@ -88,6 +90,7 @@ def corpus_sums(
         s["tokens_read"][i] += float(r["tokens_read"])
         s["files_read"][i] += float(r["files_read"])
         s["passages_read"][i] += float(r.get("passages_read", 0))
+        s["files_opened"][i] += float(r.get("files_opened", r["files_read"]))
         embedded[(m, i)] = max(embedded.get((m, i), 0.0), float(r.get("tokens_embedded", 0)))
         s["turns"][i] += float(r.get("turns", 0))
         builds.setdefault((m, i), {})[int(r.get("sample", 0))] = float(r.get("construction_tokens", 0))
@@ -126,6 +129,7 @@ def accuracy_table(
             "corpora": int(len(s["n"])),
             "files_per_query": float(s["files_read"].sum() / n),
             "passages_per_query": float(s["passages_read"].sum() / n),
+            "files_opened_per_query": float(s["files_opened"].sum() / n),  # the paper's "files read/query"
             "tokens_read_per_query": float(s["tokens_read"].sum() / n),
             "answer_tokens_per_query": float(s["answer_tokens"].sum() / n),
             "turns_per_query": float(s["turns"].sum() / n),
