@@ -164,7 +164,10 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # data; without it every task trains); BRIGHT (zero-shot evaluation) as 50 sampled questions per domain.
     c.data.update(max_docs=50, questions_per_domain=50)
     c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
-                     probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True)
+                     probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True,
+                     # the first probe is paid against 0, not against a start probe of the raw workspace
+                     # U(F0): the authors' code has no start probe (docs/paper-settings.md)
+                     probe_at_start=False)
     c.rollout.builder.update(system_prompt="builder_system", max_turns=32, max_new_tokens=4096,
                              executor="model", compaction_budget=3000)
     c.rollout.answerer.update(kind="model", max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
