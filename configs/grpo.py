@@ -168,8 +168,10 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
                      # the first probe is paid against 0, not against a start probe of the raw workspace
                      # U(F0): the authors' code has no start probe (docs/paper-settings.md)
                      probe_at_start=False)
+    # write_text: the builder may write a file's text itself (create/merge `text`), as the authors' tools
+    # allow (cluster_text / merge_summary_text); the executor writes it when absent
     c.rollout.builder.update(system_prompt="builder_system", max_turns=32, max_new_tokens=4096,
-                             executor="model", compaction_budget=3000)
+                             executor="model", compaction_budget=3000, write_text=True)
     c.rollout.answerer.update(kind="model", max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
                               context_budget=32768)
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to

@@ -232,6 +232,34 @@ def test_writes_in_one_turn_run_their_executors_together_then_in_call_order():
     assert r.token_counts["executor_generated"] == 3 * (len("EXECUTOR WROTE THIS.") + 1)
 
 
+def test_the_builder_writes_a_files_text_itself_only_when_write_text_is_on():
+    """`builder.write_text` (the paper preset's): create/merge take `text`, stored as written with no
+    executor paid; a write without it goes to the executor. Off (the default): `text` is an unknown
+    argument."""
+    x = "cluster_0001__alpha.txt"
+    script = [
+        format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]], "text": "Paris, my words."})
+        + format_call("create_file", {"title": "Beta", "input_paths": [RAW[1]]})
+        + format_call("merge_files", {"title": "Both", "child_paths": [x], "text": "By the builder."}),
+        format_call("stop"),
+    ]
+    recs, _, frozen = run(config(builder={"executor": "model", "write_text": True}, probe_min_gap=100),
+                          script=script)
+    (r,) = recs
+    assert [(c["name"], c["ok"]) for c in r.tool_calls[0]] == [("create_file", True)] * 2 + [
+        ("merge_files", True)]
+    final = Workspace.from_dict(r.workspace_snapshots["final"], docs=DOCS)
+    assert {n.title: n.body for n in final.active_nodes()} == {
+        "Alpha": "Paris, my words.", "Beta": "EXECUTOR WROTE THIS.", "Both": "By the builder."}
+    assert frozen.batch_sizes[0] == 1  # only Beta paid for an executor
+    assert r.token_counts["executor_generated"] == len("EXECUTOR WROTE THIS.") + 1
+    assert "text: str" in TOK.decode(r.segments[0].tokens)  # the tool's signature in the system prompt
+    recs, _, frozen = run(config(builder={"executor": "model"}, probe_min_gap=100), script=script)
+    errors = recs[0].tool_errors[0]
+    assert [e["code"] for e in errors] == ["unknown_argument"] * 2  # Alpha's and Both's calls, not run
+    assert [c["name"] for c in recs[0].tool_calls[0]] == ["create_file"]  # Beta alone
+
+
 def test_invalid_writes_are_refused_before_the_executor_runs():
     script = [
         format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]], "parent_path": "no_such_dir"})

@@ -93,6 +93,19 @@ BUILDER_TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec("stop", (), "finish: the workspace is done"),
 )
+# `BuilderConfig.write_text`: create_file / merge_files also take an optional `text`, the file's text (or the
+# directory's summary) as the builder wrote it, stored as it is; without it the executor writes, as always.
+# The authors' tools have this argument (`create_cluster(..., cluster_text?)`, `merge_clusters(...,
+# merge_summary_text?)`).
+TEXT_PARAM = Param("text", "str", False, "", max_chars=16_000)
+BUILDER_TEXT_TOOLS: tuple[ToolSpec, ...] = tuple(
+    dataclasses.replace(
+        t, params=(*t.params[:3], TEXT_PARAM, *t.params[3:]),
+        description=t.description + " (`text`: write it yourself; without it the executor writes it)")
+    if t.name in WRITE_TOOLS else t
+    for t in BUILDER_TOOLS
+)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +133,17 @@ class BuilderConfig:
     # the system prompt's file in agents/prompts/: "builder_system" (the paper's), or "builder_system_compact"
     # (the same tools and rules in a quarter of the tokens: the embedded world's tiny model)
     system_prompt: str = "builder_system"
+    # create_file / merge_files take an optional `text` the builder writes itself (the executor writes the
+    # file when it is absent or empty), as the authors' tools allow (`BUILDER_TEXT_TOOLS`)
+    write_text: bool = False
 
     def protocol(self) -> ProtocolConfig:
         return ProtocolConfig(malformed_penalty=self.malformed_penalty, max_calls=self.max_calls_per_turn)
+
+
+def builder_tools(config: BuilderConfig) -> tuple[ToolSpec, ...]:
+    """The builder's tools under `config` (with `write_text`, the write tools take `text`)."""
+    return BUILDER_TEXT_TOOLS if config.write_text else BUILDER_TOOLS
 
 
 @dataclasses.dataclass
@@ -224,7 +245,7 @@ class BuilderAgent:
     def system_prompt(self) -> str:
         return prompt_text.render(
             self.cfg.system_prompt,
-            tools=render_tools(BUILDER_TOOLS),
+            tools=render_tools(builder_tools(self.cfg)),
             max_reads=self.cfg.max_reads_per_turn,
             max_turns=self.cfg.max_turns,
         )
@@ -245,7 +266,7 @@ class BuilderAgent:
         gen = [int(x) for x in result.tokens]
         text = self.ctx.decode_new(gen)
         self.conversations[-1].append({"role": "assistant", "content": text})
-        parsed = parse_tool_calls(text, BUILDER_TOOLS, self.cfg.protocol())
+        parsed = parse_tool_calls(text, builder_tools(self.cfg), self.cfg.protocol())
         outcome = TurnOutcome(
             t,
             text,
@@ -312,7 +333,8 @@ class BuilderAgent:
             if not pending:
                 return
             gens = [
-                executor_lib.write(
+                executor_lib.given(c.arguments["text"]) if c.arguments.get("text", "").strip()
+                else executor_lib.write(
                     self.ctx,
                     c.arguments["title"],
                     c.arguments["instructions"],
