@@ -161,8 +161,11 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.data.update(source="file", num_tasks=0, tasks_per_batch=16, heldout_fraction=0.0)
     # BrowseComp-Plus as the authors train on it: the noisy variant (support documents plus shuffled
     # negatives, <= 50 documents), 680 train / 50 held-out tasks from --config.data.split_file (their split as
-    # data; without it every task trains); BRIGHT (zero-shot evaluation) as 50 sampled questions per domain.
-    c.data.update(max_docs=50, questions_per_domain=50)
+    # data); without a split file 50 held-out tasks drawn with a recorded seed (heldout_count, split_seed;
+    # split.json records the draw), and the authors' 100 excluded tasks left out of both sides when their ids
+    # are given (--config.data.exclude_file); BRIGHT (zero-shot evaluation) as 50 sampled questions per
+    # domain.
+    c.data.update(max_docs=50, questions_per_domain=50, heldout_count=50, split_seed=0)
     c.rollout.update(group_size=4, policy_slots=64, frozen_slots=256, max_seq_len=16384, round_steps=64,
                      probe_repeats=4, probe_min_gap=8, max_probes=4, terminal_repeats=4, use_model_judge=True,
                      # the first probe is paid against 0, not against a start probe of the raw workspace

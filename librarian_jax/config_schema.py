@@ -222,6 +222,11 @@ class DataSection(Section):
     heldout_fraction: float = spec(0.25, lo=0.0, hi=0.9)  # tasks kept out of training (task-id hash)
     # The paper's data protocol (docs/paper-settings.md, Data); the defaults leave the data as loaded.
     split_file: str = spec("")  # task-id file deciding train / held-out instead of the hash
+    # without a split file: > 0 draws exactly this many held-out tasks at random (`split_seed`) instead of
+    # the hash (the paper's 50 held-out BrowseComp-Plus tasks); split.json records the draw
+    heldout_count: int = spec(0, lo=0)
+    split_seed: int = spec(0, lo=0)
+    exclude_file: str = spec("")  # task ids in neither train nor held-out (the authors' 100 excluded tasks)
     max_docs: int = spec(0, lo=0)  # tasks / browsecomp_plus: the noisy variant's document cap; 0 = all
     reuse_questions: str = spec("")  # JSONL of each named corpus's reuse questions; "" = the task rows'
     questions_per_domain: int = spec(0, lo=0)  # bright: a seeded sample per domain; 0 = every question
@@ -243,7 +248,7 @@ class DataSection(Section):
             _check_value(int, self.reuse_questions_per_task, f"{key}.reuse_questions_per_task", {"lo": 0})
         # the split and reuse files are read here (ids missing from the data are caught when the tasks
         # load, still before any model)
-        for name, read in (("split_file", data_lib.read_task_ids),
+        for name, read in (("split_file", data_lib.read_task_ids), ("exclude_file", data_lib.read_task_ids),
                            ("reuse_questions", data_lib.load_reuse_questions)):
             p = getattr(self, name)
             if not p:
