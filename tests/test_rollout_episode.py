@@ -369,6 +369,62 @@ def test_model_compaction_uses_the_frozen_engine():
     assert r.token_counts["summary_tokens"] > 0
 
 
+def _compacting_run(script, frozen=answerer_policy, **builder):
+    n = {"k": 0}
+
+    def policy(s):
+        n["k"] += 1
+        return script[min(n["k"], len(script)) - 1]
+
+    cfg = config(builder=builder, probe_min_gap=100)
+    frozen_eng = ScriptedEngine(TOK, frozen)
+    (r,) = run_batch([TASK], 1, {POLICY: ScriptedEngine(TOK, policy), FROZEN: frozen_eng}, TOK, cfg, 0,
+                     template=TPL)
+    return r, frozen_eng
+
+
+def test_reasoning_does_not_make_compaction_fire_every_turn():
+    """The trigger measures the visible history (the replies' reasoning excluded, as a chat API drops it):
+    a builder that thinks 600 characters before each call is compacted exactly when one that does not is."""
+    from librarian_jax.agents.builder import BuilderAgent
+
+    ctx = AgentContext(TOK, TPL, {POLICY: ScriptedEngine(TOK, None), FROZEN: None})
+    prompt_len = len(BuilderAgent(ctx, Workspace.from_documents(list(DOCS)), BuilderConfig(), num_docs=2).log)
+    calls = [format_call("read_file", {"path": RAW[i % 2]}) for i in range(6)] + [format_call("stop")]
+    think = "<think>" + "I should look at the documents carefully. " * 14 + "</think>"
+    budget = prompt_len + 900
+    plain, _ = _compacting_run(calls, compaction="deterministic", compaction_budget=budget, max_turns=7)
+    thinking, _ = _compacting_run([think + c for c in calls], compaction="deterministic",
+                                  compaction_budget=budget, max_turns=7)
+    assert 1 <= plain.compactions < 6  # the budget is passed now and then, not on every turn
+    assert thinking.compactions == plain.compactions
+
+
+def test_model_compaction_reads_what_the_builder_read_and_wrote():
+    calls = [format_call("read_file", {"path": RAW[0]}),
+             "<think>SECRET REASONING</think>I will note the capital. " + format_call("list_files"),
+             format_call("list_files"), format_call("stop")]
+
+    def frozen(s):
+        return "SUMMARY." if "Summarise what the librarian" in s.text() else answerer_policy(s)
+
+    r, eng = _compacting_run(calls, frozen, compaction="model", compaction_budget=10, max_turns=4)
+    prompts = [x.text() for x in eng.sessions if "Summarise what the librarian" in x.text()]
+    assert r.compactions >= 1 and prompts
+    seen = "\n".join(prompts)
+    assert "Paris is the capital of France" in prompts[0]  # what read_file returned
+    assert "I will note the capital." in seen and "SECRET REASONING" not in seen  # its reply, no reasoning
+
+
+def test_transcript_keeps_the_latest_blocks_within_its_budget():
+    from librarian_jax.agents import compaction
+
+    msgs = [{"role": "assistant", "content": f"reply {i} " + "x" * 50} for i in range(10)]
+    text = compaction.transcript(msgs, max_chars=200)
+    assert "reply 9" in text and "reply 0" not in text and text.startswith("[... ")
+    assert len(text) < 300
+
+
 def test_random_replies_never_raise_and_cost_their_penalties():
     rng = random.Random(1)
 
