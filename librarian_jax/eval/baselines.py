@@ -50,7 +50,7 @@ def needs_reranker(methods: Sequence[str]) -> bool:
 
 
 @dataclasses.dataclass
-class Models:
+class RetrievalModels:
     """The retrieval roles of an evaluation, loaded once (None: not needed by its methods)."""
 
     embedder: retrieval.Embedder | None = None
@@ -58,10 +58,10 @@ class Models:
     described: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def load_models(methods: Sequence[str], c: Any, mesh: Any, tokenizer: Any) -> Models:
+def load_models(methods: Sequence[str], c: Any, mesh: Any, tokenizer: Any) -> RetrievalModels:
     """`roles.embedding` / `roles.reranker` of eval config `c` (`cluster.retrieval_model`), when the methods
     need them."""
-    out = Models()
+    out = RetrievalModels()
     if needs_embedding(methods, c):
         e = c.roles.embedding
         m = cluster.retrieval_model("embedding", e, mesh, tokenizer)
@@ -106,7 +106,8 @@ class Searcher:
         return [self.chunks[j] for j, _ in hits]
 
 
-def _index(kind: str, chunks: Sequence[retrieval.Passage], models: Models, meter: _Meter) -> tuple[Any, list]:
+def _index(kind: str, chunks: Sequence[retrieval.Passage], models: RetrievalModels,
+           meter: _Meter) -> tuple[Any, list]:
     """(index, the model counters its searches move) of `kind` over `chunks`; building it is metered."""
     if kind == "bm25":
         return retrieval.BM25Index(chunks), []
@@ -117,7 +118,7 @@ def _index(kind: str, chunks: Sequence[retrieval.Passage], models: Models, meter
 
 
 def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], c: Any, samples: int,
-                   models: Models) -> list[pipeline.Job]:
+                   models: RetrievalModels) -> list[pipeline.Job]:
     """The jobs of the methods without construction (`raw`, `bm25`, `embedding`, `rerank`, `agentic`) for one
     corpus, in `methods` order; retrieval runs here (the passages of each question) except agentic search,
     which runs while the answerer answers."""
