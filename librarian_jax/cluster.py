@@ -39,7 +39,7 @@ from librarian_jax.agents.runtime import ANSWERER, COMPACTION, EXECUTOR, FROZEN,
 from librarian_jax.config_schema import ConfigError
 from librarian_jax.engine import Engine
 from librarian_jax.engine import make_mesh as engine_make_mesh
-from librarian_jax.tokenizers import ChatTemplate, chat_template, detect_style
+from librarian_jax.tokenizers import ChatTemplate, chat_template, detect_style, load_tokenizer
 
 PROTOCOL_FILE = "protocol.json"
 BUILDER = "builder"  # the policy's name in the protocol (the engine's role name is POLICY)
@@ -149,6 +149,51 @@ def build_role_engines(config: Any, mesh: Any, base: Any, tokenizer: Any,
         for role in members:
             out[role] = engine
     return out
+
+
+# ------------------------------------------------------------------------------------------- retrieval roles
+
+RETRIEVAL_ROLES = ("embedding", "reranker")  # evaluation's `roles.embedding` / `roles.reranker`
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclasses.dataclass
+class RetrievalModel:
+    """An embedding model or a reranker of the evaluation's cluster: weights of one of our families (a
+    `Transformer` from `models.load_hf`, sharded onto the mesh), its tokenizer (the folder's own when it has
+    one, else the run's) and a chat template (the reranker's judging prompt; thinking off)."""
+
+    role: str
+    path: str
+    model: Any
+    tokenizer: Any
+    template: ChatTemplate
+
+    def describe(self) -> dict[str, Any]:
+        """Its entry in the evaluation's setup: weights, architecture, tokenizer, template."""
+        return {"weights": self.path, "architecture": architecture("hf", "", self.path),
+                "tokenizer": "own" if _own_tokenizer(self.path) else "the run's",
+                "template": self.template.style}
+
+
+def _own_tokenizer(path: str) -> bool:
+    return any(storage.isfile(storage.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def retrieval_model(role: str, section: Any, mesh: Any, tokenizer: Any) -> RetrievalModel:
+    """The `roles.<role>` model (`role` in RETRIEVAL_ROLES; `section` a `config_schema.EmbeddingRoleSection`
+    or `RerankerRoleSection` as a mapping) loaded through our families onto `mesh`."""
+    path = str(section["path"])
+    if not path:
+        raise ConfigError(f"config.roles.{role}.path: required (a Hugging Face folder of the {role} model)")
+    model = models.load_hf(path, dtype=section["dtype"] or "bfloat16", mesh=mesh)
+    tok = load_tokenizer(path) if _own_tokenizer(path) else tokenizer
+    _check_vocab(model, tok, f"roles.{role}.path", path)
+    style = detect_style(tok)
+    template = chat_template(tok, style, thinking=False if style == "qwen3_5" else None)
+    logging.info("%s model %s (%s), %s tokenizer", role, path, architecture("hf", "", path),
+                 "its own" if tok is not tokenizer else "the run's")
+    return RetrievalModel(role, path, model, tok, template)
 
 
 # ------------------------------------------------------------------------------------------- templates

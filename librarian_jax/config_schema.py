@@ -43,7 +43,12 @@ ROLE_INITS = ("policy", *MODEL_INITS, "executor")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = the model preset's
 DATA_SOURCES = ("synthetic", "file")
 DATA_FORMATS = ("auto", *data_lib.FORMATS)
-EVAL_METHODS = ("trained", "base", "raw", "bm25")  # plus "run:/other/workdir"
+# plus "run:/other/workdir"; docs/eval.md says what each does and costs
+EVAL_METHODS = ("trained", "base", "raw", "bm25", "embedding", "rerank", "agentic", "graphrag",
+                "autocompaction")
+POOLINGS = ("last", "mean")  # an embedding model's pooling: Qwen3-Embedding's last token, or the mean
+RETRIEVAL_INDEXES = ("bm25", "embedding")  # what `rerank` re-scores and `agentic`'s search tool searches
+RETRIEVAL_INSTRUCTION = "Given a question, retrieve passages of the documents that answer it"
 EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
 ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps",
                        "scan_layers")
@@ -217,6 +222,11 @@ class DataSection(Section):
     heldout_fraction: float = spec(0.25, lo=0.0, hi=0.9)  # tasks kept out of training (task-id hash)
     # The paper's data protocol (docs/paper-settings.md, Data); the defaults leave the data as loaded.
     split_file: str = spec("")  # task-id file deciding train / held-out instead of the hash
+    # without a split file: > 0 draws exactly this many held-out tasks at random (`split_seed`) instead of
+    # the hash (the paper's 50 held-out BrowseComp-Plus tasks); split.json records the draw
+    heldout_count: int = spec(0, lo=0)
+    split_seed: int = spec(0, lo=0)
+    exclude_file: str = spec("")  # task ids in neither train nor held-out (the authors' 100 excluded tasks)
     max_docs: int = spec(0, lo=0)  # tasks / browsecomp_plus: the noisy variant's document cap; 0 = all
     reuse_questions: str = spec("")  # JSONL of each named corpus's reuse questions; "" = the task rows'
     questions_per_domain: int = spec(0, lo=0)  # bright: a seeded sample per domain; 0 = every question
@@ -238,7 +248,7 @@ class DataSection(Section):
             _check_value(int, self.reuse_questions_per_task, f"{key}.reuse_questions_per_task", {"lo": 0})
         # the split and reuse files are read here (ids missing from the data are caught when the tasks
         # load, still before any model)
-        for name, read in (("split_file", data_lib.read_task_ids),
+        for name, read in (("split_file", data_lib.read_task_ids), ("exclude_file", data_lib.read_task_ids),
                            ("reuse_questions", data_lib.load_reuse_questions)):
             p = getattr(self, name)
             if not p:
@@ -631,6 +641,46 @@ class BM25Section(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class RerankSection(Section):
+    """The `rerank` method: the first stage's top `candidates` re-scored by `roles.reranker`; its top
+    `bm25.top_k` go into the answerer's first prompt."""
+
+    candidates: int = spec(20, lo=1)
+    first_stage: str = spec("bm25", choices=RETRIEVAL_INDEXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgenticSection(Section):
+    """The `agentic` method: the answerer's `search(query, k)` tool over this index of the raw documents'
+    passages (`bm25.passage_words` words); `k`: the scripted navigator's (an LLM picks its own, <= 20)."""
+
+    index: str = spec("bm25", choices=RETRIEVAL_INDEXES)
+    k: int = spec(3, lo=1, hi=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRAGSection(Section):
+    """The `graphrag` method (eval.constructions): extraction and community summaries by the executor,
+    Louvain communities (networkx, `seed`, `resolution`)."""
+
+    seed: int = spec(0, lo=0)
+    resolution: float = spec(1.0, lo=0.0, lo_open=True)
+    extract_max_tokens: int = spec(2048, lo=16)  # document tokens the executor reads per extraction
+    extract_max_new_tokens: int = spec(512, lo=1)
+    summary_words: int = spec(200, lo=1)  # the extractive executor's summary budget
+    summary_max_new_tokens: int = spec(512, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCompactionSection(Section):
+    """The `autocompaction` method (eval.constructions): the corpus folded into one notes file of at most
+    `budget_tokens` tokens, `chunk_tokens` of the corpus per executor step."""
+
+    budget_tokens: int = spec(2000, lo=16)
+    chunk_tokens: int = spec(2000, lo=16)
+
+
+@dataclasses.dataclass(frozen=True)
 class AblationSection(Section):
     enabled: bool = spec(True)
     shuffle_seed: int = spec(0, lo=0)
@@ -658,8 +708,37 @@ class EvalRoleSection(Section):
     template: str = spec("", choices=("", *CHAT_STYLES))
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRoleSection(Section):
+    """`roles.embedding`: the embedding model of the `embedding` method (and of `rerank` / `agentic` over the
+    embedding index), a Hugging Face folder of one of our families (e.g. Qwen3-Embedding-0.6B); its own
+    tokenizer when the folder has one, else the run's."""
+
+    path: str = spec("")
+    dtype: str = spec("", choices=DTYPES)  # "" = bfloat16
+    pooling: str = spec("last", choices=POOLINGS)
+    instruction: str = spec(RETRIEVAL_INSTRUCTION)  # before each query ("" = none); documents get none
+    max_tokens: int = spec(512, lo=8)  # per passage or query (end-of-text id included)
+    batch_size: int = spec(16, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RerankerRoleSection(Section):
+    """`roles.reranker`: the cross-encoder LLM of the `rerank` method (e.g. Qwen3-Reranker-0.6B), a Hugging
+    Face folder of one of our families; its own tokenizer and chat template when the folder has one."""
+
+    path: str = spec("")
+    dtype: str = spec("", choices=DTYPES)  # "" = bfloat16
+    instruction: str = spec(RETRIEVAL_INSTRUCTION)
+    max_tokens: int = spec(1024, lo=32)  # per (query, passage) prompt
+    batch_size: int = spec(8, lo=1)
+
+
 EvalRolesSection = dataclasses.make_dataclass(
-    "EvalRolesSection", [(role, EvalRoleSection, _section(EvalRoleSection)) for role in FROZEN_ROLES],
+    "EvalRolesSection",
+    [*((role, EvalRoleSection, _section(EvalRoleSection)) for role in FROZEN_ROLES),
+     ("embedding", EmbeddingRoleSection, _section(EmbeddingRoleSection)),
+     ("reranker", RerankerRoleSection, _section(RerankerRoleSection))],
     bases=(Section,), frozen=True)
 
 
@@ -674,7 +753,7 @@ class EvalConfig(Section):
     step: int = spec(-1, lo=-1)  # checkpoint step; -1 = the newest committed one
     builder: str = spec("")  # the "trained" method's weights: "" = the run's checkpoint, or "hf:/path"
     train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
-    methods: str = spec("trained,base,raw,bm25")  # comma-separated EVAL_METHODS and run:/other/workdir
+    methods: str = spec("trained,base,raw,bm25,agentic")  # comma-separated EVAL_METHODS, run:/other/workdir
     name: str = spec("default")  # report folder name under <run>/eval/
     out: str = spec("")  # report folder; "" = <run>/eval/<name>
     tasks: str = spec("")  # a task file (data.load_tasks); "" = the run's data, held-out ids from split.json
@@ -686,8 +765,16 @@ class EvalConfig(Section):
     samples: int = spec(1, lo=1)  # n samples per question (pass@k); one construction + one answer each
     pass_k: str = spec("1")  # comma-separated k <= samples
     builder_temperature: float = spec(0.0, lo=0.0)  # 0 = greedy builder
+    # > 0: the `samples` answers per question are sampled at this temperature on ONE construction per corpus,
+    # for every method alike (BRIGHT's pass@k); 0: greedy answers, a sampling builder's samples each their
+    # own construction
+    answer_temperature: float = spec(0.0, lo=0.0)
     answerer: EvalAnswererSection = _section(EvalAnswererSection)
-    bm25: BM25Section = _section(BM25Section)
+    bm25: BM25Section = _section(BM25Section)  # passages (every retrieval method) and the top-k budget
+    rerank: RerankSection = _section(RerankSection)
+    agentic: AgenticSection = _section(AgenticSection)
+    graphrag: GraphRAGSection = _section(GraphRAGSection)
+    autocompaction: AutoCompactionSection = _section(AutoCompactionSection)
     ablation: AblationSection = _section(AblationSection)
     bootstrap: BootstrapSection = _section(BootstrapSection)
     cost_qs: str = spec("1,10,20,50")

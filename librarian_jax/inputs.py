@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from librarian_jax import data, storage, tokenizers
@@ -63,6 +64,15 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
             tasks = data.attach_reuse_questions(tasks, d.reuse_questions)
         except data.DataError as e:
             raise ConfigError(f"config.data.reuse_questions: {e}") from e
+    if d.get("exclude_file", ""):
+        try:
+            out = set(data.read_task_ids(d.exclude_file)[1])
+        except data.DataError as e:
+            raise ConfigError(f"config.data.exclude_file: {e}") from e
+        kept = [t for t in tasks if t.task_id not in out]
+        logging.info("data.exclude_file: %d of its %d ids excluded from %d tasks", len(tasks) - len(kept),
+                     len(out), len(tasks))
+        tasks = kept
     if d.get("split_file", ""):
         try:
             train, heldout = data.split_by_ids(tasks, d.split_file)
@@ -72,6 +82,14 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
             raise ConfigError(
                 f"config.data.split_file: {d.split_file} leaves no training task of {len(tasks)}")
         return train, heldout
+    if d.get("heldout_count", 0):
+        n = int(d.heldout_count)
+        if n >= len(tasks):
+            raise ConfigError(f"config.data.heldout_count: {n} leaves no training task of {len(tasks)}")
+        drawn = set(np.random.default_rng(int(d.get("split_seed", 0))).choice(len(tasks), n, replace=False)
+                    .tolist())
+        return ([t for i, t in enumerate(tasks) if i not in drawn],
+                [t for i, t in enumerate(tasks) if i in drawn])
     train, heldout = data.split_tasks(tasks, float(d.heldout_fraction)) if d.heldout_fraction else (tasks, [])
     if not train:
         raise ConfigError(
@@ -79,12 +97,33 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
     return list(train), list(heldout)
 
 
-def write_split(workdir: str, train: list[Any], heldout: list[Any]) -> str:
-    """Records the run's train / held-out task ids in `workdir/split.json`, so evaluation uses exactly the
-    held-out tasks this run never trained on (never a re-derived split)."""
+def split_rule(config: Any) -> dict[str, Any]:
+    """How `build_tasks` split the tasks, for split.json: `split_file`, a seeded draw of `heldout_count`
+    (`split_seed`), the task-id hash (`heldout_fraction`) or none; and the ids `exclude_file` lists."""
+    d = config.data
+    if d.get("split_file", ""):
+        rule: dict[str, Any] = {"rule": "split_file", "split_file": d.split_file}
+    elif d.get("heldout_count", 0):
+        rule = {"rule": "seeded_draw", "heldout_count": int(d.heldout_count),
+                "split_seed": int(d.get("split_seed", 0))}
+    elif d.heldout_fraction:
+        rule = {"rule": "task_id_hash", "heldout_fraction": float(d.heldout_fraction)}
+    else:
+        rule = {"rule": "none"}
+    if d.get("exclude_file", ""):
+        rule.update(exclude_file=d.exclude_file, excluded=data.read_task_ids(d.exclude_file)[1])
+    return rule
+
+
+def write_split(workdir: str, train: list[Any], heldout: list[Any], config: Any = None) -> str:
+    """Records the run's train / held-out task ids in `workdir/split.json` (and, given the run's `config`,
+    how they were split: `split_rule`), so evaluation uses exactly the held-out tasks this run never trained
+    on (never a re-derived split)."""
     path = storage.join(workdir, SPLIT_FILE)
-    storage.write_text(path, json.dumps({"train": [t.task_id for t in train],
-                                         "heldout": [t.task_id for t in heldout]}, indent=1))
+    out: dict[str, Any] = {"train": [t.task_id for t in train], "heldout": [t.task_id for t in heldout]}
+    if config is not None:
+        out["split"] = split_rule(config)
+    storage.write_text(path, json.dumps(out, indent=1))
     return path
 
 

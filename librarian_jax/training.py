@@ -285,7 +285,7 @@ def run(config: Any) -> dict[str, Any]:
 
     state = build(config)
     if primary:
-        inputs.write_split(workdir, state.train_tasks, state.heldout)
+        inputs.write_split(workdir, state.train_tasks, state.heldout, config)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
     ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
                                  keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)

@@ -40,7 +40,7 @@ def with_weights_and_data(config, tmp_path):
     if "data" in config and config.data.get("source") == "file":
         config.data.path = str(tmp_path / "data.jsonl")
     for role in config.get("roles", {}).values():
-        if role.init in ("hf", "orbax"):
+        if role.get("init") in ("hf", "orbax"):  # roles.embedding / reranker have no init
             role.path = str(tmp_path / "weights")
     return config
 

@@ -50,7 +50,7 @@ def test_eval_writes_every_section_and_plot(run_dir):
     out = os.path.join(run_dir, "eval", "e2e")
     with open(os.path.join(run_dir, "split.json")) as f:
         assert results["corpora"] == json.load(f)["heldout"]  # the run's recorded held-out split
-    assert results["methods"] == ["trained", "base", "raw", "bm25"]
+    assert results["methods"] == ["trained", "base", "raw", "bm25", "agentic"]
     report = open(os.path.join(out, "report.md")).read()
     for section in (
         "## Accuracy (Figure 4)",
@@ -67,7 +67,7 @@ def test_eval_writes_every_section_and_plot(run_dir):
     rows = [json.loads(x) for x in open(os.path.join(out, "questions.jsonl"))]
     n_q = results["accuracy"]["raw"]["questions"]
     assert n_q >= len(results["corpora"])
-    for m in ("trained", "base", "raw", "bm25", "flattened", "shuffled"):
+    for m in ("trained", "base", "raw", "bm25", "agentic", "flattened", "shuffled"):
         assert sum(r["method"] == m for r in rows) == n_q, m
     for key in (
         "method",
@@ -82,7 +82,7 @@ def test_eval_writes_every_section_and_plot(run_dir):
     ):
         assert all(key in r for r in rows), key
     assert all(r["construction_tokens"] > 0 for r in rows if r["method"] in ("trained", "base"))
-    assert all(r["construction_tokens"] == 0 for r in rows if r["method"] in ("raw", "bm25"))
+    assert all(r["construction_tokens"] == 0 for r in rows if r["method"] in ("raw", "bm25", "agentic"))
     bm25_read = [r["tokens_read"] for r in rows if r["method"] == "bm25"]
     raw_read = [r["tokens_read"] for r in rows if r["method"] == "raw"]
     assert sum(bm25_read) > 0 and sum(raw_read) > 0

@@ -61,6 +61,34 @@ def test_split_file_decides_the_split_and_write_split_records_it(tmp_path):
     assert [t.task_id for t in train] == ["q0", "q2", "q3", "q4", "q5", "q7"]
 
 
+def test_without_a_split_file_a_seeded_draw_holds_out_n_and_excluded_ids_are_in_neither(tmp_path):
+    """The paper preset's split without the authors' file: `heldout_count` tasks drawn with `split_seed`
+    (the same draw every time, another with another seed), `exclude_file` ids in neither side, and
+    split.json records the rule, the seed and the excluded ids."""
+    path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(20))
+    excl = tmp_path / "excluded.txt"
+    excl.write_text("q3\nq4\nq99\n")  # an id not in the data is only counted in the log
+    cfg = _file_config(path, heldout_fraction=0.0, heldout_count=5, split_seed=7, exclude_file=str(excl))
+    train, held = inputs.build_tasks(cfg)
+    ids = [t.task_id for t in train + held]
+    assert len(held) == 5 and len(train) == 13 and "q3" not in ids and "q4" not in ids
+    assert [t.task_id for t in inputs.build_tasks(cfg)[1]] == [t.task_id for t in held]  # recorded seed
+    cfg.data.split_seed = 8
+    assert [t.task_id for t in inputs.build_tasks(cfg)[1]] != [t.task_id for t in held]
+    cfg.data.split_seed = 7
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(inputs.write_split(str(out), train, held, cfg)) as f:
+        rec = json.load(f)
+    assert rec["heldout"] == [t.task_id for t in held]
+    assert rec["split"] == {"rule": "seeded_draw", "heldout_count": 5, "split_seed": 7,
+                            "exclude_file": str(excl), "excluded": ["q3", "q4", "q99"]}
+    with pytest.raises(ConfigError, match=r"config\.data\.heldout_count: 18 leaves no training task"):
+        inputs.build_tasks(_file_config(path, heldout_fraction=0.0, heldout_count=18, exclude_file=str(excl)))
+    paper = grpo.get_config("qwen3_5_4b").data
+    assert (paper.heldout_count, paper.split_seed, paper.exclude_file) == (50, 0, "")
+
+
 def test_split_file_id_not_in_the_data_names_file_and_id(tmp_path):
     path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(4))
     split = tmp_path / "split.json"

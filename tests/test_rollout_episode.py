@@ -232,6 +232,34 @@ def test_writes_in_one_turn_run_their_executors_together_then_in_call_order():
     assert r.token_counts["executor_generated"] == 3 * (len("EXECUTOR WROTE THIS.") + 1)
 
 
+def test_the_builder_writes_a_files_text_itself_only_when_write_text_is_on():
+    """`builder.write_text` (the paper preset's): create/merge take `text`, stored as written with no
+    executor paid; a write without it goes to the executor. Off (the default): `text` is an unknown
+    argument."""
+    x = "cluster_0001__alpha.txt"
+    script = [
+        format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]], "text": "Paris, my words."})
+        + format_call("create_file", {"title": "Beta", "input_paths": [RAW[1]]})
+        + format_call("merge_files", {"title": "Both", "child_paths": [x], "text": "By the builder."}),
+        format_call("stop"),
+    ]
+    recs, _, frozen = run(config(builder={"executor": "model", "write_text": True}, probe_min_gap=100),
+                          script=script)
+    (r,) = recs
+    assert [(c["name"], c["ok"]) for c in r.tool_calls[0]] == [("create_file", True)] * 2 + [
+        ("merge_files", True)]
+    final = Workspace.from_dict(r.workspace_snapshots["final"], docs=DOCS)
+    assert {n.title: n.body for n in final.active_nodes()} == {
+        "Alpha": "Paris, my words.", "Beta": "EXECUTOR WROTE THIS.", "Both": "By the builder."}
+    assert frozen.batch_sizes[0] == 1  # only Beta paid for an executor
+    assert r.token_counts["executor_generated"] == len("EXECUTOR WROTE THIS.") + 1
+    assert "text: str" in TOK.decode(r.segments[0].tokens)  # the tool's signature in the system prompt
+    recs, _, frozen = run(config(builder={"executor": "model"}, probe_min_gap=100), script=script)
+    errors = recs[0].tool_errors[0]
+    assert [e["code"] for e in errors] == ["unknown_argument"] * 2  # Alpha's and Both's calls, not run
+    assert [c["name"] for c in recs[0].tool_calls[0]] == ["create_file"]  # Beta alone
+
+
 def test_invalid_writes_are_refused_before_the_executor_runs():
     script = [
         format_call("create_file", {"title": "Alpha", "input_paths": [RAW[0]], "parent_path": "no_such_dir"})
@@ -339,6 +367,62 @@ def test_model_compaction_uses_the_frozen_engine():
     (r,) = recs
     assert r.compactions == 2 and "SUMMARY: listed twice." in TOK.decode(r.segments[-1].tokens)
     assert r.token_counts["summary_tokens"] > 0
+
+
+def _compacting_run(script, frozen=answerer_policy, **builder):
+    n = {"k": 0}
+
+    def policy(s):
+        n["k"] += 1
+        return script[min(n["k"], len(script)) - 1]
+
+    cfg = config(builder=builder, probe_min_gap=100)
+    frozen_eng = ScriptedEngine(TOK, frozen)
+    (r,) = run_batch([TASK], 1, {POLICY: ScriptedEngine(TOK, policy), FROZEN: frozen_eng}, TOK, cfg, 0,
+                     template=TPL)
+    return r, frozen_eng
+
+
+def test_reasoning_does_not_make_compaction_fire_every_turn():
+    """The trigger measures the visible history (the replies' reasoning excluded, as a chat API drops it):
+    a builder that thinks 600 characters before each call is compacted exactly when one that does not is."""
+    from librarian_jax.agents.builder import BuilderAgent
+
+    ctx = AgentContext(TOK, TPL, {POLICY: ScriptedEngine(TOK, None), FROZEN: None})
+    prompt_len = len(BuilderAgent(ctx, Workspace.from_documents(list(DOCS)), BuilderConfig(), num_docs=2).log)
+    calls = [format_call("read_file", {"path": RAW[i % 2]}) for i in range(6)] + [format_call("stop")]
+    think = "<think>" + "I should look at the documents carefully. " * 14 + "</think>"
+    budget = prompt_len + 900
+    plain, _ = _compacting_run(calls, compaction="deterministic", compaction_budget=budget, max_turns=7)
+    thinking, _ = _compacting_run([think + c for c in calls], compaction="deterministic",
+                                  compaction_budget=budget, max_turns=7)
+    assert 1 <= plain.compactions < 6  # the budget is passed now and then, not on every turn
+    assert thinking.compactions == plain.compactions
+
+
+def test_model_compaction_reads_what_the_builder_read_and_wrote():
+    calls = [format_call("read_file", {"path": RAW[0]}),
+             "<think>SECRET REASONING</think>I will note the capital. " + format_call("list_files"),
+             format_call("list_files"), format_call("stop")]
+
+    def frozen(s):
+        return "SUMMARY." if "Summarise what the librarian" in s.text() else answerer_policy(s)
+
+    r, eng = _compacting_run(calls, frozen, compaction="model", compaction_budget=10, max_turns=4)
+    prompts = [x.text() for x in eng.sessions if "Summarise what the librarian" in x.text()]
+    assert r.compactions >= 1 and prompts
+    seen = "\n".join(prompts)
+    assert "Paris is the capital of France" in prompts[0]  # what read_file returned
+    assert "I will note the capital." in seen and "SECRET REASONING" not in seen  # its reply, no reasoning
+
+
+def test_transcript_keeps_the_latest_blocks_within_its_budget():
+    from librarian_jax.agents import compaction
+
+    msgs = [{"role": "assistant", "content": f"reply {i} " + "x" * 50} for i in range(10)]
+    text = compaction.transcript(msgs, max_chars=200)
+    assert "reply 9" in text and "reply 0" not in text and text.startswith("[... ")
+    assert len(text) < 300
 
 
 def test_random_replies_never_raise_and_cost_their_penalties():

@@ -457,6 +457,8 @@ def test_forgiving_lookup_rules() -> None:
         ("cluster_0001", "handle"),
         ("cluster_0001__bridges.txt", "unique_basename"),
         ("CLUSTER_0001__BRIDGES", "unique_basename"),
+        ("cluster_0001__bridge.txt", "fuzzy"),  # similarity 0.98 >= 0.92 (the authors' rule)
+        ("merge_0001__infrastructure/cluster_01__bridges.txt", "fuzzy"),
         ("./merge_0001__infrastructure//cluster_0001__bridges.txt/", "exact"),
         ("raw_docs/../" + target, "exact"),
     ]:
@@ -467,8 +469,8 @@ def test_forgiving_lookup_rules() -> None:
             assert f"({rule})]" in r.text.split("\n")[0]
     by_doc_id = w.create_file("From ids", ["d-beta", "raw_docs/D-GAMMA"], "x")  # doc_ids name raw documents
     assert by_doc_id.ok and w.nodes[by_doc_id.data["node_id"]].raw_sources == ("raw_0002", "raw_0003")
-    miss = w.read_file("cluster_0001__bridge.txt")  # near miss -> suggestions
-    err(miss, "path_not_found", "'cluster_0001__bridge.txt' does not exist")
+    miss = w.read_file("cluster__bridge_notes.txt")  # similarity 0.80 < 0.92 -> suggestions
+    err(miss, "path_not_found", "'cluster__bridge_notes.txt' does not exist")
     assert miss.suggestions[0] == target and len(miss.suggestions) <= 3
     assert w.delete(["merge_0001"], "x").ok
     amb = w.read_file("summary.txt")  # only one summary exists (in history): unique basename
@@ -728,3 +730,11 @@ def test_action_results_never_raise_on_junk() -> None:
         for r in results:
             assert isinstance(r, ActionResult) and (r.ok == (r.code == "ok"))
     assert w.check_invariants() == []
+
+
+def test_fuzzy_lookup_needs_one_best_path_above_the_threshold() -> None:
+    paths = ["a/cluster_0001__bridges.txt", "b/cluster_0001__bridges.txt", "notes.txt"]
+    assert P.fuzzy_best("cluster_0001__bridgez.txt", paths) is None  # two equally close: no guess
+    assert P.fuzzy_best("a/cluster_0001__bridgez.txt", paths) == "a/cluster_0001__bridges.txt"
+    assert P.fuzzy_best("note.txt", paths) == "notes.txt"  # similarity 0.94
+    assert P.fuzzy_best("nodes.md", paths) is None  # 0.71: below 0.92

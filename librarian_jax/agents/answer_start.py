@@ -6,8 +6,8 @@ the record of one run (`AnswerOutcome`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.builder import render_result
@@ -19,6 +19,36 @@ ANSWERER_TOOLS: tuple[ToolSpec, ...] = (
     READ_FILE_TOOL,
     ToolSpec("answer", (Param("text", "str", max_chars=4000),), "give your final answer (short)"),
 )
+
+# Agentic RAG's tool (eval method `agentic`): retrieval over the corpus's raw documents beside list/read.
+SEARCH_TOOL = ToolSpec(
+    "search",
+    (Param("query", "str", max_chars=1000), Param("k", "int", False, 5, min_value=1, max_value=20)),
+    "search the raw documents: the k best passages for `query`, each with its document's path (read_file it)",
+)
+SEARCH_ANSWERER_TOOLS: tuple[ToolSpec, ...] = (*ANSWERER_TOOLS[:2], SEARCH_TOOL, ANSWERER_TOOLS[2])
+
+
+class Hit(Protocol):
+    """One passage a search returns (`eval.retrieval.Passage`): its document's path, a label, its text."""
+
+    path: str
+    text: str
+
+    @property
+    def label(self) -> str: ...
+
+
+Search = Callable[[str, int], Sequence[Hit]]  # (query, k) -> hits, best first
+
+
+def render_hits(query: str, hits: Sequence[Hit]) -> str:
+    """A search's observation text: one `[i] path (words a-b): text` line per passage."""
+    if not hits:
+        return f"No passage matches {query!r}."
+    return "\n".join([f"{len(hits)} passages for {query!r}:"]
+                     + [f"[{i + 1}] {h.label}: {h.text}" for i, h in enumerate(hits)])
+
 
 @dataclasses.dataclass(frozen=True)
 class AnswererConfig:
@@ -49,6 +79,7 @@ class AnswerOutcome:
     status: str = "ok"  # "ok" | "cache_full"
     files_read: list[str] = dataclasses.field(default_factory=list)  # paths it read (in order, with repeats)
     files_preloaded: list[str] = dataclasses.field(default_factory=list)  # root files in its first prompt
+    passages_read: int = 0  # passages it read (retrieved into its first prompt, or returned by search calls)
 
     @property
     def tokens_read(self) -> int:
@@ -64,7 +95,7 @@ class AnswerOutcome:
         """The answer record's reading fields: files opened and read, tokens read."""
         return {"files_read": list(self.files_read), "files_preloaded": list(self.files_preloaded),
                 "files_opened": self.files_opened, "num_files_opened": len(self.files_opened),
-                "tokens_read": self.tokens_read}
+                "tokens_read": self.tokens_read, "passages_read": int(self.passages_read)}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,9 +152,11 @@ def preload_files(workspace: Any, budget: int, count: Callable[[str], int]) -> t
 
 
 def first_prompt(
-    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
+    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = "",
+    search: bool = False,
 ) -> tuple[str, str, list[str]]:
-    """(system text, first user text, root files preloaded): where every answerer (model, scripted) starts."""
+    """(system text, first user text, root files preloaded): where every answerer (model, scripted) starts;
+    `search`: its tools include `search` (agentic RAG)."""
     budget = config.preload_max_tokens or max(config.context_budget // 2, 0)
     readme, listing, preloaded = starting_context(
         workspace, budget if config.preload_root_files else None, lambda text: len(ctx.encode(text))
@@ -131,12 +164,13 @@ def first_prompt(
     user = prompt_text.render("answerer_user", readme=readme, listing=listing, question=question)
     if preamble:
         user = preamble.rstrip() + "\n\n" + user
-    return answerer_system(), user, preloaded
+    return answerer_system(search=search), user, preloaded
 
 
-def answerer_system() -> str:
-    """The answerer's system text (instructions and tools)."""
-    return prompt_text.render("answerer_system", tools=render_tools(ANSWERER_TOOLS))
+def answerer_system(*, search: bool = False) -> str:
+    """The answerer's system text (instructions and tools; `search`: with the search tool)."""
+    return prompt_text.render("answerer_system",
+                              tools=render_tools(SEARCH_ANSWERER_TOOLS if search else ANSWERER_TOOLS))
 
 
 def starting_context(

@@ -34,13 +34,17 @@ from librarian_jax.agents import navigator, prompt_text
 from librarian_jax.agents.answer_start import (  # noqa: F401 - the answerer's names, re-exported
     ANSWERER_KINDS,
     ANSWERER_TOOLS,
+    SEARCH_ANSWERER_TOOLS,
+    SEARCH_TOOL,
     AnswererConfig,
     AnswerOutcome,
+    Search,
     answerer_system,
     cut_words,
     first_prompt,
     preload_files,
     preload_text,
+    render_hits,
     root_files,
     starting_context,
 )
@@ -76,25 +80,32 @@ def _forced_observation(ctx: AgentContext, obs: str, used: int, cfg: AnswererCon
 
 
 def answer_question(
-    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = ""
+    ctx: AgentContext, workspace: Any, question: str, config: AnswererConfig, *, preamble: str = "",
+    preamble_passages: int = 0, search: Search | None = None,
 ) -> AgentGen:
     """Generator: one answerer run on `workspace`; returns an `AnswerOutcome`.
 
     `preamble`: text placed in the first prompt before the question (e.g. BM25 passages for the retrieval
-    baseline); it counts as read. `config.kind == "scripted"` runs `agents.navigator` instead of the model.
+    baseline); it counts as read, and so do its `preamble_passages` passages. `search`: agentic RAG, the
+    `search(query, k)` tool beside list/read (`SEARCH_TOOL`; each call one turn, its passages read).
+    `config.kind == "scripted"` runs `agents.navigator` instead of the model.
     """
     if config.kind == "scripted":
-        return (yield from navigator.navigate(ctx, workspace, question, config, preamble=preamble))
+        return (yield from navigator.navigate(ctx, workspace, question, config, preamble=preamble,
+                                              preamble_passages=preamble_passages, search=search))
     if config.kind != "model":
         raise ValueError(f"AnswererConfig.kind must be one of {ANSWERER_KINDS}, got {config.kind!r}")
     cfg = config
     tpl = ctx.template_for(ANSWERER)
     obs_role = getattr(tpl, "observation_role", "user")
     proto = ProtocolConfig(max_calls=cfg.max_calls_per_turn)
-    system, user, preloaded = first_prompt(ctx, workspace, question, cfg, preamble=preamble)
+    tools = SEARCH_ANSWERER_TOOLS if search is not None else ANSWERER_TOOLS
+    system, user, preloaded = first_prompt(ctx, workspace, question, cfg, preamble=preamble,
+                                           search=search is not None)
     log = SessionLog(ctx, ANSWERER, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
     actions: list[str] = []
     files_read: list[str] = []
+    passages = int(preamble_passages)
     turns = 0
     forced = cfg.max_turns <= 0 or len(log) + cfg.max_new_tokens >= cfg.context_budget
     try:
@@ -104,7 +115,7 @@ def answer_question(
             result = yield from log.generate(max_new, Sampling(cfg.temperature, seed=ctx.next_seed()))
             gen = [int(x) for x in result.tokens]
             text = ctx.decode_new(gen)
-            parsed = parse_tool_calls(text, ANSWERER_TOOLS, proto)
+            parsed = parse_tool_calls(text, tools, proto)
             answers = [c.arguments["text"] for c in parsed.calls if c.name == "answer"]
             status = "cache_full" if result.status == "cache_full" else "ok"
             if answers or forced:
@@ -121,15 +132,22 @@ def answer_question(
                     status,
                     files_read,
                     preloaded,
+                    passages,
                 )
             if status == "cache_full":
                 return AnswerOutcome(
                     "", turns, False, log.num_observed, log.num_generated, actions, status, files_read,
-                    preloaded,
+                    preloaded, passages,
                 )
             responses = {e.index: render_error(e) for e in parsed.errors}
             for call in parsed.calls:
                 a = call.arguments
+                if call.name == SEARCH_TOOL.name and search is not None:
+                    hits = list(search(a["query"], a["k"]))
+                    passages += len(hits)
+                    actions.append(f"search {a['query'][:60]}")
+                    responses[call.index] = render_response(call.name, True, render_hits(a["query"], hits))
+                    continue
                 if call.name == "list_files":
                     r = workspace.list_dir(a["path"], start=a["start"])
                 else:

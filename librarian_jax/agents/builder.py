@@ -20,7 +20,9 @@ gets no observation. Token in, token out: the session keeps exactly the sampled 
 to parse them.
 
 History compaction (`agents.compaction`): before a turn, when the visible context is longer than
-`compaction_budget` tokens, the session is closed as one training segment and a new one starts whose prompt is
+`compaction_budget` tokens (the session's tokens less the reasoning of the replies in it, `<think>` ... up to
+`</think>`: the history a chat API shows, which drops earlier turns' reasoning, so a thinking builder is not
+compacted on every turn), the session is closed as one training segment and a new one starts whose prompt is
 the system prompt, a summary turn (actions so far + a snapshot of the workspace) and the exact ids of the last
 assistant turn and its observation.
 """
@@ -37,6 +39,7 @@ from librarian_jax.agents import prompt_text
 from librarian_jax.agents.protocol import (
     LIST_FILES_TOOL,
     READ_FILE_TOOL,
+    THINK_CLOSE,
     CallError,
     Param,
     ParsedTurn,
@@ -93,6 +96,19 @@ BUILDER_TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec("stop", (), "finish: the workspace is done"),
 )
+# `BuilderConfig.write_text`: create_file / merge_files also take an optional `text`, the file's text (or the
+# directory's summary) as the builder wrote it, stored as it is; without it the executor writes, as always.
+# The authors' tools have this argument (`create_cluster(..., cluster_text?)`, `merge_clusters(...,
+# merge_summary_text?)`).
+TEXT_PARAM = Param("text", "str", False, "", max_chars=16_000)
+BUILDER_TEXT_TOOLS: tuple[ToolSpec, ...] = tuple(
+    dataclasses.replace(
+        t, params=(*t.params[:3], TEXT_PARAM, *t.params[3:]),
+        description=t.description + " (`text`: write it yourself; without it the executor writes it)")
+    if t.name in WRITE_TOOLS else t
+    for t in BUILDER_TOOLS
+)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +132,22 @@ class BuilderConfig:
     compaction: str = "deterministic"  # "deterministic" | "model" | "none"
     compaction_budget: int = 3000
     compaction_summary_tokens: int = 256
+    compaction_input_chars: int = 12_000  # the turns' content a model summary reads (the latest kept)
     malformed_penalty: float = 0.05
     # the system prompt's file in agents/prompts/: "builder_system" (the paper's), or "builder_system_compact"
     # (the same tools and rules in a quarter of the tokens: the embedded world's tiny model)
     system_prompt: str = "builder_system"
+    # create_file / merge_files take an optional `text` the builder writes itself (the executor writes the
+    # file when it is absent or empty), as the authors' tools allow (`BUILDER_TEXT_TOOLS`)
+    write_text: bool = False
 
     def protocol(self) -> ProtocolConfig:
         return ProtocolConfig(malformed_penalty=self.malformed_penalty, max_calls=self.max_calls_per_turn)
+
+
+def builder_tools(config: BuilderConfig) -> tuple[ToolSpec, ...]:
+    """The builder's tools under `config` (with `write_text`, the write tools take `text`)."""
+    return BUILDER_TEXT_TOOLS if config.write_text else BUILDER_TOOLS
 
 
 @dataclasses.dataclass
@@ -220,11 +245,13 @@ class BuilderAgent:
         self.log = SessionLog(ctx, POLICY, prompt + ctx.template.open_turn("assistant"))
         self.compactions = 0
         self.summary_tokens = 0  # frozen-model tokens spent on model compaction summaries
+        self.reasoning_in_log = 0  # reasoning tokens of the replies in the session (not visible history)
+        self._last_reasoning = 0  # the last reply's (carried over by a compaction)
 
     def system_prompt(self) -> str:
         return prompt_text.render(
             self.cfg.system_prompt,
-            tools=render_tools(BUILDER_TOOLS),
+            tools=render_tools(builder_tools(self.cfg)),
             max_reads=self.cfg.max_reads_per_turn,
             max_turns=self.cfg.max_turns,
         )
@@ -236,7 +263,7 @@ class BuilderAgent:
         self.turn_no += 1
         if (
             self.cfg.compaction != "none"
-            and len(self.log) > self.cfg.compaction_budget
+            and self.visible_tokens() > self.cfg.compaction_budget
             and self._prev_open_pos is not None
         ):
             yield from self._compact()
@@ -244,8 +271,10 @@ class BuilderAgent:
         result = yield from self.log.generate(self.cfg.max_new_tokens, sampling, turn=t)
         gen = [int(x) for x in result.tokens]
         text = self.ctx.decode_new(gen)
+        self._last_reasoning = self._reasoning_tokens(gen, text)
+        self.reasoning_in_log += self._last_reasoning
         self.conversations[-1].append({"role": "assistant", "content": text})
-        parsed = parse_tool_calls(text, BUILDER_TOOLS, self.cfg.protocol())
+        parsed = parse_tool_calls(text, builder_tools(self.cfg), self.cfg.protocol())
         outcome = TurnOutcome(
             t,
             text,
@@ -274,6 +303,20 @@ class BuilderAgent:
             self._open_pos = len(self.log) + len(user_ids)
             self.log.append(user_ids + self.ctx.template.open_turn("assistant"))
         return outcome
+
+    def visible_tokens(self) -> int:
+        """The session's tokens less its replies' reasoning: what the compaction trigger measures."""
+        return len(self.log) - self.reasoning_in_log
+
+    def _reasoning_tokens(self, gen: list[int], text: str) -> int:
+        """The reply's ids up to and including its `</think>` (0 without one: an unclosed span counts as
+        visible, so the trigger errs toward compacting)."""
+        if THINK_CLOSE not in text:
+            return 0
+        close = self.ctx.encode(THINK_CLOSE)
+        if len(close) == 1 and close[0] in gen:
+            return gen.index(close[0]) + 1
+        return min(len(gen), len(self.ctx.encode(text[: text.find(THINK_CLOSE) + len(THINK_CLOSE)])))
 
     def _fit_observation(self, obs: str) -> tuple[list[int], str]:
         """The observation turn's ids and text, the text cut (a few tries) to at most half of what
@@ -312,7 +355,8 @@ class BuilderAgent:
             if not pending:
                 return
             gens = [
-                executor_lib.write(
+                executor_lib.given(c.arguments["text"]) if c.arguments.get("text", "").strip()
+                else executor_lib.write(
                     self.ctx,
                     c.arguments["title"],
                     c.arguments["instructions"],
@@ -395,8 +439,9 @@ class BuilderAgent:
         tail = self.log.tokens[self._prev_open_pos :]
         tree = compaction_lib.workspace_tree(self.ws)
         if self.cfg.compaction == "model":
+            turns = compaction_lib.transcript(self.conversations[-1][2:], self.cfg.compaction_input_chars)
             summary, used = yield from compaction_lib.model_summary(
-                self.ctx, self.actions, tree, self.cfg.compaction_summary_tokens
+                self.ctx, self.actions, tree, self.cfg.compaction_summary_tokens, turns=turns
             )
             self.summary_tokens += used
         else:
@@ -412,6 +457,7 @@ class BuilderAgent:
         self.log = SessionLog(self.ctx, POLICY, head + tail)
         self._open_pos = len(head) + (self._open_pos - self._prev_open_pos)
         self._prev_open_pos = None
+        self.reasoning_in_log = self._last_reasoning  # the carried-over reply's
         self.compactions += 1
 
     def finish(self) -> list[Segment]:

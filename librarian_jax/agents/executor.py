@@ -91,6 +91,14 @@ def extractive_text(
     return "\n".join(lines)
 
 
+def given(text: str) -> AgentGen:
+    """Generator (it never yields): the text a builder wrote itself (`BuilderConfig.write_text`), cleaned as
+    an executor's is; it costs no executor token."""
+    if False:  # pragma: no cover - makes this a generator, like `write`
+        yield None
+    return ExecutorOutput(clean_content(text))
+
+
 def write(
     ctx: AgentContext | None,
     title: str,

@@ -21,6 +21,11 @@ then its files), then `raw_docs/` (listed once), then a raw document whose title
 remaining raw documents in listing order. So a workspace with one file per entity that gathers the entity's
 scattered facts answers a multi-hop question in one read per hop, while raw navigation must scan documents and
 often runs out of turns; a file whose title promises an entity but lacks its facts costs a wasted turn.
+
+With a `search` tool (agentic RAG, the eval method `agentic`), its search policy comes first: for each hop
+whose fact it lacks, it searches once for "<entity> <relation words>" (`search_k` passages, the tool's
+default k), learns what the passages say, and the documents they come from become the first files it reads
+for that hop (before the listing order above). Each search is a turn, its passages count as read.
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ import json
 import re
 from typing import Any
 
-from librarian_jax.agents.answer_start import ANSWERER_TOOLS, AnswerOutcome, cut_words, first_prompt
+from librarian_jax.agents.answer_start import (
+    ANSWERER_TOOLS,
+    SEARCH_ANSWERER_TOOLS,
+    SEARCH_TOOL,
+    AnswerOutcome,
+    Search,
+    cut_words,
+    first_prompt,
+    render_hits,
+)
 from librarian_jax.agents.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_response
 from librarian_jax.agents.runtime import ANSWERER, AgentContext, AgentGen
 from librarian_jax.data.synthetic import extract_facts, parse_question
@@ -46,11 +60,15 @@ def _names(text: str, name: str) -> bool:
 class _Reader:
     """The navigator's state: what it has seen (listings, facts) and what it has spent."""
 
-    def __init__(self, ctx: AgentContext, workspace: Any, config: Any):
-        self.ctx, self.ws, self.cfg = ctx, workspace, config
+    def __init__(self, ctx: AgentContext, workspace: Any, config: Any, search: Search | None = None):
+        self.ctx, self.ws, self.cfg, self.search_fn = ctx, workspace, config, search
         template_for = getattr(ctx, "template_for", None)
         self.template = template_for(ANSWERER) if template_for is not None else ctx.template
-        self.tools = ANSWERER_TOOLS
+        self.tools = SEARCH_ANSWERER_TOOLS if search is not None else ANSWERER_TOOLS
+        self.priority: list[str] = []  # documents a search pointed to, read first
+        self.searched: set[str] = set()
+        self.failed: set[str] = set()  # paths a read_file refused (never retried)
+        self.passages = 0
         self.entries: dict[str, tuple[str, str]] = {}  # path -> (kind, title), in the order first seen
         self.listed: set[str] = set()
         self.read: list[str] = []
@@ -91,6 +109,20 @@ class _Reader:
         tpl = self.template
         reply = f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': args})}{TOOL_CALL_CLOSE}"
         self.generated_tokens += len(self.ctx.encode(reply)) + 1  # + the end-of-turn id
+        if name == SEARCH_TOOL.name:
+            hits = list(self.search_fn(args["query"], args["k"]))
+            self.passages += len(hits)
+            for h in hits:
+                if h.path not in self.priority:
+                    self.priority.append(h.path)
+            text = render_hits(args["query"], hits)
+            obs = render_response(name, True, text)
+            role = getattr(tpl, "observation_role", "user")
+            self.prompt_tokens += len(tpl.turn(role, obs) + tpl.open_turn("assistant"))
+            self.turns += 1
+            self.actions.append(f"search {args['query']}")
+            self.see(text)
+            return text
         if name == "list_files":
             r = self.ws.list_dir(args["path"])
             self.listed.add(args["path"])
@@ -98,6 +130,8 @@ class _Reader:
             r = self.ws.read_file(args["path"])
             if r.ok:
                 self.read.append(args["path"])
+            else:
+                self.failed.add(args["path"])
         text = r.text or r.message if r.ok else f"ERROR [{r.code}]: {r.message}"
         obs = render_response(name, r.ok, text, r.code)
         if len(obs) > self.cfg.observation_max_chars:
@@ -112,6 +146,9 @@ class _Reader:
     def next_action(self, entity: str) -> tuple[str, str] | None:
         """(tool, path) of the most promising unread file or unlisted directory for `entity`."""
         e = self.entries
+        for p in self.priority:  # the documents a search for this hop returned, best first
+            if p not in self.read and p not in self.failed:
+                return "read_file", p
         unread = [p for p in e if p not in self.read]
         for kinds, tool in ((("file", "summary"), "read_file"), (("directory",), "list_files")):
             for p in unread:
@@ -129,14 +166,17 @@ class _Reader:
 
 
 def navigate(
-    ctx: AgentContext, workspace: Any, question: str, config: Any, *, preamble: str = ""
+    ctx: AgentContext, workspace: Any, question: str, config: Any, *, preamble: str = "",
+    preamble_passages: int = 0, search: Search | None = None, search_k: int = SEARCH_TOOL.params[1].default,
 ) -> AgentGen:
     """Generator (it never yields: no engine is involved): one scripted answerer run; returns an
-    `AnswerOutcome` like `answer_question`."""
+    `AnswerOutcome` like `answer_question` (`search`: the search policy of the module docstring)."""
     if False:  # pragma: no cover - makes this a generator, like every agent
         yield None
-    reader = _Reader(ctx, workspace, config)
-    system, user, preloaded = first_prompt(ctx, workspace, question, config, preamble=preamble)
+    reader = _Reader(ctx, workspace, config, search)
+    reader.passages = int(preamble_passages)
+    system, user, preloaded = first_prompt(ctx, workspace, question, config, preamble=preamble,
+                                           search=search is not None)
     reader.count_prompt(system, user)
     reader.see(user)
     parsed = parse_question(question)
@@ -145,6 +185,12 @@ def navigate(
         entity, chain = parsed
         for relation in chain:
             reads = len(reader.read)
+            query = f"{entity} {relation.replace('_', ' ')}"
+            if (search is not None and (entity.lower(), relation) not in reader.facts
+                    and query not in reader.searched and reader.room(reads)):
+                reader.priority.clear()  # the last hop's documents are no longer the best bet
+                reader.searched.add(query)
+                reader.call(SEARCH_TOOL.name, query=query, k=int(search_k))
             while (entity.lower(), relation) not in reader.facts and reader.room(reads):
                 action = reader.next_action(entity)
                 if action is None:
@@ -168,4 +214,5 @@ def navigate(
         "ok",
         list(reader.read),
         preloaded,
+        reader.passages,
     )

@@ -31,7 +31,7 @@ from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
-from librarian_jax.eval import pipeline, report, restore
+from librarian_jax.eval import baselines, pipeline, report, restore
 from librarian_jax.workspace import Workspace
 
 BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
@@ -42,10 +42,15 @@ ACCOUNTING = (
     "observations; each segment's prompt once, since the engine keeps the session's KV cache across turns, "
     "so a history compaction's new prompt counts again) + every token the builder sampled + the executor's "
     "prompt and generated tokens of every create/merge + the compaction summariser's tokens. Probes are off "
-    "in evaluation. Raw navigation and BM25 construct nothing (B = 0; the BM25 index costs no model tokens). "
-    "A failed construction counts B = 0 and all its questions incorrect. Answer tokens A (per question): "
-    "the answerer's prompt and observation tokens (tokens read, BM25 passages included) + its generated "
-    "tokens; a greedy repeat that is run once and recorded again costs what the original did."
+    "in evaluation. Raw navigation, BM25, embedding retrieval, reranking and agentic RAG construct nothing "
+    "(B = 0; an index costs no LLM tokens); GraphRAG's B is the executor's tokens of every extraction and "
+    "community summary, AutoCompaction's the executor's tokens of every compaction step (0 with the "
+    "model-free extractive executor). Tokens embedded (per corpus, apart from B and A): the embedding "
+    "model's forward tokens (every passage once, every query) and the reranker's (every (query, passage) "
+    "pair scored). A failed construction counts B = 0 and all its questions incorrect. Answer tokens A (per "
+    "question): the answerer's prompt and observation tokens (tokens read: retrieved passages and search "
+    "results included) + its generated tokens; a greedy repeat that is run once and recorded again costs "
+    "what the original did. Passages read per question: those in the first prompt, or returned by search."
 )
 
 
@@ -121,6 +126,14 @@ def plan_eval(config: Any) -> Plan:
     if max(pass_k) > c.samples:
         raise _err("pass_k", f"k={max(pass_k)} needs at least that many samples (config.samples={c.samples})")
     cost_qs = _ints(c, "cost_qs")
+    for role, needed in (("embedding", baselines.needs_embedding(methods, c)),
+                         ("reranker", baselines.needs_reranker(methods))):
+        path = c.roles[role].path
+        if needed and not path:
+            raise _err(f"roles.{role}.path", f"required by methods {methods} (a Hugging Face folder of the "
+                       f"{role} model, e.g. Qwen3-{'Embedding' if role == 'embedding' else 'Reranker'}-0.6B)")
+        if needed and not storage.isfile(storage.join(path, "config.json")):
+            raise _err(f"roles.{role}.path", f"{path!r} is not a Hugging Face model folder (no config.json)")
     for k in ("tasks", "task_ids"):
         if c[k] and not os.path.exists(c[k]):
             raise _err(k, f"{c[k]!r} does not exist")
@@ -375,7 +388,8 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 def _rollout_config(plan: Plan, models_: Models) -> Any:
     """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
     return pipeline.eval_rollout_config(config_validation.rollout_config(models_.config),
-                                        builder_temperature=plan.config.builder_temperature)
+                                        builder_temperature=plan.config.builder_temperature,
+                                        answer_temperature=plan.config.get("answer_temperature", 0.0))
 
 
 def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -412,15 +426,19 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     proto = protocol_check(plan, models)
     t_load = time.perf_counter()
     greedy_builder = cfg.builder.temperature == 0.0
-    group = 1 if greedy_builder else c.samples
-    repeats = c.samples if greedy_builder else 1
+    sampled_answers = cfg.repeat_mode == "sample"
+    # one construction per corpus answered `samples` times (a greedy builder, or sampled answers: BRIGHT's
+    # protocol), or (a sampling builder, greedy answers) each sample its own construction + answer
+    one_build = greedy_builder or sampled_answers
+    group = 1 if one_build else c.samples
+    repeats = c.samples if one_build else 1
     # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
     # processes' records of a section, concatenated in process order, are that section's records
     sections: list[tuple[str, list[pipeline.Job]]] = []
     built_by: dict[str, list[pipeline.Built]] = {}
     timing = {"load_s": t_load - t_start}
     for label in plan.methods:
-        if label in ("raw", "bm25"):
+        if label in baselines.METHODS:
             continue
         t0 = time.perf_counter()
         pipeline.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
@@ -447,18 +465,11 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             for b in built
         ]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
-    baselines: list[pipeline.Job] = []
-    for t in mine:
-        if "raw" in plan.methods:
-            baselines.append(pipeline.Job("raw", t, Workspace.from_documents(list(t.documents)), c.samples))
-        if "bm25" in plan.methods:
-            pre = pipeline.bm25_preambles(
-                t, pipeline.questions_of(t, cfg), c.bm25.top_k, c.bm25.passage_words
-            )
-            baselines.append(
-                pipeline.Job("bm25", t, Workspace.from_documents(list(t.documents)), c.samples, preambles=pre)
-            )
-    sections.append(("baselines", baselines))
+    # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
+    base_jobs, constructed, retrieval_models = baselines.baseline_sections(
+        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing)
+    built_by.update(constructed)
+    sections.append(("baselines", base_jobs))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
     variants: list[pipeline.Job] = []
     for b in built_by.get("trained", []):
@@ -520,11 +531,14 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         f"{cfg.answerer.temperature}, {cfg.answerer.max_turns} turns)",
         "builder_temperature": cfg.builder.temperature,
         "samples": c.samples,
-        "sample_unit": "one construction + one answer"
-        if not greedy_builder
+        "sample_unit": (f"one answer sampled at temperature {cfg.repeat_temperature} on the corpus's one "
+                        f"{'greedy' if greedy_builder else 'sampled'} construction") if sampled_answers
+        else "one construction + one answer" if not greedy_builder
         else "one answer on the (greedy) construction",
+        "answer_temperature": cfg.repeat_temperature if sampled_answers else 0.0,
         "preset": c.get("preset", ""),
         "protocol_overrides": list(models.overrides),
+        "retrieval_models": retrieval_models,
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "mesh": dict(mesh.shape),

@@ -40,12 +40,10 @@ from librarian_jax.agents.runtime import (
     POLICY,
     AgentContext,
     AgentGen,
-    Parallel,
 )
-from librarian_jax.eval import stats
+from librarian_jax.eval import retrieval, stats
 from librarian_jax.rollout import Scheduler, evaluate, run_batch
 from librarian_jax.rollout import rewards as R
-from librarian_jax.rollout.episode import answer_and_judge
 from librarian_jax.rollout.scheduler import fit_to_engines
 from librarian_jax.workspace import Workspace
 
@@ -74,8 +72,12 @@ class Job:
     samples: int
     construction_tokens: int = 0
     episode: int = 0  # which construction (samples of one construction are answer repeats)
-    preambles: dict[str, str] | None = None  # question_id -> text put before the question (BM25)
+    preambles: dict[str, str] | None = None  # question_id -> text put before the question (retrieval)
     failed: str = ""
+    passages: int = 0  # passages in each preamble (retrieval baselines: passages read per question)
+    search: Any = None  # agentic RAG: the answerer's search tool (`agents.answer_start.Search`)
+    search_k: int = 3  # the scripted navigator's k for its searches
+    embedded: Callable[[], int] | None = None  # tokens embedded for this corpus so far (read at record time)
 
 
 def questions_of(task: Any, config: R.RolloutConfig) -> tuple[Any, ...]:
@@ -87,7 +89,7 @@ def _strip(task: Any) -> Any:
     return dataclasses.replace(task, questions=(), reuse_questions=())
 
 
-def _guarded(
+def guarded(
     items: Sequence[Any],
     run: Callable[[Sequence[Any]], list[Any]],
     reset: Callable[[], None] | None,
@@ -168,7 +170,7 @@ def build_workspaces(
         return [[r for r in records if r.group_id == i] for i in range(len(chunk))]
 
     for chunk in tqdm(chunks, desc=f"build {method}", disable=not progress, leave=False):
-        for slot, res in zip(chunk, _guarded(chunk, run, reset, f"build {method}"), strict=True):
+        for slot, res in zip(chunk, guarded(chunk, run, reset, f"build {method}"), strict=True):
             task = slot.task
             if isinstance(res, Exception):
                 out.extend(
@@ -195,17 +197,16 @@ def build_workspaces(
 
 
 def _job_gen(ctx: AgentContext, job: Job, config: R.RolloutConfig) -> AgentGen:
+    """Every answer of one job; its `samples` repeats follow `config.repeat_mode` for every method alike
+    (greedy: one run recorded `samples` times; "sample": `samples` runs at `repeat_temperature`)."""
     questions = questions_of(job.task, config)
-    if job.preambles is None:
-        _, answers = yield from evaluate(ctx, job.workspace, questions, job.samples, job.method, config)
-        return answers
-    gens = [
-        answer_and_judge(ctx, job.workspace, q, r, job.method, config,
-                         preamble=job.preambles.get(q.question_id, ""))
-        for q in questions
-        for r in range(job.samples)
-    ]
-    return (yield Parallel(gens)) if gens else []
+    if job.search is not None and config.answerer.kind == "scripted":
+        search: Any = lambda query, k: job.search(query, job.search_k)  # the navigator's k  # noqa: E731
+    else:
+        search = job.search
+    _, answers = yield from evaluate(ctx, job.workspace, questions, job.samples, job.method, config,
+                                     preambles=job.preambles, preamble_passages=job.passages, search=search)
+    return answers
 
 
 def task_seed(task_id: str) -> int:
@@ -262,7 +263,7 @@ def answer_jobs(
     results: dict[int, Any] = {}
     chunks = [live[i : i + batch_jobs] for i in range(0, len(live), batch_jobs)]
     for chunk in tqdm(chunks, desc="answer", disable=not progress, leave=False):
-        for j, res in zip(chunk, _guarded(chunk, run, reset, "answer"), strict=True):
+        for j, res in zip(chunk, guarded(chunk, run, reset, "answer"), strict=True):
             results[id(j)] = res
     return [results.get(id(j), RuntimeError(j.failed or "no workspace")) for j in jobs]
 
@@ -275,6 +276,7 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
         "method": job.method,
         "corpus": job.task.task_id,
         "construction_tokens": int(job.construction_tokens),
+        "tokens_embedded": int(job.embedded()) if job.embedded is not None else 0,
     }
     if isinstance(answers, Exception):
         judgement = "construction_failed" if job.workspace is None else "answer_failed"
@@ -291,6 +293,8 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
                 "error": job.failed or f"{type(answers).__name__}: {answers}",
                 "files": [],
                 "files_read": 0,
+                "files_opened": 0,
+                "passages_read": 0,
                 "tokens_read": 0,
                 "tokens_written": 0,
                 "turns": 0,
@@ -324,6 +328,10 @@ def job_records(job: Job, answers: list[dict] | Exception, config: R.RolloutConf
                 else ("cache_full" if a.get("status") == "cache_full" else "incorrect"),
                 "files": list(src.get("files_read", [])),
                 "files_read": len(src.get("files_read", [])),
+                # distinct files in the answerer's context, preloaded root files included (the paper's
+                # "files read per query")
+                "files_opened": int(src.get("num_files_opened", len(set(src.get("files_read", []))))),
+                "passages_read": int(src.get("passages_read", 0)),
                 "tokens_read": int(src["prompt_tokens"]),
                 "tokens_written": int(src["generated_tokens"]),
                 "turns": int(a["turns"]),
@@ -387,29 +395,15 @@ def slowest(timings: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def bm25_preambles(task: Any, questions: Sequence[Any], top_k: int, passage_words: int) -> dict[str, str]:
     """BM25 (`bm25s`) over passages of `passage_words` words of the corpus's raw documents: the top-k
-    passages per question, as the text the answerer reads first. The index costs no model tokens."""
-    import logging as py_logging
-
-    import bm25s
-
-    py_logging.getLogger("bm25s").setLevel(py_logging.WARNING)
-    passages, names = [], []
-    for d in task.documents:
-        words = d.text.split()
-        for i in range(0, max(len(words), 1), passage_words):
-            passages.append(" ".join(words[i : i + passage_words]))
-            names.append(f"{d.doc_id} (words {i + 1}-{min(i + passage_words, len(words))})")
-    k = min(top_k, len(passages))
-    retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize(passages, stopwords="en", show_progress=False), show_progress=False)
+    passages per question (each named by its document's path), as the text the answerer reads first. The
+    index costs no model tokens. (`eval.baselines` builds every retrieval method's preambles this way.)"""
+    chunks = retrieval.passages(task, passage_words)
+    index = retrieval.BM25Index(chunks)
     out = {}
     for q in questions:
-        docs, _ = retriever.retrieve(
-            bm25s.tokenize([q.question], stopwords="en", show_progress=False), k=k, show_progress=False
-        )
-        lines = [f"Retrieved passages (BM25, top {k}) from the raw documents:"]
-        lines += [f"[{i + 1}] {names[int(j)]}: {passages[int(j)]}" for i, j in enumerate(docs[0])]
-        out[q.question_id] = "\n".join(lines)
+        hits = index.search(q.question, top_k)
+        out[q.question_id] = retrieval.render_passages(
+            chunks, hits, f"Retrieved passages (BM25, top {len(hits)}) from the raw documents:")
     return out
 
 
@@ -468,6 +462,9 @@ def periodic_eval(
 SCALARS = (
     "accuracy",
     "files_per_query",
+    "files_opened_per_query",
+    "passages_per_query",
+    "tokens_embedded_per_corpus",
     "tokens_read_per_query",
     "answer_tokens_per_query",
     "construction_tokens_per_corpus",
@@ -481,11 +478,14 @@ def scalar_metrics(table: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def eval_rollout_config(
-    config: R.RolloutConfig, *, builder_temperature: float = 0.0, answerer: dict[str, Any] | None = None
+    config: R.RolloutConfig, *, builder_temperature: float = 0.0, answerer: dict[str, Any] | None = None,
+    answer_temperature: float = 0.0,
 ) -> R.RolloutConfig:
     """The rollout config for evaluation: no probes, final snapshots kept, the builder's temperature as
-    given, greedy answer repeats made once (and recorded n times, at the original's cost)."""
+    given, greedy answer repeats made once (and recorded n times, at the original's cost); with
+    `answer_temperature` > 0 every repeat is its own answer sampled at that temperature."""
     a = dataclasses.replace(config.answerer, **(answerer or {}))
+    sampled = float(answer_temperature) > 0
     return dataclasses.replace(
         config,
         builder=dataclasses.replace(config.builder, temperature=float(builder_temperature)),
@@ -494,5 +494,7 @@ def eval_rollout_config(
         probe_at_start=False,
         record_snapshots=True,
         snapshot_raw_text=False,
-        dedupe_greedy_repeats=True,
+        dedupe_greedy_repeats=not sampled,
+        repeat_mode="sample" if sampled else "greedy_once",
+        repeat_temperature=float(answer_temperature) if sampled else config.repeat_temperature,
     )

@@ -59,21 +59,25 @@ def percentile_ci(values: np.ndarray, level: float = CI_LEVEL) -> tuple[float, f
 
 # ------------------------------------------------------------------------------------------- per-corpus sums
 
-SUM_FIELDS = ("n", "correct", "answer_tokens", "tokens_read", "files_read", "turns")
+SUM_FIELDS = ("n", "correct", "answer_tokens", "tokens_read", "files_read", "files_opened", "passages_read",
+              "turns")
 
 
 def corpus_sums(
     records: Sequence[Mapping[str, Any]], methods: Sequence[str], corpora: Sequence[str]
 ) -> dict[str, dict[str, np.ndarray]]:
     """Per method, per corpus (in `corpora` order) sums over question records: `n` (records), `correct`,
-    `answer_tokens` (read + written), `tokens_read`, `files_read`, `turns`, and `construction` (the corpus's
-    construction tokens, the mean over its samples). Each array is float64 `[C]`.
+    `answer_tokens` (read + written), `tokens_read`, `files_read`, `files_opened`, `passages_read`, `turns`,
+    `construction`
+    (the corpus's construction tokens, the mean over its samples) and `embedded` (the corpus's tokens
+    embedded by retrieval models). Each array is float64 `[C]`.
 
     A method without any record of a corpus raises: failures are records (correct 0), never gaps.
     """
     pos = {c: i for i, c in enumerate(corpora)}
-    out = {m: {f: np.zeros(len(corpora)) for f in (*SUM_FIELDS, "construction")} for m in methods}
+    out = {m: {f: np.zeros(len(corpora)) for f in (*SUM_FIELDS, "construction", "embedded")} for m in methods}
     builds: dict[tuple[str, int], dict[int, float]] = {}
+    embedded: dict[tuple[str, int], float] = {}
     for r in records:
         m = r["method"]
         if m not in out:
@@ -85,10 +89,15 @@ def corpus_sums(
         s["answer_tokens"][i] += float(r["tokens_read"]) + float(r.get("tokens_written", 0))
         s["tokens_read"][i] += float(r["tokens_read"])
         s["files_read"][i] += float(r["files_read"])
+        s["passages_read"][i] += float(r.get("passages_read", 0))
+        s["files_opened"][i] += float(r.get("files_opened", r["files_read"]))
+        embedded[(m, i)] = max(embedded.get((m, i), 0.0), float(r.get("tokens_embedded", 0)))
         s["turns"][i] += float(r.get("turns", 0))
         builds.setdefault((m, i), {})[int(r.get("sample", 0))] = float(r.get("construction_tokens", 0))
     for (m, i), per_sample in builds.items():
         out[m]["construction"][i] = float(np.mean(list(per_sample.values())))
+    for (m, i), n in embedded.items():
+        out[m]["embedded"][i] = n
     for m in methods:
         missing = [c for c, k in zip(corpora, out[m]["n"], strict=True) if k == 0]
         if missing:
@@ -119,10 +128,13 @@ def accuracy_table(
             "questions": int(n),
             "corpora": int(len(s["n"])),
             "files_per_query": float(s["files_read"].sum() / n),
+            "passages_per_query": float(s["passages_read"].sum() / n),
+            "files_opened_per_query": float(s["files_opened"].sum() / n),  # the paper's "files read/query"
             "tokens_read_per_query": float(s["tokens_read"].sum() / n),
             "answer_tokens_per_query": float(s["answer_tokens"].sum() / n),
             "turns_per_query": float(s["turns"].sum() / n),
             "construction_tokens_per_corpus": float(s["construction"].mean()),
+            "tokens_embedded_per_corpus": float(s["embedded"].mean()),
         }
         if base_draws is not None:
             b = sums[base]

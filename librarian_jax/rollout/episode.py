@@ -16,7 +16,7 @@ Rewards and the schedule: `rollout.rewards`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from librarian_jax.agents.answerer import answer_question
@@ -32,13 +32,15 @@ REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspec
 
 def answer_and_judge(
     ctx: AgentContext, ws: Any, question: Any, repeat: int, phase: str, config: R.RolloutConfig,
-    temperature: float | None = None, preamble: str = "",
+    temperature: float | None = None, preamble: str = "", preamble_passages: int = 0, search: Any = None,
 ) -> AgentGen:
-    """Generator: one answerer run on `ws` (with `preamble` in its first prompt, e.g. retrieved passages),
-    judged; returns the answer record (correctness, utility, reading fields, tokens)."""
+    """Generator: one answerer run on `ws` (with `preamble` in its first prompt, e.g. `preamble_passages`
+    retrieved passages; `search`: the agentic-RAG search tool, `agents.answer_start.Search`), judged; returns
+    the answer record (correctness, utility, reading fields, tokens)."""
     acfg = config.answerer if temperature is None else dataclasses.replace(config.answerer,
                                                                            temperature=temperature)
-    outcome = yield from answer_question(ctx, ws, question.question, acfg, preamble=preamble)
+    outcome = yield from answer_question(ctx, ws, question.question, acfg, preamble=preamble,
+                                         preamble_passages=preamble_passages, search=search)
     correct = yield from judge_answer(
         ctx,
         question.question,
@@ -67,17 +69,22 @@ def answer_and_judge(
 
 
 def evaluate(
-    ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig
+    ctx: AgentContext, ws: Any, questions: Sequence[Any], repeats: int, phase: str, config: R.RolloutConfig,
+    *, preambles: Mapping[str, str] | None = None, preamble_passages: int = 0, search: Any = None,
 ) -> AgentGen:
     """Generator: every (question, repeat) answerer run at once on `ws`; returns (score, answer dicts).
 
     The score is the mean utility (= mean correctness without cost terms). Repeats follow
     `config.repeat_mode` (`rollout.rewards`): a greedy answerer's R runs of a question would be identical, so
     one run is made and recorded R times (copies carry `"copy": True` and no tokens); `"sample"` samples R.
+    `preambles` (question id -> text, `preamble_passages` passages each) and `search` (the agentic-RAG tool):
+    the retrieval baselines' first prompt and tool (`answer_and_judge`).
     """
     runs, temperature = R.repeat_plan(repeats, config)
     dedupe = runs < repeats
-    gens = [answer_and_judge(ctx, ws, q, r, phase, config, temperature)
+    gens = [answer_and_judge(ctx, ws, q, r, phase, config, temperature,
+                             preamble=(preambles or {}).get(q.question_id, ""),
+                             preamble_passages=preamble_passages if preambles else 0, search=search)
             for q in questions for r in range(runs)]
     answers = (yield Parallel(gens)) if gens else []
     if dedupe:

@@ -18,7 +18,10 @@ documented ways, tried in order:
   3. the same path with `.txt` or `.md` added (exact, then case-insensitive);
   4. a handle: the last segment (extension dropped) equals a short id (`raw_0001`, `cluster_0003`,
      `merge_0002`) or a raw document's doc_id, case-insensitive;
-  5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere.
+  5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere;
+  6. a fuzzy match, as the authors' lookup has: the one path whose lowercase full path or basename has a
+     normalised similarity of at least `FUZZY_MIN` (0.92; `rapidfuzz.fuzz.ratio`, the Indel distance) to the
+     name's, a tie at the best score being no match.
 Otherwise the lookup fails, with up to `MAX_SUGGESTIONS` close matches from `difflib`.
 
 Names the workspace itself produces come from `slugify` (lowercase ASCII letters, digits and `_`), so they can
@@ -34,6 +37,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 
 import immutables
+from rapidfuzz import fuzz
 
 from librarian_jax.workspace import render as R
 
@@ -142,6 +146,25 @@ def is_safe_name(name: str) -> bool:
         and not _CONTROL.search(name)
         and len(name) <= MAX_SEGMENT_CHARS
     )
+
+
+FUZZY_MIN = 0.92  # rule 6's similarity threshold (the authors')
+
+
+def fuzzy_best(name: str, paths: Iterable[str]) -> str | None:
+    """Rule 6: the one path of `paths` most similar to `name` (lowercase full path or basename, the better of
+    the two, `rapidfuzz.fuzz.ratio` / 100 >= `FUZZY_MIN`); None when none is that close or two tie."""
+    low = name.lower()
+    base = basename(low)
+    cutoff = 100 * FUZZY_MIN
+    best, hits = 0.0, []
+    for p in paths:
+        pl = p.lower()
+        s = max(fuzz.ratio(low, pl, score_cutoff=cutoff), fuzz.ratio(base, basename(pl), score_cutoff=cutoff))
+        if s >= cutoff and s >= best:
+            hits = [p] if s > best else [*hits, p]
+            best = s
+    return hits[0] if len(hits) == 1 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +315,9 @@ class NameIndex:
             return Match(cands[0], "unique_basename")
         if cands:
             return Match(None, suggestions=tuple(cands[:MAX_SUGGESTIONS]), ambiguous=tuple(cands))
+        hit = fuzzy_best(norm, self.paths)
+        if hit is not None:
+            return Match(hit, "fuzzy")
         return Match(None, suggestions=self.suggest(norm))
 
     def suggest(self, norm: str) -> tuple[str, ...]:

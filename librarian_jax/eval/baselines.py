@@ -1,0 +1,258 @@
+"""The paper's baselines as eval methods (docs/eval.md): every one answered by the run's own frozen answerer,
+under the same turn and token budgets, into the same records as the builder's methods.
+
+    raw             the raw documents, navigated with list/read
+    bm25            + the top `bm25.top_k` BM25 passages in the answerer's first prompt
+    embedding       + the top-k passages of an embedding model (`roles.embedding`) instead
+    rerank          + the first stage's top `rerank.candidates` re-scored by `roles.reranker`, its top k
+    agentic         the raw documents with a `search(query, k)` tool beside list/read (`agentic.index`)
+    graphrag        a workspace of community summaries from an entity graph (`eval.constructions.graphrag`)
+    autocompaction  a workspace of one notes file the executor compacted the corpus into
+
+Retrieval methods cut the corpus into passages of `bm25.passage_words` words (`retrieval.passages`) and give
+the answerer `bm25.top_k` of them: the same passage budget for BM25, embedding and reranking. Costs: an index
+costs no LLM tokens (construction tokens 0); the embedding model's and the reranker's forward passes are
+counted apart as tokens embedded (per corpus: its passages embedded once, plus every query embedded and every
+(query, passage) pair scored); passages read per question: those in the first prompt, or returned by search.
+GraphRAG and AutoCompaction construct with the executor: their construction tokens are the executor's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from librarian_jax import cluster
+from librarian_jax.agents.runtime import ANSWERER, EXECUTOR, FROZEN, FROZEN_ROLES, POLICY, AgentContext
+from librarian_jax.config_schema import RETRIEVAL_INDEXES
+from librarian_jax.eval import constructions, pipeline, retrieval
+from librarian_jax.rollout import Scheduler
+from librarian_jax.workspace import Workspace
+
+PREAMBLE_METHODS = ("bm25", "embedding", "rerank")  # retrieved passages in the first prompt
+CONSTRUCTED = ("graphrag", "autocompaction")  # workspaces the executor writes
+METHODS = ("raw", *PREAMBLE_METHODS, "agentic", *CONSTRUCTED)  # every method without the builder
+
+
+def needs_embedding(methods: Sequence[str], c: Any) -> bool:
+    """Whether these methods with eval config `c` need `roles.embedding`."""
+    return ("embedding" in methods or ("rerank" in methods and c.rerank.first_stage == "embedding")
+            or ("agentic" in methods and c.agentic.index == "embedding"))
+
+
+def needs_reranker(methods: Sequence[str]) -> bool:
+    return "rerank" in methods
+
+
+@dataclasses.dataclass
+class RetrievalModels:
+    """The retrieval roles of an evaluation, loaded once (None: not needed by its methods)."""
+
+    embedder: retrieval.Embedder | None = None
+    reranker: retrieval.Reranker | None = None
+    described: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def load_models(methods: Sequence[str], c: Any, mesh: Any, tokenizer: Any) -> RetrievalModels:
+    """`roles.embedding` / `roles.reranker` of eval config `c` (`cluster.retrieval_model`), when the methods
+    need them."""
+    out = RetrievalModels()
+    if needs_embedding(methods, c):
+        e = c.roles.embedding
+        m = cluster.retrieval_model("embedding", e, mesh, tokenizer)
+        out.embedder = retrieval.Embedder(m.model, m.tokenizer, pooling=e.pooling, instruction=e.instruction,
+                                          batch_size=e.batch_size, max_tokens=e.max_tokens, mesh=mesh)
+        out.described["embedding"] = {**m.describe(), "pooling": e.pooling, "instruction": e.instruction}
+    if needs_reranker(methods):
+        r = c.roles.reranker
+        m = cluster.retrieval_model("reranker", r, mesh, tokenizer)
+        out.reranker = retrieval.Reranker(m.model, m.tokenizer, m.template, instruction=r.instruction,
+                                          batch_size=r.batch_size, max_tokens=r.max_tokens, mesh=mesh)
+        out.described["reranker"] = m.describe()
+    return out
+
+
+class _Meter:
+    """Tokens embedded for one corpus and method: counted as deltas of the models' counters around its
+    calls (the models are shared by every corpus)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def run(self, counters: Sequence[Any], fn: Callable[[], Any]) -> Any:
+        before = [c.tokens for c in counters]
+        out = fn()
+        self.tokens += sum(c.tokens - b for c, b in zip(counters, before, strict=True))
+        return out
+
+
+class Searcher:
+    """The agentic-RAG search tool of one corpus (`agents.answer_start.Search`): (query, k) -> the k best
+    passages of `index`. `tokens`: what its index and queries embedded."""
+
+    def __init__(self, chunks: Sequence[retrieval.Passage], index: Any, meter: _Meter,
+                 counters: Sequence[Any]):
+        self.chunks, self.index, self.meter, self.counters = list(chunks), index, meter, list(counters)
+        self.calls = 0
+
+    def __call__(self, query: str, k: int) -> list[retrieval.Passage]:
+        self.calls += 1
+        hits = self.meter.run(self.counters, lambda: self.index.search(query, int(k)))
+        return [self.chunks[j] for j, _ in hits]
+
+
+def _index(kind: str, chunks: Sequence[retrieval.Passage], models: RetrievalModels,
+           meter: _Meter) -> tuple[Any, list]:
+    """(index, the model counters its searches move) of `kind` over `chunks`; building it is metered."""
+    if kind == "bm25":
+        return retrieval.BM25Index(chunks), []
+    if models.embedder is None:
+        raise ValueError("an embedding index needs roles.embedding")
+    emb = models.embedder
+    return meter.run([emb], lambda: retrieval.EmbeddingIndex(chunks, emb)), [emb]
+
+
+def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], c: Any, samples: int,
+                   models: RetrievalModels) -> list[pipeline.Job]:
+    """The jobs of the methods without construction (`raw`, `bm25`, `embedding`, `rerank`, `agentic`) for one
+    corpus, in `methods` order; retrieval runs here (the passages of each question) except agentic search,
+    which runs while the answerer answers."""
+    chunks = retrieval.passages(task, c.bm25.passage_words)
+    k = min(int(c.bm25.top_k), len(chunks))
+    jobs = []
+
+    def raw_ws() -> Any:
+        return Workspace.from_documents(list(task.documents))
+
+    def preambles(name: str, search: Callable[[str], list[tuple[int, float]]], meter: _Meter,
+                  counters: Sequence[Any]) -> dict[str, str]:
+        out = {}
+        for q in questions:
+            hits = meter.run(counters, lambda q=q: search(q.question))
+            out[q.question_id] = retrieval.render_passages(
+                chunks, hits, f"Retrieved passages ({name}, top {len(hits)}) from the raw documents:")
+        return out
+
+    for m in methods:
+        meter = _Meter()
+        if m == "raw":
+            jobs.append(pipeline.Job("raw", task, raw_ws(), samples))
+        elif m in RETRIEVAL_INDEXES:  # the `bm25` and `embedding` methods: their index's top k
+            index, counters = _index(m, chunks, models, meter)
+            pre = preambles("BM25" if m == "bm25" else "embedding", lambda q, i=index: i.search(q, k), meter,
+                            counters)
+            jobs.append(pipeline.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
+                                     embedded=lambda meter=meter: meter.tokens))
+        elif m == "rerank":
+            if models.reranker is None:
+                raise ValueError("rerank needs roles.reranker")
+            index, counters = _index(c.rerank.first_stage, chunks, models, meter)
+            rr = models.reranker
+            n = int(c.rerank.candidates)
+
+            def rerank(q: str, index: Any = index, rr: Any = rr, n: int = n) -> list[tuple[int, float]]:
+                return rr.rerank(q, chunks, index.search(q, n), k)
+
+            pre = preambles(f"{c.rerank.first_stage} top {n} reranked", rerank, meter, [*counters, rr])
+            jobs.append(pipeline.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
+                                     embedded=lambda meter=meter: meter.tokens))
+        elif m == "agentic":
+            index, counters = _index(c.agentic.index, chunks, models, meter)
+            searcher = Searcher(chunks, index, meter, counters)
+            jobs.append(pipeline.Job(m, task, raw_ws(), samples, search=searcher, search_k=int(c.agentic.k),
+                                     embedded=lambda meter=meter: meter.tokens))
+    return jobs
+
+
+def construct(
+    method: str,
+    tasks: Sequence[Any],
+    engines: Callable[[], dict[str, Any]],
+    tokenizer: Any,
+    config: Any,
+    c: Any,
+    *,
+    templates: dict[str, Any],
+    seed: int = 0,
+    batch_tasks: int = 8,
+    reset: Callable[[], None] | None = None,
+) -> list[pipeline.Built]:
+    """GraphRAG's or AutoCompaction's workspace for each corpus (`eval.constructions`), written by the run's
+    executor (`config.builder.executor`: "model" on the executor's engine, batched over the corpora of a
+    chunk of `batch_tasks`; "extractive": the model-free stand-in). A corpus that fails is a failed
+    construction (its questions count as incorrect)."""
+    executor = config.builder.executor
+    s = c[method].to_dict() if hasattr(c[method], "to_dict") else dict(c[method])
+
+    def run(chunk: Sequence[Any]) -> list[Any]:
+        eng = engines()
+        answerer = eng.get(ANSWERER, eng[FROZEN])
+        by_role = {POLICY: answerer, FROZEN: answerer, **{r: eng[r] for r in FROZEN_ROLES if r in eng}}
+        gens = [
+            constructions.CONSTRUCTIONS[method](
+                AgentContext(tokenizer, templates[EXECUTOR], by_role,
+                             np.random.default_rng([seed, pipeline.task_seed(t.task_id)]),
+                             templates=templates),
+                t, executor=executor, **s)
+            for t in chunk
+        ]
+        return Scheduler(by_role).run(gens)
+
+    out = []
+    for i in range(0, len(tasks), batch_tasks):
+        chunk = list(tasks[i : i + batch_tasks])
+        for t, res in zip(chunk, pipeline.guarded(chunk, run, reset, f"build {method}"), strict=True):
+            if isinstance(res, Exception):
+                out.append(pipeline.Built(method, t, 0, failed=f"{type(res).__name__}: {res}"))
+                continue
+            logging.info("%s %s: %s, %d executor calls, %d tokens", method, t.task_id, res.info, res.calls,
+                         res.construction_tokens)
+            out.append(pipeline.Built(method, t, 0, res.workspace, res.construction_tokens, res.calls, True))
+    return out
+
+
+def baseline_sections(
+    methods: Sequence[str],
+    tasks: Sequence[Any],
+    models_: Any,
+    tokenizer: Any,
+    config: Any,
+    c: Any,
+    mesh: Any,
+    *,
+    timing: dict[str, float],
+) -> tuple[list[pipeline.Job], dict[str, list[pipeline.Built]], dict[str, Any]]:
+    """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
+    constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
+    description. `models_` is the eval's cluster (`cli.Models`); `timing` gets `build_<method>_s`."""
+    t0 = time.perf_counter()
+    models = load_models(methods, c, mesh, tokenizer)
+    timing["load_retrieval_s"] = time.perf_counter() - t0
+    built_by: dict[str, list[pipeline.Built]] = {}
+    for m in CONSTRUCTED:
+        if m in methods:
+            t0 = time.perf_counter()
+            built_by[m] = construct(m, tasks, models_.engines, tokenizer, config, c,
+                                    templates=models_.templates, seed=c.seed, batch_tasks=c.batch_tasks,
+                                    reset=models_.reset)
+            timing[f"build_{m}_s"] = time.perf_counter() - t0
+    simple = [m for m in methods if m in METHODS and m not in CONSTRUCTED]
+    jobs: list[pipeline.Job] = []
+    t0 = time.perf_counter()
+    for i, t in enumerate(tasks):
+        jobs.extend(retrieval_jobs(simple, t, pipeline.questions_of(t, config), c, c.samples, models))
+        for m in CONSTRUCTED:
+            if m in methods:
+                b = built_by[m][i]
+                jobs.append(pipeline.Job(m, t, b.workspace, c.samples, b.construction_tokens,
+                                         failed=b.failed))
+    order = {m: i for i, m in enumerate(methods)}
+    pos = {t.task_id: i for i, t in enumerate(tasks)}
+    jobs.sort(key=lambda j: (pos[j.task.task_id], order[j.method]))
+    timing["retrieve_s"] = time.perf_counter() - t0
+    return jobs, built_by, models.described
