@@ -679,6 +679,10 @@ class BuildConfig(Section):
     out: str = spec("")  # the export directory (must not hold a previous export's files)
     seed: int = spec(0, lo=0)
     builder_temperature: float = spec(0.0, lo=0.0)
+    # an incremental update: the old exported workspace (read only; "" = build from scratch) and the update
+    # episode's own turn budget (`workspace.update`)
+    update: str = spec("")
+    update_max_turns: int = spec(8, lo=1)
     data: BuildDataSection = _section(BuildDataSection)
     engine: EngineSizesSection = _section(EngineSizesSection)
     mesh: MeshSection = _section(MeshSection)
