@@ -680,8 +680,9 @@ class BuildConfig(Section):
     seed: int = spec(0, lo=0)
     builder_temperature: float = spec(0.0, lo=0.0)
     # an incremental update: the old exported workspace (read only; "" = build from scratch) and the update
-    # episode's own turn budget (`workspace.update`)
-    update: str = spec("")
+    # episode's own turn budget (`workspace.update`). Not `update`: that is ConfigDict's own method, and
+    # absl's `--config.update=...` resolves to it and refuses the flag.
+    update_from: str = spec("")
     update_max_turns: int = spec(8, lo=1)
     data: BuildDataSection = _section(BuildDataSection)
     engine: EngineSizesSection = _section(EngineSizesSection)

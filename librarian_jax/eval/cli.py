@@ -634,15 +634,15 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
         raise _err("out", "required: the directory to export the workspace to")
     if os.path.isfile(c.out) or (os.path.isdir(c.out) and os.listdir(c.out)):
         raise _err("out", f"{c.out!r} exists and is not an empty folder")
-    if c.update:
-        old, out = os.path.realpath(c.update), os.path.realpath(c.out)
+    if c.update_from:
+        old, out = os.path.realpath(c.update_from), os.path.realpath(c.out)
         if os.path.commonpath([old, out]) == old:
-            raise _err("out", f"{c.out!r} lies inside the workspace to update ({c.update!r}), which is never "
-                              f"written to: export the update elsewhere")
+            raise _err("out", f"{c.out!r} lies inside the workspace to update ({c.update_from!r}), which is "
+                              f"never written to: export the update elsewhere")
         try:
-            load_export(c.update)
+            load_export(c.update_from)
         except ExportError as e:
-            raise _err("update", str(e)) from None
+            raise _err("update_from", str(e)) from None
     e = EvalConfig().to_config_dict()
     for k in sorted((set(e) & set(c)) - {"command"}):  # run, step, builder, out, seed, engine, mesh, ...
         e[k] = c[k]
@@ -664,6 +664,11 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     (README.md, raw_docs/ unchanged, synthetic files with source links and hashes, manifest.json,
     build.json with the construction's tokens, turns and status).
 
+    With `update_from` (an old export) it is an incremental update (`workspace.update`): the old workspace
+    carried over to the folder's documents, then an update episode of at most `update_max_turns` turns
+    (none when nothing changed); the old directory is only read; build.json's `update` says what changed
+    and which synthetic files are still stale.
+
     Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
@@ -674,6 +679,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         print(
             f"build a workspace over {len(task.documents)} documents of {folder} with "  # noqa: T201
             f"{plan.run_dir or c.builder} (step {plan.step}) -> {c.out}"
+            + (f" (an update of {config.update_from})" if config.update_from else "")
         )
         return None
     t0 = time.perf_counter()
@@ -684,9 +690,9 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         else tokenizers.load_tokenizer(c.builder[3:])
     )
     start = None
-    if config.update:  # an incremental update: the old export carried over to the folder's documents
-        start = carry_over(load_export(config.update).workspace, task.documents, config.update_max_turns)
-        logging.info("build: updating %s: %s, %d stale synthetic files", config.update,
+    if config.update_from:  # an incremental update: the old export carried over to the folder's documents
+        start = carry_over(load_export(config.update_from).workspace, task.documents, config.update_max_turns)
+        logging.info("build: updating %s: %s, %d stale synthetic files", config.update_from,
                      start.changes.counts(), len(start.stale))
         task = dataclasses.replace(task, meta={**task.meta, UPDATE_META: start})
     if start is not None and start.changes.empty:  # nothing changed: the old workspace as it was
@@ -722,7 +728,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     }
     if start is not None:
         summary["update"] = {
-            "from": os.path.abspath(config.update),
+            "from": os.path.abspath(config.update_from),
             "changes": start.changes.counts(),
             "stale_before": len(start.stale),
             "stale_after": [s["path"] for s in ws.stale_nodes()],
