@@ -326,3 +326,15 @@ def test_build_update_runs_the_real_engine_into_a_new_dir(run_dir, tmp_path):
     b.update_from, b.out = str(old), str(old / "inside")
     with pytest.raises(ConfigError, match=r"config\.out: .* lies inside the workspace to update"):
         cli.plan_build(b)
+
+
+def test_bench_update_with_the_runs_builder(run_dir):
+    """`python -m librarian_jax.bench.update --run=DIR`: the run's builder on its real engine builds, updates
+    and rebuilds a mutated held-out corpus, and the run's answerer answers the three workspaces."""
+    from librarian_jax.bench import update as bench_update
+
+    setup = bench_update.run_setup(run_dir)
+    res = bench_update.measure(setup, corpora=1, fraction=0.5, questions=2, max_turns=1, seed=0)
+    assert res["builder"].startswith(run_dir) and set(res["methods"]) == {"stale", "rebuild", "updated"}
+    assert res["methods"]["rebuild"]["tokens_mean"] > 0 and res["methods"]["updated"]["tokens_mean"] > 0
+    assert "| updated |" in bench_update.table(res)

@@ -19,6 +19,9 @@ import pytest
 from librarian_jax.agents.builder import BuilderConfig
 from librarian_jax.agents.protocol import format_call
 from librarian_jax.agents.runtime import FROZEN, POLICY
+from librarian_jax.bench import update as B
+from librarian_jax.data import synthetic as S
+from librarian_jax.data.mutate import mutate_task
 from librarian_jax.data.schema import CorpusTask, Document
 from librarian_jax.rollout import RolloutConfig, run_batch
 from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
@@ -88,7 +91,7 @@ def rewriting_builder(rewrite: bool = True):
             return format_call("stop")
         stale = [s.split(" (")[0] for s in _section(prompt, "Stale synthetic files")]
         calls = []
-        for line in _section(prompt, "Changes to the raw documents"):
+        for line in _section(prompt, "What changed"):
             m = re.match(r"(added|modified): (?:\S+ is now )?(\S+) \(doc_id (\S+)\)", line)
             if m:
                 calls.append(format_call("create_file", {"title": f"Notes on {m.group(3)}",
@@ -301,3 +304,36 @@ def test_update_prompt_lists_changes_and_stale_files():
     ]
     assert f["max_turns"] == "5" and f["num_stale"] == "3"
     assert os.path.basename(start.paths["f"]) == "raw_0007__f.txt"
+
+
+# ------------------------------------------------------------------------------------ measurement pieces
+def test_mutate_task_is_seeded_and_asks_what_the_new_corpus_says():
+    t = S.generate_task(0, 1, S.WorldConfig(docs_per_task=6, min_words=40, max_words=80))
+    m = mutate_task(t, 0, 0.2, 6)
+    assert m == mutate_task(t, 0, 0.2, 6) and m.task.documents != mutate_task(t, 1, 0.2, 6).task.documents
+    assert (len(m.changed), len(m.removed), len(m.added)) == (1, 1, 1) and m.added == ("u000",)
+    old = {d.doc_id: d.text for d in t.documents}
+    new = {d.doc_id: d.text for d in m.task.documents}
+    assert set(m.removed).isdisjoint(new) and all(new[c] != old[c] for c in m.changed)
+    assert all(new[d] == old[d] for d in new if d not in (*m.changed, *m.added))
+    ch = diff_corpus(Workspace.from_documents(list(t.documents)).raw_docs, m.task.documents)
+    assert (ch.modified, ch.removed, ch.added) == (m.changed, m.removed, m.added)
+    facts = {(s, r): o for d in m.task.documents for s, r, o in S.extract_facts(d.text)}
+    for q in m.task.questions:  # each question parses, and the new corpus answers it with its gold answer
+        subject, chain = S.parse_question(q.question)
+        for rel in chain:
+            subject = facts[(subject, rel)]
+        assert subject == q.gold_answer, q.question
+    assert sum(q.meta["touched"] for q in m.task.questions) == 3 and len(m.task.questions) == 6
+
+
+def test_bench_update_scripted_measures_stale_rebuild_and_updated(tmp_path):
+    res = B.measure(B.scripted_setup(str(tmp_path)), corpora=2, fraction=0.2, questions=6, max_turns=8,
+                    seed=0)
+    assert set(res["methods"]) == {"stale", "rebuild", "updated"}
+    assert res["changes"] == {"added": 2, "removed": 2, "modified": 2, "renamed": 0, "unchanged": 8}
+    assert res["stale_before"] > 0 and res["stale_after"] == 0  # the scripted update leaves nothing stale
+    m = res["methods"]
+    assert m["stale"]["tokens_mean"] == 0 and m["updated"]["tokens_mean"] > 0
+    assert m["stale"]["touched"] < m["rebuild"]["touched"]  # the old workspace misses what changed
+    assert "| updated |" in B.table(res)

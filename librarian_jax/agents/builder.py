@@ -188,15 +188,14 @@ def render_result(result: Any) -> str:
 
 
 def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | None = None) -> str:
-    """The builder's first user message: the collection's size, the root listing and the raw documents;
-    for an update episode (`update`: `workspace.UpdateStart.prompt_fields()`) also the changed documents and
-    the stale synthetic files (`prompts/builder_update.txt`)."""
-    listing = render_result(workspace.list_dir("."))
-    raw_listing = render_result(workspace.list_dir(RAW_DIR))
+    """The builder's first user message: the collection's size, the root listing and the raw documents; for
+    an update episode (`update`: `workspace.UpdateStart.prompt_fields()`) instead what changed, the stale
+    synthetic files and the new and changed documents (`prompts/builder_update.txt`), not the listings."""
     if update is not None:
-        return prompt_text.render("builder_update", num_docs=num_docs, listing=listing,
-                                  raw_listing=raw_listing, **update)
-    return prompt_text.render("builder_user", num_docs=num_docs, listing=listing, raw_listing=raw_listing)
+        return prompt_text.render("builder_update", num_docs=num_docs, **update)
+    return prompt_text.render("builder_user", num_docs=num_docs,
+                              listing=render_result(workspace.list_dir(".")),
+                              raw_listing=render_result(workspace.list_dir(RAW_DIR)))
 
 
 class BuilderAgent:

@@ -98,7 +98,9 @@ class UpdateStart:
     old_paths: dict[str, str]  # doc_id -> its path in the old workspace (removed, modified, renamed)
 
     def prompt_fields(self) -> dict[str, str]:
-        """The changes and the stale files as lines for the builder's update prompt."""
+        """The builder's update prompt's fields (`agents/prompts/builder_update.txt`): the changes, the stale
+        files and the new and changed documents as the raw listing shows them. Its size grows with the
+        change, not with the corpus: the rest of the workspace is one list_files away."""
         c = self.changes
         lines = [f"- added: {self.paths[x]} (doc_id {x})" for x in c.added]
         lines += [f"- modified: {self.old_paths[x]} is now {self.paths[x]} (doc_id {x})" for x in c.modified]
@@ -111,8 +113,13 @@ class UpdateStart:
             + (f" (removed: {', '.join(s['removed'])})" if s["removed"] else "")
             for s in self.stale
         ]
+        fresh = set(c.added) | set(c.modified)
+        listing = [f'{d.path}  [raw] "{d.title or d.doc_id}" (doc_id={d.doc_id}, {len(d.text)} chars)'
+                   for d in self.workspace.raw_docs if d.doc_id in fresh]
+        num_active = len(self.workspace.active_nodes())
         return {"changes": "\n".join(lines) or "(none)", "stale": "\n".join(stale) or "(none)",
-                "num_stale": str(len(self.stale)), "max_turns": str(self.max_turns)}
+                "new_listing": "\n".join(listing) or "(none)", "num_stale": str(len(self.stale)),
+                "num_kept": str(num_active - len(self.stale)), "max_turns": str(self.max_turns)}
 
 
 def _handle_number(handle: str) -> int:
