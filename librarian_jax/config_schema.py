@@ -223,8 +223,16 @@ class DataSection(Section):
     sample_seed: int = spec(0, lo=0)  # seed of the max_docs negatives and the BRIGHT question sample
     tasks_per_batch: int = spec(4, lo=1)
     shuffle_seed: int = spec(0, lo=0)
+    # Update tasks (issue 42, `inputs.update_tasks`): this fraction of the training tasks (by task-id hash)
+    # become incremental updates (an old workspace + the corpus with `update_changes` of its documents
+    # removed, as many changed and added; questions asked again). Synthetic world only.
+    update_fraction: float = spec(0.0, lo=0.0, hi=1.0)
+    update_changes: float = spec(0.2, lo=0.01, hi=0.5)
 
     def check(self, key: str) -> None:
+        if self.update_fraction > 0 and self.source != "synthetic":
+            raise config_error(f"{key}.update_fraction", "update tasks regenerate questions from the changed "
+                               "corpus: only data.source='synthetic' has them")
         if self.source == "file":
             if not self.path:
                 raise config_error(f"{key}.path", "required when data.source='file' (a tasks file or folder)")

@@ -8,6 +8,7 @@ documents whose hashes are those of `raw_docs/` now or is listed as stale in the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -337,3 +338,65 @@ def test_bench_update_scripted_measures_stale_rebuild_and_updated(tmp_path):
     assert m["stale"]["tokens_mean"] == 0 and m["updated"]["tokens_mean"] > 0
     assert m["stale"]["touched"] < m["rebuild"]["touched"]  # the old workspace misses what changed
     assert "| updated |" in B.table(res)
+
+
+# ------------------------------------------------------------------------------------------ update tasks
+def test_update_tasks_mix_into_training_and_run_as_update_episodes():
+    from configs import grpo
+    from librarian_jax import inputs
+    from librarian_jax.data.pipeline import TaskPipeline
+
+    cfg = grpo.get_config()
+    cfg.data.update(num_tasks=16, update_fraction=0.5)
+    train, _ = inputs.build_tasks(cfg)
+    mixed = inputs.update_tasks(train, cfg)
+    ups = [t for t in mixed if UPDATE_META in t.meta]
+    assert 0 < len(ups) < len(mixed) and all(t.task_id.endswith("~m0") for t in ups)
+    assert [t.task_id for t in mixed if UPDATE_META not in t.meta] == [
+        t.task_id for t in train if t.task_id + "~m0" not in {u.task_id for u in ups}]
+    cfg.data.update_fraction = 0.0
+    assert inputs.update_tasks(train, cfg) == train
+    start = ups[0].meta[UPDATE_META]
+    assert start.stale and start.max_turns == cfg.rollout.builder.max_turns
+    assert sorted(d.doc_id for d in start.workspace.raw_docs) == sorted(d.doc_id for d in ups[0].documents)
+    # through the task pipeline as they are (meta kept), then an episode on one: the update prompt, and the
+    # terminal reward scores the regenerated questions
+    batch = next(iter(TaskPipeline(mixed, tasks_per_batch=len(mixed), shuffle=False, shard_index=0,
+                                   shard_count=1).iterator()))
+    got = next(t for t in batch if t.task_id == ups[0].task_id)
+    assert got.meta[UPDATE_META] is start
+    seen = []
+
+    def policy(session) -> str:
+        seen.append(session.text())
+        return format_call("stop")
+
+    engine = ScriptedEngine(TOK, policy)
+    answerer = dataclasses.replace(RolloutConfig().answerer, kind="scripted", max_turns=2)
+    cfg_r = RolloutConfig(builder=BuilderConfig(max_turns=3, executor="extractive", compaction="none"),
+                          max_probes=0, probe_at_start=True, terminal_questions="hidden",
+                          use_model_judge=False, answerer=answerer)
+    (rec,) = run_batch([got], 1, {POLICY: engine, FROZEN: engine}, TOK, cfg_r, 0, template=TPL)
+    assert "This is an UPDATE" in seen[0]
+    assert {a["question_id"] for a in rec.answers} == {q.question_id for q in got.questions}
+
+
+def test_a_grpo_step_trains_on_update_tasks(tmp_path):
+    """`data.update_fraction=1`: every training task is an update task, and a GRPO step of the tiny run
+    (real engines) rolls them out from their carried-over workspaces and trains on them."""
+    import sys
+
+    from librarian_jax import training
+    from librarian_jax.rollout import read_jsonl
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_main import tiny_run_config
+
+    cfg = tiny_run_config(str(tmp_path / "run"), num_steps=1)
+    cfg.data.update_fraction = 1.0
+    cfg.rollout.record_snapshots = True
+    training.run(cfg)
+    (rec, *_) = read_jsonl(os.path.join(tmp_path, "run", "episodes", "step_1.jsonl"))
+    assert rec.task_id.endswith("~m0") and rec.segments
+    final = rec.workspace_snapshots["final"]
+    assert final["retired"] and final["nodes"]  # the carried-over workspace: retired documents, old files
