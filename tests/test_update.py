@@ -28,6 +28,8 @@ from librarian_jax.rollout import RolloutConfig, run_batch
 from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
 from librarian_jax.workspace import (
     UPDATE_META,
+    ExportError,
+    SnapshotError,
     Workspace,
     carry_over,
     diff_corpus,
@@ -400,3 +402,22 @@ def test_a_grpo_step_trains_on_update_tasks(tmp_path):
     assert rec.task_id.endswith("~m0") and rec.segments
     final = rec.workspace_snapshots["final"]
     assert final["retired"] and final["nodes"]  # the carried-over workspace: retired documents, old files
+
+
+def test_a_tampered_retired_section_is_refused(tmp_path):
+    """load_export and from_dict check an update's retired documents like the live ones."""
+    new = [Document("e", "v2", title="About the river Oss"), *DOCS[:4]]
+    ws = carry_over(old_workspace(), new).workspace
+    assert ws.export(tmp_path / "ok").ok and load_export(tmp_path / "ok").workspace == ws
+    for i, (key, value) in enumerate((("handle", "raw_0001"), ("path", "../escape.txt"), ("sha256_16", 7))):
+        d = tmp_path / f"bad{i}"
+        assert ws.export(d).ok
+        m = json.loads((d / "manifest.json").read_text())
+        m["retired_raw_docs"][0][key] = value
+        (d / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(ExportError):
+            load_export(d)
+    snap = ws.to_dict()
+    snap["retired"][0].update(handle="raw_0002", filename="raw_0002__x.txt")  # a live document's handle
+    with pytest.raises(SnapshotError, match="bad handle, or also a live document's"):
+        Workspace.from_dict(snap)
