@@ -314,8 +314,13 @@ def test_build_update_runs_the_real_engine_into_a_new_dir(run_dir, tmp_path):
             assert fresh != (n["path"] in stale), n["path"]
     assert sorted(stale) == sorted(up["stale_after"])
     assert {d["doc_id"] for d in manifest["raw_docs"]} == {"a.txt", "b.txt", "d.txt"}
-    # an update of the update with the same folder changes nothing
+    # an update of the update with the same folder changes nothing: no episode, the same tree
     assert carry_over(load_export(new).workspace, list(data.load_folder(folder).documents)).changes.empty
+    b.update_from, b.out = str(new), str(tmp_path / "new2")
+    again = cli.run_build(b)
+    assert again["construction_tokens"] == 0 and again["update"]["stale_before"] == len(up["stale_after"])
+    same = {k: v for k, v in _tree(new).items() if k != "build.json"}
+    assert {k: v for k, v in _tree(tmp_path / "new2").items() if k != "build.json"} == same
     lines, _ = cli.build_report(summary, str(new))
     assert lines[1].startswith(f"updated from {old} (left as it was): 1 added, 1 removed, 1 modified")
     # bad update inputs fail before any model loads

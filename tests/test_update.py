@@ -383,6 +383,7 @@ def test_update_tasks_mix_into_training_and_run_as_update_episodes():
     assert {a["question_id"] for a in rec.answers} == {q.question_id for q in got.questions}
 
 
+@pytest.mark.slow
 def test_a_grpo_step_trains_on_update_tasks(tmp_path):
     """`data.update_fraction=1`: every training task is an update task, and a GRPO step of the tiny run
     (real engines) rolls them out from their carried-over workspaces and trains on them."""
