@@ -92,7 +92,7 @@ def rewriting_builder(rewrite: bool = True):
         assert "This is an UPDATE" in prompt
         if session.turns > 0 or not rewrite:
             return format_call("stop")
-        stale = [s.split(" (")[0] for s in _section(prompt, "Stale synthetic files")]
+        stale = [s.split(" ", 1)[0] for s in _section(prompt, "Stale synthetic files")]
         calls = []
         for line in _section(prompt, "What changed"):
             m = re.match(r"(added|modified): (?:\S+ is now )?(\S+) \(doc_id (\S+)\)", line)
@@ -300,10 +300,12 @@ def test_update_prompt_lists_changes_and_stale_files():
         "raw_docs/raw_0006__about_the_river_oss.txt (doc_id e)",
         "- removed: raw_docs/raw_0004__profile_mira_holt.txt (doc_id d)",
     ]
-    assert f["stale"].splitlines() == [
-        "- cluster_0004__mira_holt.txt (removed: d)",
-        "- cluster_0005__river_oss.txt (changed: e)",
-        "- cluster_0006__waters.txt (changed: e)",
+    assert f["stale"].splitlines() == [  # each with its sources as they are now
+        '- cluster_0004__mira_holt.txt "Mira Holt" from (nothing left) (removed: d)',
+        '- cluster_0005__river_oss.txt "River Oss" from raw_docs/raw_0006__about_the_river_oss.txt '
+        '(changed: e)',
+        '- cluster_0006__waters.txt "Waters" from raw_docs/raw_0003__about_tarn.txt, '
+        'raw_docs/raw_0006__about_the_river_oss.txt (changed: e)',
     ]
     assert f["max_turns"] == "5" and f["num_stale"] == "3"
     assert os.path.basename(start.paths["f"]) == "raw_0007__f.txt"

@@ -17,7 +17,9 @@ the new corpus are answered by the run's answerer (the embedded default: the scr
 Builders: `--run=DIR` restores the run's builder (greedy) and answers with the run's protocol
 (`eval.cli.Models`); without it, a scripted builder (`--style`, a warm-start demonstration style, default
 `own_doc`: one file per entity document) builds through the real protocol (`rollout.scripted.ScriptedEngine`),
-and its update episode deletes each stale file and writes the style's file for each added or changed document.
+and its update episode deletes each stale file and writes it again under its title from its sources as they
+are now (the update prompt lists them), and gives each added document (and a changed one no rewrite covers)
+its own file. History compaction is off for scripted builders (their plans read the first prompt).
 Construction tokens are counted as the eval command counts them (`EpisodeRecord.construction_tokens`) with
 the run's tokenizer (the embedded SentencePiece without `--run`).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import time
 from typing import Any
 
@@ -88,19 +91,40 @@ def _section(prompt: str, head: str) -> list[str]:
     return out
 
 
+_STALE_LINE = re.compile(
+    r'^(?P<path>\S+) "(?P<title>[^"]*)" from (?P<sources>.*?)(?: \((?:changed|removed): .*)?$')
+
+
+def stale_paths(prompt: str) -> list[str]:
+    return [s.split(" ", 1)[0] for s in _section(prompt, "Stale synthetic files")]
+
+
 def scripted_update_calls(prompt: str) -> list[str]:
-    """The scripted update builder's calls (`own_doc`-like): delete the stale files (two a call), then one
-    file per added or changed document that names an entity (titled by it, from the document), then stop."""
+    """The scripted update builder's calls, from its prompt alone: delete the stale files (two a call); write
+    each stale file again under its title from its sources as they are now (as the prompt lists them, stale
+    ones left out); give each added or changed document no rewrite covers a file of its own when its title
+    names an entity (the `own_doc` style); stop."""
     docs = {d.doc_id: d for d in listed_docs(prompt)}
-    stale = [s.split(" (")[0] for s in _section(prompt, "Stale synthetic files")]
+    lines = _section(prompt, "Stale synthetic files")
+    stale = stale_paths(prompt)
     calls = [format_call("delete", {"target_paths": stale[i : i + 2], "reason": "stale"})
              for i in range(0, len(stale), 2)]
+    covered: set[str] = set()
+    for line in lines:
+        m = _STALE_LINE.match(line)
+        if m is None or m.group("sources") == "(nothing left)":
+            continue
+        sources = [p for p in m.group("sources").split(", ") if p not in stale]
+        if sources:
+            calls.append(format_call("create_file", {"title": m.group("title"), "input_paths": sources}))
+            covered.update(sources)
     for line in _section(prompt, "What changed"):
-        if line.startswith(("added:", "modified:")):
-            doc_id = line.rsplit("(doc_id ", 1)[1].rstrip(")")
-            d = docs.get(doc_id)
-            if d is not None and d.entity:
-                calls.append(format_call("create_file", {"title": d.entity, "input_paths": [doc_id]}))
+        kind, _, rest = line.partition(": ")
+        if kind in ("added", "modified"):
+            path = rest.split(" (doc_id")[0].split(" is now ")[-1]
+            d = docs.get(line.rsplit("(doc_id ", 1)[1].rstrip(")"))
+            if path not in covered and d is not None and d.entity:
+                calls.append(format_call("create_file", {"title": d.entity, "input_paths": [d.doc_id]}))
     return [*calls, format_call("stop")]
 
 
@@ -136,9 +160,9 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
     grpo = importlib.import_module("configs.grpo")
     cfg = grpo.get_config()
     cfg.workdir = workdir
-    if docs_per_task:  # a larger corpus: no history compaction (the scripted plan reads the first prompt)
-        cfg.data.docs_per_task = docs_per_task  # and an answerer context that holds its first prompt
-        cfg.rollout.builder.compaction = "none"
+    cfg.rollout.builder.compaction = "none"  # the scripted plans read the first prompt
+    if docs_per_task:  # a larger corpus: an answerer context that holds its first prompt (README, root)
+        cfg.data.docs_per_task = docs_per_task
         cfg.rollout.answerer.context_budget = 16384
     if build_max_turns:
         cfg.rollout.builder.max_turns = build_max_turns

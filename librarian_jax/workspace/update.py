@@ -34,7 +34,7 @@ from librarian_jax.data.schema import Document, content_hash
 from librarian_jax.workspace import paths as P
 from librarian_jax.workspace import render as R
 from librarian_jax.workspace.arguments import check_document
-from librarian_jax.workspace.nodes import RAW_HANDLE, RawDoc
+from librarian_jax.workspace.nodes import FILE, RAW_HANDLE, RawDoc
 from librarian_jax.workspace.workspace import Workspace
 
 UPDATE_META = "update_start"  # the key of a CorpusTask's meta holding its `UpdateStart` (an update task)
@@ -92,14 +92,16 @@ class UpdateStart:
 
     workspace: Workspace
     changes: CorpusChanges
-    stale: tuple[dict[str, Any], ...]
+    stale: tuple[dict[str, Any], ...]  # stale_nodes() entries + title, kind, sources (current paths)
     max_turns: int
     paths: dict[str, str]  # doc_id -> its path in the new workspace (added, modified, renamed)
     old_paths: dict[str, str]  # doc_id -> its path in the old workspace (removed, modified, renamed)
 
     def prompt_fields(self) -> dict[str, str]:
         """The builder's update prompt's fields (`agents/prompts/builder_update.txt`): the changes, the stale
-        files and the new and changed documents as the raw listing shows them. Its size grows with the
+        files (each with its title and its direct sources as they are now: a changed document's new path, a
+        removed one left out, so it can be rewritten without reading it first) and the new and changed
+        documents as the raw listing shows them. Its size grows with the
         change, not with the corpus: the rest of the workspace is one list_files away."""
         c = self.changes
         lines = [f"- added: {self.paths[x]} (doc_id {x})" for x in c.added]
@@ -108,7 +110,9 @@ class UpdateStart:
         lines += [f"- renamed: doc_id {a} is now {b} (same text, still {self.paths[b]})"
                   for a, b in c.renamed]
         stale = [
-            f"- {s['path']}"
+            f'- {s["path"]} "{s["title"]}" '
+            + (f"from {', '.join(s['sources']) or '(nothing left)'}" if s["kind"] == FILE
+               else "(a directory: deleting it keeps its children)")
             + (f" (changed: {', '.join(s['changed'])})" if s["changed"] else "")
             + (f" (removed: {', '.join(s['removed'])})" if s["removed"] else "")
             for s in self.stale
@@ -176,4 +180,19 @@ def carry_over(old: Workspace, new_docs: Sequence[Document], max_turns: int = 8)
     if errs:  # a bug here, not a user error: the old workspace was sound
         raise RuntimeError("update: the carried-over workspace breaks invariants: " + "; ".join(errs[:3]))
     paths = {d.doc_id: d.path for d in raw}
-    return UpdateStart(ws, changes, tuple(ws.stale_nodes()), max_turns, paths, old_paths)
+    live = {d.handle: d.path for d in raw}
+    nodes = ws.nodes
+
+    def now(handle: str) -> str | None:  # where a source's content is now (None: removed)
+        if handle in live:
+            return live[handle]
+        d = next(x for x in retired if x.handle == handle)
+        return paths.get(d.doc_id) if d.meta.get("retired") == "modified" else None
+
+    stale = []
+    for s in ws.stale_nodes():
+        n = nodes[s["node_id"]]
+        sources = [p for h in n.raw_sources if (p := now(h)) is not None]
+        sources += [ws.file_path_of(x) for x in n.synthetic_sources if nodes[x].active]
+        stale.append({**s, "title": n.title, "kind": n.kind, "sources": list(dict.fromkeys(sources))})
+    return UpdateStart(ws, changes, tuple(stale), max_turns, paths, old_paths)
