@@ -783,7 +783,8 @@ def build_report(summary: dict[str, Any], out: str) -> tuple[list[str], list[str
                 f"(marked stale in manifest.json): {', '.join(up['stale_after'][:5])}"
             )
     if summary["failed"]:
-        warnings.append(f"the construction failed ({summary['failed']}); exported the raw documents only")
+        kept = "the old workspace carried over (stale files marked)" if up else "the raw documents only"
+        warnings.append(f"the construction failed ({summary['failed']}); exported {kept}")
     elif st["active_synthetic"] == 0:
         warnings.append(
             f"the builder wrote no synthetic file ({how} after {turns}): the workspace "
