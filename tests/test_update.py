@@ -141,9 +141,7 @@ def check_provenance(root: Path, manifest: dict) -> None:
     for d in manifest["raw_docs"]:
         assert hashlib.sha256((root / d["path"]).read_bytes()).hexdigest() == d["sha256"]
     stale = {s["path"] for s in manifest.get("stale", [])}
-    for n in manifest["synthetic"]:
-        if not n["active"]:
-            continue
+    for n in manifest["synthetic"]:  # history/ included
         ok = all(current.get(p["path"]) == p["sha256_16"] for p in n["raw_provenance"])
         assert ok or n["path"] in stale, n["path"]
         assert not (ok and n["path"] in stale), n["path"]
@@ -162,7 +160,8 @@ def unaffected_identical(old_dir: Path, new_dir: Path, old_m: dict, touched_doc_
 
 
 def stale_paths(manifest: dict) -> set[str]:
-    return {s["path"] for s in manifest.get("stale", [])}
+    """The active stale files (the manifest also lists deleted ones, under history/)."""
+    return {s["path"] for s in manifest.get("stale", []) if s["active"]}
 
 
 # ------------------------------------------------------------------------------------------- change kinds

@@ -14,11 +14,11 @@ Export format `EXPORT_FORMAT` (manifest key `export_format`):
   body. The manifest's `synthetic` entries hold each node's structure (`node_id`, `kind`, `title`, `slug`,
   `parent`, sources by path, turns, status) and its transitive raw provenance with hashes.
 - `README.md` is the generated index; `next_ids` the id counters.
-- After an incremental update (`workspace.update`, `build --config.update=OLD`): `retired_raw_docs` lists the
-  documents the update took out (removed, or an old version: `retired` "removed" / "modified") that synthetic
-  files still cite (they have no file), and `stale` the active synthetic files resting on one (path, node_id,
-  doc_ids changed / removed). Every other synthetic file's `raw_provenance` names files of `raw_docs/` with
-  their current hash."""
+- After an incremental update (`workspace.update`, `build --config.update_from=OLD`): `retired_raw_docs` lists
+  the documents the update took out (removed, or an old version: `retired` "removed" / "modified") that
+  synthetic files still cite (they have no file), and `stale` the synthetic files resting on one (path,
+  node_id, `active` false for a deleted one under history/, doc_ids changed / removed). Every other synthetic
+  file's `raw_provenance` names files of `raw_docs/` with their current hash."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ class Export(Views):
                 }
                 for d in self._retired
             ],
-            "stale": self.stale_nodes(),
+            "stale": self.stale_nodes(include_deleted=True),
         }
 
     def export(self, directory: str | os.PathLike[str]) -> ActionResult:
