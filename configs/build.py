@@ -5,7 +5,12 @@
 
 The export is a plain directory tree: README.md, raw_docs/ (the documents, unchanged), the synthetic files
 (each with its title, direct sources and transitive raw sources with content hashes), history/ and
-manifest.json; any agent can browse it. The keys are declared in `librarian_jax.config_schema.BuildConfig`.
+manifest.json; any agent can browse it.
+
+An incremental update (`--config.update_from=OLD_EXPORT`) starts from the old export instead of the raw
+documents: the builder sees what changed and which synthetic files went stale, and rewrites only those (at
+most `update_max_turns` turns); the result goes to `out`, the old directory is only read.
+The keys are declared in `librarian_jax.config_schema.BuildConfig`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.out = ""  # the export directory (must not hold a previous export's files)
     c.seed = 0
     c.builder_temperature = 0.0
+    c.update_from = ""  # an old export to update to data.path's documents ("" = build from scratch)
+    c.update_max_turns = 8  # the update episode's turn budget
     c.data.update(path="", extensions=".txt,.md")
     c.engine.update(policy_slots=0, frozen_slots=0, max_seq_len=0, round_steps=0)  # 0 = the run's
     c.mesh.shape.update(data=1, fsdp=1, tensor=1)

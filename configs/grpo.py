@@ -66,6 +66,8 @@ def _base() -> ml_collections.ConfigDict:
         sample_seed=0,          # seed of the max_docs negatives and the BRIGHT question sample
         tasks_per_batch=4,
         shuffle_seed=0,
+        update_fraction=0.0,    # training tasks that are incremental updates (issue 42; synthetic only)
+        update_changes=0.2,     # an update task's fraction of documents removed, changed and added (each)
     ))
     c.rollout.update(dict(
         group_size=4,

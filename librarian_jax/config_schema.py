@@ -233,8 +233,16 @@ class DataSection(Section):
     sample_seed: int = spec(0, lo=0)  # seed of the max_docs negatives and the BRIGHT question sample
     tasks_per_batch: int = spec(4, lo=1)
     shuffle_seed: int = spec(0, lo=0)
+    # Update tasks (issue 42, `inputs.update_tasks`): this fraction of the training tasks (by task-id hash)
+    # become incremental updates (an old workspace + the corpus with `update_changes` of its documents
+    # removed, as many changed and added; questions asked again). Synthetic world only.
+    update_fraction: float = spec(0.0, lo=0.0, hi=1.0)
+    update_changes: float = spec(0.2, lo=0.01, hi=0.5)
 
     def check(self, key: str) -> None:
+        if self.update_fraction > 0 and self.source != "synthetic":
+            raise config_error(f"{key}.update_fraction", "update tasks regenerate questions from the changed "
+                               "corpus: only data.source='synthetic' has them")
         if self.source == "file":
             if not self.path:
                 raise config_error(f"{key}.path", "required when data.source='file' (a tasks file or folder)")
@@ -808,6 +816,11 @@ class BuildConfig(Section):
     out: str = spec("")  # the export directory (must not hold a previous export's files)
     seed: int = spec(0, lo=0)
     builder_temperature: float = spec(0.0, lo=0.0)
+    # an incremental update: the old exported workspace (read only; "" = build from scratch) and the update
+    # episode's own turn budget (`workspace.update`). Not `update`: that is ConfigDict's own method, and
+    # absl's `--config.update=...` resolves to it and refuses the flag.
+    update_from: str = spec("")
+    update_max_turns: int = spec(8, lo=1)
     data: BuildDataSection = _section(BuildDataSection)
     engine: EngineSizesSection = _section(EngineSizesSection)
     mesh: MeshSection = _section(MeshSection)

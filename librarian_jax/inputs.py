@@ -4,10 +4,12 @@ tokenizer. Every command (GRPO, the warm start, eval, build) takes them from her
     train, heldout = build_tasks(config)            # the synthetic world or a tasks file, split
     write_split(workdir, train, heldout)            # workdir/split.json: what eval will hold out
     tokenizer = build_tokenizer(config, tasks)      # model.tokenizer, the HF folder's, or a trained one
+    train = update_tasks(train, config)             # data.update_fraction of them as incremental updates
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -18,7 +20,10 @@ from absl import logging
 
 from librarian_jax import data, storage, tokenizers
 from librarian_jax.agents import vocabulary
+from librarian_jax.agents.executor import extractive_text
 from librarian_jax.config_schema import ConfigError
+from librarian_jax.data.mutate import mutate_task
+from librarian_jax.workspace import UPDATE_META, Workspace, carry_over
 
 SPLIT_FILE = "split.json"
 
@@ -95,6 +100,39 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
         raise ConfigError(
             f"config.data.heldout_fraction: {d.heldout_fraction} leaves no training task of {len(tasks)}")
     return list(train), list(heldout)
+
+
+def starting_workspace(task: Any) -> Workspace:
+    """The OLD workspace of an update task: one extractive file per document (titled by the document), as a
+    warm-start `own_doc` builder with the extractive executor writes it; deterministic, no model."""
+    ws = Workspace.from_documents(list(task.documents))
+    for d in ws.raw_docs:
+        title = d.title or d.doc_id
+        ws.create_file(title, [d.path], extractive_text(title, "", [(d.path, d.text)]), turn=0)
+    return ws
+
+
+def update_tasks(tasks: list[Any], config: Any) -> list[Any]:
+    """`data.update_fraction` of `tasks` (chosen by task-id hash, salted with the seed) replaced by update
+    tasks (issue 42): the task's corpus mutated (`data.mutate.mutate_task`, `data.update_changes`), its
+    questions asked again from the new corpus, and in its meta (`workspace.UPDATE_META`) the old workspace
+    (`starting_workspace`) carried over to it, with the builder's turn budget. The episode then starts from
+    that workspace and the update prompt; probes and the terminal reward score the new questions."""
+    d = config.data
+    frac = float(d.get("update_fraction", 0.0))
+    if frac <= 0:
+        return list(tasks)
+    out = []
+    for t in tasks:
+        if data.task_hash_fraction(t.task_id, salt=f"update:{config.seed}") >= frac:
+            out.append(t)
+            continue
+        m = mutate_task(t, config.seed, float(d.update_changes), len(t.questions))
+        start = carry_over(starting_workspace(t), m.task.documents, int(config.rollout.builder.max_turns))
+        out.append(dataclasses.replace(m.task, meta={**m.task.meta, UPDATE_META: start}))
+    logging.info("data: %d of %d training tasks are update tasks (data.update_fraction %.2f)",
+                 sum(UPDATE_META in t.meta for t in out), len(out), frac)
+    return out
 
 
 def split_rule(config: Any) -> dict[str, Any]:

@@ -148,6 +148,9 @@ def build(config: Any) -> Run:
             inputs.build_tokenizer(config, train_tasks + heldout)
         distributed.barrier("librarian_jax.training.tokenizer")
     tokenizer = inputs.build_tokenizer(config, train_tasks + heldout)
+    # data.update_fraction of the training tasks as incremental updates (after the tokenizer, which so does
+    # not depend on it)
+    train_tasks = inputs.update_tasks(train_tasks, config)
     mesh = cluster.run_mesh(config)  # the trainer's: every device of every process
     emesh = cluster.engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
     base = cluster.initial_model(config, emesh, tokenizer)

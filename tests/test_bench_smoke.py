@@ -41,10 +41,11 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                  "identical token records in both modes: True"),
     "train_step": (["--presets=tiny", "--modes=full", "--vocab=256", "--rows=2", "--seq=16", "--repeats=1",
                     "--remat=none", "--logits_chunk=8"], "tiny full"),
+    "update": (["--corpora=2"], "| updated |"),
     "workspace": (["--docs=8", "--synthetic=4", "--ops=10"], "ops/s"),
 }
 HELPERS = {"cached_lm", "common"}  # library code of the benches, not commands
-HOST_ONLY = {"workspace"}  # benches that jit nothing, so have no compile time to report
+HOST_ONLY = {"update", "workspace"}  # benches that jit nothing, so have no compile time to report
 
 RUNNER = r"""
 import contextlib, importlib, io, json, sys, traceback

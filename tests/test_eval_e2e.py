@@ -265,3 +265,80 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
     assert stats.accuracy_table(sums, sums["trained"]["n"][None] * 0 + 1, None)["trained"][
         "accuracy"
     ] == pytest.approx(len(good) / (len(good) + len(rows)))
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_build_update_runs_the_real_engine_into_a_new_dir(run_dir, tmp_path):
+    """`configs/build.py --config.update_from=OLD`: the tiny trained builder on its real engine runs the
+    update episode; the old export is untouched, its synthetic files resting on unchanged documents are
+    carried byte for byte, and every file cites current hashes or is marked stale.
+    Bad update inputs fail before any model loads."""
+    from librarian_jax.workspace import Workspace, carry_over
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    texts = {"a.txt": "Orlen Vask works at the Amber Institute.\n", "b.txt": "The lab is in Tarn.\n",
+             "c.txt": "Mira Holt studies tides.\n"}
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    # the old export: written by hand, so that it has synthetic files to carry (the tiny builder writes none)
+    ws = Workspace.from_documents(list(data.load_folder(folder).documents))
+    raw = [d.path for d in ws.raw_docs]
+    assert ws.create_file("Orlen Vask", raw[:1], "Orlen Vask: Amber Institute.").ok
+    assert ws.create_file("Labs", raw[1:2], "The lab: Tarn.").ok
+    old = tmp_path / "old"
+    assert ws.export(old).ok
+    before = _tree(old)
+    (folder / "b.txt").write_text("The lab moved to Vell.\n")  # modified
+    (folder / "c.txt").unlink()  # removed
+    (folder / "d.txt").write_text("Ada Lind paints harbours.\n")  # added
+    b = build_config.get_config()
+    b.run, b.out, b.data.path = run_dir, str(tmp_path / "new"), str(folder)
+    b.update_from, b.update_max_turns = str(old), 2
+    summary = cli.run_build(b)
+    new = tmp_path / "new"
+    assert _tree(old) == before  # the old directory, byte for byte
+    up = summary["update"]
+    assert up["changes"] == {"added": 1, "removed": 1, "modified": 1, "renamed": 0, "unchanged": 1}
+    assert up["stale_before"] == 1 and summary["turns"] <= 2
+    assert (new / "cluster_0001__orlen_vask.txt").read_bytes() == before["cluster_0001__orlen_vask.txt"]
+    manifest = json.load(open(new / "manifest.json"))
+    current = {d["path"]: d["sha256_16"] for d in manifest["raw_docs"]}
+    stale = {s["path"] for s in manifest.get("stale", [])}
+    for n in manifest["synthetic"]:  # history/ too
+        fresh = all(current.get(p["path"]) == p["sha256_16"] for p in n["raw_provenance"])
+        assert fresh != (n["path"] in stale), n["path"]
+    assert sorted(s["path"] for s in manifest.get("stale", []) if s["active"]) == sorted(up["stale_after"])
+    assert {d["doc_id"] for d in manifest["raw_docs"]} == {"a.txt", "b.txt", "d.txt"}
+    # an update of the update with the same folder changes nothing: no episode, the same tree
+    assert carry_over(load_export(new).workspace, list(data.load_folder(folder).documents)).changes.empty
+    b.update_from, b.out = str(new), str(tmp_path / "new2")
+    again = cli.run_build(b)
+    assert again["construction_tokens"] == 0 and again["update"]["stale_before"] == len(up["stale_after"])
+    same = {k: v for k, v in _tree(new).items() if k != "build.json"}
+    assert {k: v for k, v in _tree(tmp_path / "new2").items() if k != "build.json"} == same
+    lines, _ = cli.build_report(summary, str(new))
+    assert lines[1].startswith(f"updated from {old} (left as it was): 1 added, 1 removed, 1 modified")
+    # bad update inputs fail before any model loads
+    b.out = str(tmp_path / "other")
+    b.update_from = str(tmp_path / "notes")
+    with pytest.raises(ConfigError, match=r"config\.update_from: .* no manifest\.json"):
+        cli.plan_build(b)
+    b.update_from, b.out = str(old), str(old / "inside")
+    with pytest.raises(ConfigError, match=r"config\.out: .* lies inside the workspace to update"):
+        cli.plan_build(b)
+
+
+def test_bench_update_with_the_runs_builder(run_dir):
+    """`python -m librarian_jax.bench.update --run=DIR`: the run's builder on its real engine builds, updates
+    and rebuilds a mutated held-out corpus, and the run's answerer answers the three workspaces."""
+    from librarian_jax.bench import update as bench_update
+
+    setup = bench_update.run_setup(run_dir)
+    res = bench_update.measure(setup, corpora=1, fraction=0.5, questions=2, max_turns=1, seed=0)
+    assert res["builder"].startswith(run_dir) and set(res["methods"]) == {"stale", "rebuild", "updated"}
+    assert res["methods"]["rebuild"]["tokens_mean"] > 0 and res["methods"]["updated"]["tokens_mean"] > 0
+    assert "| updated |" in bench_update.table(res)

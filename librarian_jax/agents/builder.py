@@ -212,8 +212,12 @@ def render_result(result: Any) -> str:
     return result.text or result.message if result.ok else f"ERROR [{result.code}]: {result.message}"
 
 
-def first_observation(workspace: Any, num_docs: int) -> str:
-    """The builder's first user message: the collection's size, the root listing and the raw documents."""
+def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | None = None) -> str:
+    """The builder's first user message: the collection's size, the root listing and the raw documents; for
+    an update episode (`update`: `workspace.UpdateStart.prompt_fields()`) instead what changed, the stale
+    synthetic files and the new and changed documents (`prompts/builder_update.txt`), not the listings."""
+    if update is not None:
+        return prompt_text.render("builder_update", num_docs=num_docs, **update)
     return prompt_text.render("builder_user", num_docs=num_docs,
                               listing=render_result(workspace.list_dir(".")),
                               raw_listing=render_result(workspace.list_dir(RAW_DIR)))
@@ -222,7 +226,8 @@ def first_observation(workspace: Any, num_docs: int) -> str:
 class BuilderAgent:
     """One builder episode's agent state: workspace, policy session(s), action log. Drive it with `turn()`."""
 
-    def __init__(self, ctx: AgentContext, workspace: Any, config: BuilderConfig, *, num_docs: int):
+    def __init__(self, ctx: AgentContext, workspace: Any, config: BuilderConfig, *, num_docs: int,
+                 update: dict[str, str] | None = None):
         self.ctx = ctx
         self.ws = workspace
         self.cfg = config
@@ -231,7 +236,7 @@ class BuilderAgent:
         self.segments: list[Segment] = []
         self.actions: list[str] = []
         self.system_ids = ctx.template.start(self.system_prompt())
-        user = first_observation(workspace, num_docs)
+        user = first_observation(workspace, num_docs, update)
         prompt = self.system_ids + ctx.template.turn("user", user)
         # The text of every turn, one conversation per training segment (a compaction starts the next): the
         # episode as chat messages, e.g. for supervised data (`rl.sft` encodes them back to these exact ids).

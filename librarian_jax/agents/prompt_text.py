@@ -24,6 +24,7 @@ PROMPT_NAMES = (
     "builder_system",
     "builder_system_compact",
     "builder_user",
+    "builder_update",
     "builder_compacted",
     "answerer_system",
     "answerer_user",

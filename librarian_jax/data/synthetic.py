@@ -794,6 +794,19 @@ _STATEMENT_RES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 )
 
 
+def statement_spans(text: str) -> list[tuple[tuple[str, str, str], int, int]]:
+    """Each statement of the world's forms in `text`: `((subject, relation, object), start, end)` with the
+    object's character span, in order of appearance (what `data.mutate` rewrites)."""
+    found = [((m.group("S"), rel, m.group("O")), m.start("O"), m.end("O"))
+             for rel, rx in _STATEMENT_RES for m in rx.finditer(text)]
+    return sorted(found, key=lambda x: x[1])
+
+
+# The question forms and the noun phrases that chain them (`data.mutate` asks new questions in them).
+QUESTION_FORMS = _QUESTIONS
+DESCRIBE_FORMS = _DESCRIBE
+
+
 def extract_facts(text: str) -> list[tuple[str, str, str]]:
     """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
     written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a

@@ -32,7 +32,7 @@ from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, 
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
-from librarian_jax.workspace import Workspace
+from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
 BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
 ABLATIONS = ("flattened", "shuffled")
@@ -654,6 +654,15 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
         raise _err("out", "required: the directory to export the workspace to")
     if os.path.isfile(c.out) or (os.path.isdir(c.out) and os.listdir(c.out)):
         raise _err("out", f"{c.out!r} exists and is not an empty folder")
+    if c.update_from:
+        old, out = os.path.realpath(c.update_from), os.path.realpath(c.out)
+        if os.path.commonpath([old, out]) == old:
+            raise _err("out", f"{c.out!r} lies inside the workspace to update ({c.update_from!r}), which is "
+                              f"never written to: export the update elsewhere")
+        try:
+            load_export(c.update_from)
+        except ExportError as e:
+            raise _err("update_from", str(e)) from None
     e = EvalConfig().to_config_dict()
     for k in sorted((set(e) & set(c)) - {"command"}):  # run, step, builder, out, seed, engine, mesh, ...
         e[k] = c[k]
@@ -675,6 +684,11 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     (README.md, raw_docs/ unchanged, synthetic files with source links and hashes, manifest.json,
     build.json with the construction's tokens, turns and status).
 
+    With `update_from` (an old export) it is an incremental update (`workspace.update`): the old workspace
+    carried over to the folder's documents, then an update episode of at most `update_max_turns` turns
+    (none when nothing changed); the old directory is only read; build.json's `update` says what changed
+    and which synthetic files are still stale.
+
     Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
@@ -685,6 +699,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         print(
             f"build a workspace over {len(task.documents)} documents of {folder} with "  # noqa: T201
             f"{plan.run_dir or c.builder} (step {plan.step}) -> {c.out}"
+            + (f" (an update of {config.update_from})" if config.update_from else "")
         )
         return None
     t0 = time.perf_counter()
@@ -694,14 +709,26 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         if plan.run_dir
         else tokenizers.load_tokenizer(c.builder[3:])
     )
-    models = Models(plan.run_cfg, c, mesh, tokenizer)
-    models.set_policy(models.builder("trained", plan))
-    cfg = _rollout_config(plan, models)
-    built = pipeline.build_workspaces(
-        "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
-        reset=models.reset
-    )[0]
-    ws = built.workspace if built.workspace is not None else Workspace.from_documents(list(task.documents))
+    start = None
+    if config.update_from:  # an incremental update: the old export carried over to the folder's documents
+        start = carry_over(load_export(config.update_from).workspace, task.documents, config.update_max_turns)
+        logging.info("build: updating %s: %s, %d stale synthetic files", config.update_from,
+                     start.changes.counts(), len(start.stale))
+        task = dataclasses.replace(task, meta={**task.meta, UPDATE_META: start})
+    if start is not None and start.changes.empty:  # nothing changed: the old workspace as it was
+        built = pipeline.Built("trained", task, 0, start.workspace.copy())
+    else:
+        models = Models(plan.run_cfg, c, mesh, tokenizer)
+        models.set_policy(models.builder("trained", plan))
+        cfg = _rollout_config(plan, models)
+        built = pipeline.build_workspaces(
+            "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
+            reset=models.reset
+        )[0]
+    if built.workspace is not None:
+        ws = built.workspace
+    else:  # a failed construction: the raw documents, or for an update the carried-over workspace
+        ws = start.workspace.copy() if start is not None else Workspace.from_documents(list(task.documents))
     if jax.process_index() != 0:  # multi-process: every process built the same workspace; process 0 exports
         return None
     res = ws.export(c.out)
@@ -719,6 +746,14 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         "stats": ws.stats(),
         "wall_s": time.perf_counter() - t0,
     }
+    if start is not None:
+        summary["update"] = {
+            "from": os.path.abspath(config.update_from),
+            "changes": start.changes.counts(),
+            "stale_before": len(start.stale),
+            "stale_after": [s["path"] for s in ws.stale_nodes()],
+            "max_turns": start.max_turns,
+        }
     lines, warnings = build_report(summary, c.out)
     summary["warnings"] = warnings
     with open(os.path.join(c.out, "build.json"), "w") as f:
@@ -754,8 +789,22 @@ def build_report(summary: dict[str, Any], out: str) -> tuple[list[str], list[str
         f"serve it to any MCP client: python -m librarian_jax.serve {out}",
     ]
     warnings = []
+    up = summary.get("update")
+    if up is not None:
+        ch = up["changes"]
+        lines.insert(1, (
+            f"updated from {up['from']} (left as it was): {ch['added']} added, {ch['removed']} removed, "
+            f"{ch['modified']} modified, {ch['renamed']} renamed documents; {up['stale_before']} stale "
+            f"synthetic files before the update, {len(up['stale_after'])} after"
+        ))
+        if up["stale_after"]:
+            warnings.append(
+                f"{len(up['stale_after'])} synthetic files still rest on a changed or removed document "
+                f"(marked stale in manifest.json): {', '.join(up['stale_after'][:5])}"
+            )
     if summary["failed"]:
-        warnings.append(f"the construction failed ({summary['failed']}); exported the raw documents only")
+        kept = "the old workspace carried over (stale files marked)" if up else "the raw documents only"
+        warnings.append(f"the construction failed ({summary['failed']}); exported {kept}")
     elif st["active_synthetic"] == 0:
         warnings.append(
             f"the builder wrote no synthetic file ({how} after {turns}): the workspace "

@@ -1,6 +1,6 @@
 """One builder episode with its probes and rewards, as a generator for the scheduler.
 
-    ws = Workspace.from_documents(task.documents)
+    ws = Workspace.from_documents(task.documents)   (an update task: its carried-over workspace)
     [probe the raw workspace when probe_at_start]
     for each builder turn (<= H):
         the builder replies; its calls run (executor writes batched); malformed calls cost a penalty
@@ -25,7 +25,7 @@ from librarian_jax.agents.judge import judge_answer
 from librarian_jax.agents.runtime import AgentContext, AgentGen, Parallel
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.records import EpisodeRecord
-from librarian_jax.workspace import Workspace
+from librarian_jax.workspace import UPDATE_META, Workspace
 
 REPLY_CHARS = 2000  # how much of each builder reply the record keeps for inspection
 
@@ -119,7 +119,18 @@ def run_episode(
       ctx: engines ("policy": builder; "frozen": answerer/executor/judge), tokenizer, template, seeds.
       task: a `CorpusTask`.
       workspace: the initial workspace (default: `Workspace.from_documents(task.documents)`).
+
+    An update task (`task.meta[workspace.UPDATE_META]`, a `workspace.UpdateStart`) starts from a copy of its
+    carried-over workspace, with the update prompt (changes, stale files) and the update's turn budget.
     """
+    start = (task.meta or {}).get(UPDATE_META)
+    update_fields = None
+    if start is not None:
+        if workspace is None:
+            workspace = start.workspace.copy()
+        update_fields = start.prompt_fields()
+        config = dataclasses.replace(config, builder=dataclasses.replace(config.builder,
+                                                                         max_turns=start.max_turns))
     if workspace is None:
         workspace = Workspace.from_documents(list(task.documents))
     ws = workspace
@@ -161,7 +172,7 @@ def run_episode(
         if config.record_snapshots:
             rec.workspace_snapshots["start"] = _snapshot(ws, config)
     rec.initial_score = previous
-    builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents))
+    builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents), update=update_fields)
     last_probe_n = 0
     while True:
         out = yield from builder.turn()

@@ -4,6 +4,7 @@ staleness, serialisation, export and the hierarchy ablations. No model, no jax. 
 
 from librarian_jax.workspace.exported import ExportError, LoadedExport, load_export
 from librarian_jax.workspace.results import ERROR_CODES, OK, ActionResult
+from librarian_jax.workspace.update import UPDATE_META, CorpusChanges, UpdateStart, carry_over, diff_corpus
 from librarian_jax.workspace.workspace import (
     DIRECTORY,
     FILE,
@@ -20,6 +21,11 @@ from librarian_jax.workspace.workspace import (
 )
 
 __all__ = [
+    "UPDATE_META",
+    "CorpusChanges",
+    "UpdateStart",
+    "carry_over",
+    "diff_corpus",
     "ERROR_CODES",
     "ExportError",
     "LoadedExport",

@@ -13,7 +13,12 @@ Export format `EXPORT_FORMAT` (manifest key `export_format`):
 - Synthetic files (and directory summaries, and `history/`) are written as agents read them: header, `---`,
   body. The manifest's `synthetic` entries hold each node's structure (`node_id`, `kind`, `title`, `slug`,
   `parent`, sources by path, turns, status) and its transitive raw provenance with hashes.
-- `README.md` is the generated index; `next_ids` the id counters."""
+- `README.md` is the generated index; `next_ids` the id counters.
+- After an incremental update (`workspace.update`, `build --config.update_from=OLD`): `retired_raw_docs` lists
+  the documents the update took out (removed, or an old version: `retired` "removed" / "modified") that
+  synthetic files still cite (they have no file), and `stale` the synthetic files resting on one (path,
+  node_id, `active` false for a deleted one under history/, doc_ids changed / removed). Every other synthetic
+  file's `raw_provenance` names files of `raw_docs/` with their current hash."""
 
 from __future__ import annotations
 
@@ -169,6 +174,29 @@ class Export(Views):
                 }
                 for _, n in self._node_items()
             ],
+            **self._update_sections(),
+        }
+
+    def _update_sections(self) -> dict[str, Any]:
+        """After an update (`workspace.update`): `retired_raw_docs`, the documents it took out that synthetic
+        nodes still cite (no file: their path is not in raw_docs/), and `stale`, the active nodes resting on
+        one (`stale_nodes`). Absent for a workspace built from scratch."""
+        if not self._retired:
+            return {}
+        return {
+            "retired_raw_docs": [
+                {
+                    "path": d.path,
+                    "handle": d.handle,
+                    "doc_id": d.doc_id,
+                    "title": d.title,
+                    "url": d.url,
+                    "sha256_16": d.sha,
+                    "retired": d.meta.get("retired", "removed"),
+                }
+                for d in self._retired
+            ],
+            "stale": self.stale_nodes(include_deleted=True),
         }
 
     def export(self, directory: str | os.PathLike[str]) -> ActionResult:

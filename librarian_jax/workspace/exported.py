@@ -11,6 +11,8 @@ What is read, and what is refused (`ExportError`, one line naming the file):
   workspace keeps the recorded hash (`sha256_16`), which is what the synthetic files' headers cite.
 - Each synthetic file: its body is the text after the header's `---` line (a body edited by hand is
   served as edited); the header must be exactly what the manifest's structure renders, else refused.
+- `retired_raw_docs` (an update's): documents that synthetic files cite but that have no file (see
+  `export`); the stale files resting on them are recomputed (`Workspace.stale_nodes`).
 - Every path is checked before it is opened: a plain relative path inside the directory, no component a
   symlink (`lstat`), a regular file, opened with `O_NOFOLLOW`, at most `MAX_FILE_BYTES`. Nothing is written.
 
@@ -199,7 +201,23 @@ def _load(root: Path, m: dict[str, Any]) -> LoadedExport:
                 filename,
             )
         )
-    handle_of = {d.path: d.handle for d in raw}
+    retired: list[RawDoc] = []
+    for i, x in enumerate(_field(m, "retired_raw_docs", list, "") if "retired_raw_docs" in m else []):
+        where = f"retired_raw_docs[{i}]"
+        if not isinstance(x, dict):
+            raise SnapshotError(f"field {where!r} must be an object", where)
+        path = _field(x, "path", str, where)
+        filename = path.removeprefix(RAW_DIR + "/")
+        if path != f"{RAW_DIR}/{filename}" or not P.is_safe_name(filename):
+            raise SnapshotError(
+                f"field '{where}.path' must be {RAW_DIR}/<name>, got {R.short_repr(path)}", where
+            )
+        retired.append(RawDoc(
+            _field(x, "handle", str, where), _field(x, "doc_id", str, where), _field(x, "title", str, where),
+            _field(x, "url", str, where), "", _field(x, "sha256_16", str, where), filename,
+            {"retired": _field(x, "retired", str, where)},
+        ))
+    handle_of = {d.path: d.handle for d in (*retired, *raw)}
     entries = _field(m, "synthetic", list, "")
     id_of: dict[str, str] = {}
     for i, x in enumerate(entries):
@@ -238,7 +256,7 @@ def _load(root: Path, m: dict[str, Any]) -> LoadedExport:
         FILE: _int_field(counters, "cluster", "next_ids", low=1),
         DIRECTORY: _int_field(counters, "merge", "next_ids", low=1),
     }
-    ws = Workspace(raw, nodes, next_ids)
+    ws = Workspace(raw, nodes, next_ids, retired)
     expected = {f"raw {d.handle}: text does not match sha {d.sha}" for d in raw if d.path in stale}
     errs = [e for e in ws.check_invariants() if e not in expected]
     if errs:

@@ -15,6 +15,7 @@ from librarian_jax.workspace.nodes import (
     MAX_REASON_CHARS,
     MAX_TITLE_CHARS,
     NODE_ID,
+    RAW_HANDLE,
     norm_title,
 )
 from librarian_jax.workspace.results import ActionResult
@@ -26,10 +27,12 @@ class Invariants(WorkspaceState):
 
     def check_invariants(self) -> list[str]:
         """Every broken invariant as a sentence (empty when the state is sound): raw texts match hashes;
-        ids, handles and names are well formed and unique; every source resolves; active nodes sit in active
-        directories; the parent relation has no cycle; every path is unique."""
+        ids, handles and names are well formed and unique (raw handles increase in corpus order, with gaps
+        where an update retired documents); every source resolves (a retired document included); active
+        nodes sit in active directories; the parent relation has no cycle; every path is unique."""
         errs: list[str] = []
         handles = set()
+        last = 0
         for i, d in enumerate(self._raw, start=1):
             if not R.encodable(d.text):
                 errs.append(f"raw {d.handle}: text holds a lone surrogate (not valid Unicode)")
@@ -39,13 +42,22 @@ class Invariants(WorkspaceState):
                 errs.append(f"raw {d.handle}: doc_id must be one non-empty line without control characters")
             if not (R.is_one_line(d.title) and R.is_one_line(d.url)):
                 errs.append(f"raw {d.handle}: title and url must be single lines without control characters")
-            if d.handle != f"raw_{i:04d}" or d.handle in handles:
-                errs.append(f"raw #{i}: bad or repeated handle {d.handle!r}")
+            m = RAW_HANDLE.fullmatch(d.handle) if isinstance(d.handle, str) else None
+            number = int(m.group(1)) if m else -1
+            if m is None or number <= last or d.handle in handles:
+                errs.append(f"raw #{i}: bad, repeated or out-of-order handle {short_repr(d.handle)}")
+            last = max(last, number)
             handles.add(d.handle)
             if not P.is_safe_name(d.filename) or not d.filename.startswith(d.handle + "__"):
                 errs.append(f"raw {d.handle}: unsafe file name {d.filename!r}")
         if len({d.doc_id for d in self._raw}) != len(self._raw):
             errs.append("repeated doc_id among raw documents")
+        for d in self._retired:  # an update's retired documents: cited, never listed (text not kept)
+            if RAW_HANDLE.fullmatch(d.handle) is None or d.handle in handles:
+                errs.append(f"retired raw {short_repr(d.handle)}: bad handle, or also a live document's")
+            handles.add(d.handle)
+            if not P.is_safe_name(d.filename) or not d.filename.startswith(d.handle + "__"):
+                errs.append(f"retired raw {d.handle}: unsafe file name {d.filename!r}")
         titles: dict[str, str] = {}
         for nid, n in self._node_items():
             m = NODE_ID.fullmatch(nid) if isinstance(nid, str) else None

@@ -29,6 +29,7 @@ FILE = "file"  # a CreateFile result
 DIRECTORY = "directory"  # a MergeFiles result
 
 NODE_ID = re.compile(r"(cluster|merge)_([0-9]{4,12})", re.ASCII)
+RAW_HANDLE = re.compile(r"raw_([0-9]{4,12})", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ drops."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from librarian_jax.data.schema import Document
 from librarian_jax.workspace.index import DIR_ENTRIES, E_DIR, E_FILE, E_RAW, E_SUMMARY
@@ -66,6 +67,30 @@ class Provenance(Resolving):
                 continue
             out.append(nid)
             stack.extend(reversed(self._nodes[nid].synthetic_sources))
+        return out
+
+    def stale_nodes(self, include_deleted: bool = False) -> list[dict[str, Any]]:
+        """The active synthetic nodes (with `include_deleted`, the deleted ones under history/ too) that rest
+        (transitively) on a document an update retired (`state.WorkspaceState._retired`): what they cite is no
+        longer in `raw_docs/` with that hash. Each is {node_id, path, active, changed, removed}: the retired
+        documents' doc_ids by why they were retired (`meta` `"retired"`: "modified", a new version is in
+        raw_docs/ under a new handle, or "removed")."""
+        if not self._retired:
+            return []
+        why = {d.handle: d.meta.get("retired", "removed") for d in self._retired}
+        out = []
+        for _, n in self._node_items():
+            if not (n.active or include_deleted):
+                continue
+            prov = [h for h in self._raw_provenance(n.node_id) if h in why]
+            if prov:
+                out.append({
+                    "node_id": n.node_id,
+                    "path": self._index.file_path(n),
+                    "active": n.active,
+                    "changed": [self._raw_by_handle[h].doc_id for h in prov if why[h] == "modified"],
+                    "removed": [self._raw_by_handle[h].doc_id for h in prov if why[h] != "modified"],
+                })
         return out
 
     def staleness(self, new_docs: Iterable[Document]) -> ActionResult:

@@ -116,7 +116,12 @@ class Serialisation(Invariants):
             "next_ids": {"cluster": self._next[FILE], "merge": self._next[DIRECTORY]},
             "raw": [self._raw_dict(d, include_raw_text) for d in self._raw],
             "nodes": self._nodes_list(),
+            **self._retired_section(),
         }
+
+    def _retired_section(self) -> dict[str, Any]:
+        """`{"retired": [...]}` when an update retired documents (their text is not kept), else `{}`."""
+        return {"retired": [self._raw_dict(d, True) for d in self._retired]} if self._retired else {}
 
     def to_json(self, include_raw_text: bool = True) -> str:
         """The whole state as JSON; `Workspace.from_json(ws.to_json())` restores it exactly.
@@ -134,7 +139,9 @@ class Serialisation(Invariants):
         head = _dumps(
             {"format": FORMAT, "next_ids": {"cluster": self._next[FILE], "merge": self._next[DIRECTORY]}}
         )
-        return f'{head[:-1]},"raw":{cached},"nodes":{_dumps(self._nodes_list())}}}'
+        retired = self._retired_section()
+        tail = f',"retired":{_dumps(retired["retired"])}' if retired else ""
+        return f'{head[:-1]},"raw":{cached},"nodes":{_dumps(self._nodes_list())}{tail}}}'
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], docs: Iterable[Document] | None = None) -> Self:
@@ -156,9 +163,16 @@ class Serialisation(Invariants):
                     f"docs[{i}] is not a Document with a string doc_id and text", f"docs[{i}]"
                 )
             texts[x.doc_id] = x.text
-        raw = []
-        for i, x in enumerate(_field(d, "raw", list, "")):
-            where = f"raw[{i}]"
+        raw: list[RawDoc] = []
+        retired: list[RawDoc] = []
+        sections = [("raw", raw, x) for x in _field(d, "raw", list, "")]
+        if "retired" in d:  # an update's retired documents (`workspace.update`)
+            sections += [("retired", retired, x) for x in _field(d, "retired", list, "")]
+        counts = {"raw": 0, "retired": 0}
+        for section, out, x in sections:
+            i = counts[section]
+            counts[section] += 1
+            where = f"{section}[{i}]"
             if not isinstance(x, dict):
                 raise SnapshotError(f"malformed workspace snapshot: field {where!r} must be an object", where)
             doc_id = _field(x, "doc_id", str, where)
@@ -175,7 +189,7 @@ class Serialisation(Invariants):
                 raise SnapshotError(
                     f"malformed workspace snapshot: field '{where}.meta' must be an object", where
                 )
-            raw.append(
+            out.append(
                 RawDoc(
                     _field(x, "handle", str, where),
                     doc_id,
@@ -224,7 +238,7 @@ class Serialisation(Invariants):
             FILE: _int_field(counters, "cluster", "next_ids", low=1),
             DIRECTORY: _int_field(counters, "merge", "next_ids", low=1),
         }
-        ws = cls(raw, nodes, next_ids)
+        ws = cls(raw, nodes, next_ids, retired)
         errs = ws.check_invariants()
         if errs:
             raise SnapshotError("workspace snapshot breaks invariants: " + "; ".join(errs[:5]), "")

@@ -11,6 +11,10 @@ State (all of it immutable or persistent, so a snapshot shares everything):
 - `_order`: creation number (0, 1, ...) -> node id, an `immutables.Map` used as a persistent vector: the
   order of `nodes`, `to_json`, the manifest (an append is one `set`; ids are never removed).
 - `_next`: the next number per node kind (ids never repeat).
+- `_retired`: raw documents an update (`workspace.update`) took out of the corpus (removed, or replaced by a
+  new version under a new handle) that some synthetic node still cites: in `_raw_by_handle` (so headers and
+  provenance still name the path and hash a node was written from), but not in `_raw`, not listed, not
+  readable, not exported as files. Their text is not kept (""). Empty for every workspace built from scratch.
 - `_index_cache`: the synthetic part of the path index (`index.Index`), built on first use and then kept up
   to date by every action.
 
@@ -41,9 +45,11 @@ class WorkspaceState:
         raw: Sequence[RawDoc],
         nodes: dict[str, SyntheticNode] | None = None,
         next_ids: dict[str, int] | None = None,
+        retired: Sequence[RawDoc] = (),
     ):
         self._raw: tuple[RawDoc, ...] = tuple(raw)
-        self._raw_by_handle: dict[str, RawDoc] = {d.handle: d for d in self._raw}
+        self._retired: tuple[RawDoc, ...] = tuple(retired)
+        self._raw_by_handle: dict[str, RawDoc] = {d.handle: d for d in (*self._retired, *self._raw)}
         self._nodes: immutables.Map[str, SyntheticNode] = immutables.Map(nodes or {})
         self._order: immutables.Map[int, str] = immutables.Map(enumerate(nodes or {}))
         self._next = dict(next_ids or {FILE: 1, DIRECTORY: 1})
@@ -122,6 +128,11 @@ class WorkspaceState:
         return self._raw
 
     @property
+    def retired_docs(self) -> tuple[RawDoc, ...]:
+        """Raw documents an update took out that synthetic nodes still cite (see the module docstring)."""
+        return self._retired
+
+    @property
     def nodes(self) -> dict[str, SyntheticNode]:
         """All synthetic nodes (active and deleted) by id, in creation order (a copy)."""
         return dict(self._node_items())
@@ -161,6 +172,7 @@ class WorkspaceState:
         either copies only what it changes."""
         ws = type(self).__new__(type(self))
         ws._raw = self._raw
+        ws._retired = self._retired
         ws._raw_by_handle = self._raw_by_handle
         ws._nodes = self._nodes
         ws._order = self._order
@@ -178,6 +190,7 @@ class WorkspaceState:
             return NotImplemented
         return (
             self._raw == other._raw
+            and self._retired == other._retired
             and list(self._node_items()) == list(other._node_items())
             and self._next == other._next
         )
