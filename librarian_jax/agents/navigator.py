@@ -106,7 +106,6 @@ class _Reader:
 
     def call(self, name: str, **args: Any) -> str:
         """Runs one tool call as an LLM would: its reply tokens and its observation tokens are counted."""
-        tpl = self.template
         reply = f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': args})}{TOOL_CALL_CLOSE}"
         self.generated_tokens += len(self.ctx.encode(reply)) + 1  # + the end-of-turn id
         if name == SEARCH_TOOL.name:
@@ -116,13 +115,7 @@ class _Reader:
                 if h.path not in self.priority:
                     self.priority.append(h.path)
             text = render_hits(args["query"], hits)
-            obs = render_response(name, True, text)
-            role = getattr(tpl, "observation_role", "user")
-            self.prompt_tokens += len(tpl.turn(role, obs) + tpl.open_turn("assistant"))
-            self.turns += 1
-            self.actions.append(f"search {args['query']}")
-            self.see(text)
-            return text
+            return self._observe(text, render_response(name, True, text), f"search {args['query']}")
         if name == "list_files":
             r = self.ws.list_dir(args["path"])
             self.listed.add(args["path"])
@@ -136,10 +129,16 @@ class _Reader:
         obs = render_response(name, r.ok, text, r.code)
         if len(obs) > self.cfg.observation_max_chars:
             obs = obs[: self.cfg.observation_max_chars] + "\n[... observation truncated]"
+        return self._observe(text, obs, f"{name} {args['path']}")
+
+    def _observe(self, text: str, obs: str, action: str) -> str:
+        """Counts one observation turn (its tokens as the answerer's template writes them), records the
+        action and what the text shows; returns the text."""
+        tpl = self.template
         role = getattr(tpl, "observation_role", "user")
         self.prompt_tokens += len(tpl.turn(role, obs) + tpl.open_turn("assistant"))
         self.turns += 1
-        self.actions.append(f"{name} {args['path']}")
+        self.actions.append(action)
         self.see(text)
         return text
 
