@@ -222,6 +222,28 @@ def test_nll_loss_is_the_mean_negative_log_likelihood_of_the_loss_tokens():
     assert float(total / count) == 1.5 and float(sums["tis"]) == 2.0  # advantages and TIS play no part
 
 
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+_VALID_CONVERSATION = st.tuples(
+    st.one_of(st.none(), _TEXT),
+    st.lists(st.tuples(_TEXT, _TEXT), min_size=1, max_size=3),
+).map(lambda c: {"messages": ([{"role": "system", "content": c[0]}] if c[0] is not None else [])
+                 + [m for u, a in c[1] for m in ({"role": "user", "content": u},
+                                                 {"role": "assistant", "content": a})]})
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(_VALID_CONVERSATION, min_size=1, max_size=4))
+def test_well_formed_conversation_files_always_load(tmp_path_factory, convs):
+    """The other half of the hostile-file property below (which a loader refusing everything would pass):
+    every file of well-formed conversations loads, each conversation as written, and encodes."""
+    p = tmp_path_factory.mktemp("conv") / "c.jsonl"
+    p.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
+    loaded = sft.load_conversations(str(p))
+    assert loaded == convs
+    for c in loaded:
+        sft.encode_conversation(c["messages"], TPL, TOK)
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(st.one_of(
     st.binary(max_size=40),
