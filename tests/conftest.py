@@ -15,6 +15,7 @@ import pytest
 LONGEST_FIRST = (  # seconds of its tests in two full runs on 2 cores (tests/run.sh --durations, 2026-12-02)
     "test_learning_embedded.py",  # 212-243
     "test_multihost.py",  # 142-176: 3 launches of main, 2 processes each
+    "test_baselines.py",  # ~190 (2026-12-03): an embedder, a reranker and every baseline end to end
     "test_qwen3_5_moe.py",  # 95-97
     "test_engine.py",  # 76-88
     "test_rl_train.py",  # 60-73
