@@ -87,8 +87,10 @@ def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
     trainer = ts.Trainer(_model(), CONFIG)
     ck = checkpoint.Checkpointer(d, save_every=2, keep=3, async_save=False)
     assert not ck.save(1, params=trainer.params, opt_state=trainer.opt_state)  # not due
-    for step in (2, 4):
-        assert ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=jax.random.key(step),
+    saved = {}
+    for step in (2, 4):  # other params at each step, so a fall-back to the wrong one cannot pass
+        saved[step] = jax.tree.map(lambda x, s=step: x + s, trainer.params)
+        assert ck.save(step, params=saved[step], opt_state=trainer.opt_state, rng=jax.random.key(step),
                        data_state={"step": step})
     ck.wait()
     assert ck.steps() == [2, 4]
@@ -97,6 +99,8 @@ def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
         restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
     ck.close()
     assert restored.step == 2 and restored.data_state == {"step": 2}
+    for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(saved[2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert "checkpoint step 4" in caplog.text and "is damaged (params:" in caplog.text
     assert os.listdir(os.path.join(d, checkpoint.DAMAGED_DIR))[0].startswith("4.")
     np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(2)))
