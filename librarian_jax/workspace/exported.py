@@ -166,20 +166,25 @@ def _refs(x: dict[str, Any], key: str, table: dict[str, str], where: str) -> tup
     return tuple(out)
 
 
+def _raw_entry_path(x: Any, where: str) -> tuple[str, str]:
+    """(path, file name) of a manifest's raw-document entry `x` (current or retired): an object whose `path`
+    is `raw_docs/<safe name>`; anything else a SnapshotError naming `where`."""
+    if not isinstance(x, dict):
+        raise SnapshotError(f"field {where!r} must be an object", where)
+    path = _field(x, "path", str, where)
+    filename = path.removeprefix(RAW_DIR + "/")
+    if path != f"{RAW_DIR}/{filename}" or not P.is_safe_name(filename):
+        raise SnapshotError(f"field '{where}.path' must be {RAW_DIR}/<name>, got {R.short_repr(path)}", where)
+    return path, filename
+
+
 def _load(root: Path, m: dict[str, Any]) -> LoadedExport:
     raw: list[RawDoc] = []
     sha256: dict[str, str] = {}
     stale: dict[str, StaleDoc] = {}
     for i, x in enumerate(_field(m, "raw_docs", list, "")):
         where = f"raw_docs[{i}]"
-        if not isinstance(x, dict):
-            raise SnapshotError(f"field {where!r} must be an object", where)
-        path = _field(x, "path", str, where)
-        filename = path.removeprefix(RAW_DIR + "/")
-        if path != f"{RAW_DIR}/{filename}" or not P.is_safe_name(filename):
-            raise SnapshotError(
-                f"field '{where}.path' must be {RAW_DIR}/<name>, got {R.short_repr(path)}", where
-            )
+        path, filename = _raw_entry_path(x, where)
         want = _field(x, "sha256", str, where)
         data = read_inside(root, path)
         got = hashlib.sha256(data).hexdigest()
@@ -204,14 +209,7 @@ def _load(root: Path, m: dict[str, Any]) -> LoadedExport:
     retired: list[RawDoc] = []
     for i, x in enumerate(_field(m, "retired_raw_docs", list, "") if "retired_raw_docs" in m else []):
         where = f"retired_raw_docs[{i}]"
-        if not isinstance(x, dict):
-            raise SnapshotError(f"field {where!r} must be an object", where)
-        path = _field(x, "path", str, where)
-        filename = path.removeprefix(RAW_DIR + "/")
-        if path != f"{RAW_DIR}/{filename}" or not P.is_safe_name(filename):
-            raise SnapshotError(
-                f"field '{where}.path' must be {RAW_DIR}/<name>, got {R.short_repr(path)}", where
-            )
+        _, filename = _raw_entry_path(x, where)
         retired.append(RawDoc(
             _field(x, "handle", str, where), _field(x, "doc_id", str, where), _field(x, "title", str, where),
             _field(x, "url", str, where), "", _field(x, "sha256_16", str, where), filename,
