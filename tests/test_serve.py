@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mcp.client import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
@@ -333,3 +335,37 @@ def test_manifest_describes_every_raw_document(world: tuple[Workspace, Path]) ->
     for d, e in zip(w.raw_docs, m["raw_docs"], strict=True):
         assert (out / d.path).read_bytes() == d.text.encode()
         assert (e["title"], e["doc_id"], e["url"], e["sha256_16"]) == (d.title, d.doc_id, d.url, d.sha)
+
+
+_GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
+    st.text(max_size=60),
+    st.sampled_from(["..", "../outside/secret.txt", "/etc/passwd", "~", "planted", "planted.txt",
+                     "raw_docs/../../outside", "\x00", "README.md", "raw_docs", "."]),
+    st.lists(st.text(max_size=5), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+@pytest.fixture(scope="module")
+def served(world: tuple[Workspace, Path]) -> Any:
+    from librarian_jax.serve.tools import ServedWorkspace
+    from librarian_jax.workspace import load_export
+
+    return ServedWorkspace(load_export(world[1]))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(tool=st.sampled_from(["list_files", "read_file", "provenance", "search"]), a=_GARBAGE, b=_GARBAGE)
+def test_garbage_tool_arguments_answer_an_error_never_crash_or_escape(served, tool, a, b) -> None:
+    """Any JSON-ish arguments an agent sends reach the served tools (in process, the server's own
+    `ServedWorkspace`): each call returns a ToolOutput, an error when the arguments are bad, and no answer
+    ever shows the file planted outside the workspace."""
+    from librarian_jax.serve.tools import ToolOutput
+
+    out = {"list_files": lambda: served.list_files(a, b), "read_file": lambda: served.read_file(a, b),
+           "provenance": lambda: served.provenance(a), "search": lambda: served.search(a, b)}[tool]()
+    assert isinstance(out, ToolOutput) and isinstance(out.text, str) and out.text
+    assert out.ok or out.text.startswith("ERROR [")
+    assert "SECRET outside the workspace" not in out.text
+
