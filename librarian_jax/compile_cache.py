@@ -5,7 +5,17 @@ else `~/.cache/librarian_jax/jax_compilation_cache`); every program that took at
 compile is written there, keyed by its HLO, the compile options, the JAX/XLA version and the devices, and a
 later process that compiles the same program reads it back instead. The main command and the benches call it
 before compiling anything; `--compilation_cache_dir=none` (or the variable set to `none`) turns it off.
-Multi-host runs: each host keeps its own local directory.
+Multi-process runs: JAX writes entries from process 0 only, and on the CPU (and TPU) a program's key holds
+its device assignment, so the process-local engines of process 1, 2, ... (other devices, other keys) would
+miss the cache on every start. `enable` lets each process write the entries of programs that run on its own
+devices only (`_write_local_programs`); programs over every process's devices (the trainer's update) have
+one key for all and process 0 writes them, as JAX does. On GPU JAX strips the device assignment from the
+key, so every process already reads process 0's entries. Each host keeps its own local directory, or the
+processes share one.
+
+Every program is written (`min_compile_s=0` by default), however fast it compiled: a second run of the same
+config, or an evaluation of its run, then compiles nothing new (the main command's `done:` line says how many
+programs each process compiled and read back).
 
 `CompileClock` measures what compiling costs a run: it counts, from JAX's own monitoring events, the programs
 XLA compiled or read back from the persistent cache, and the seconds spent tracing, lowering and compiling
@@ -18,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from typing import Any
 
 import jax
 from absl import logging
@@ -34,13 +45,17 @@ def default_dir() -> str:
     )
 
 
-def enable(cache_dir: str | None = None, *, min_compile_s: float = 0.2) -> str | None:
+MIN_COMPILE_S = 0.0  # `enable`'s default: every program is written (JAX's default is 1 s)
+
+
+def enable(cache_dir: str | None = None, *, min_compile_s: float = MIN_COMPILE_S) -> str | None:
     """Turns the persistent compilation cache on at `cache_dir` (None: `default_dir()`).
 
     Args:
       cache_dir: directory for compiled programs (created if missing); "none" / "off" / "" turns it off.
-      min_compile_s: programs that compiled faster than this are not written (JAX's default is 1 s; the
-        embedded default's programs take 0.2-3 s each on a CPU, and together dominate its start-up).
+      min_compile_s: programs that compiled faster than this are not written (JAX's default is 1 s). The
+        default, 0, writes every program: the embedded default's hundreds of small programs take 0.01-3 s
+        each on a CPU and together dominate its start-up, and a restart should compile none of them.
     Returns:
       The directory in use, or None when off.
     """
@@ -56,8 +71,61 @@ def enable(cache_dir: str | None = None, *, min_compile_s: float = 0.2) -> str |
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _write_local_programs()
     logging.info("persistent compilation cache: %s", path)
     return path
+
+
+_local = threading.local()  # .devices_local: the program being compiled runs on this process's devices only
+_patched = False
+
+
+def _write_local_programs() -> None:
+    """Lets a process other than 0 write the cache entries of its process-local programs (see the module
+    docstring). JAX skips every write from such a process (`jax._src.compiler._cache_write`: write contention
+    on shared filesystems); a process-local program's key names its own devices, so no other process writes
+    it. Wraps two of JAX's internal functions once per process; a JAX without them keeps its own rule (a
+    warning says so)."""
+    global _patched
+    if _patched:
+        return
+    try:
+        from jax._src import compilation_cache as jax_cc
+        from jax._src import compiler
+        from jax._src import distributed as jax_dist
+
+        compile_or_get_cached, cache_write = compiler.compile_or_get_cached, compiler._cache_write
+        put = jax_cc.put_executable_and_time
+    except (ImportError, AttributeError) as e:  # pragma: no cover - another JAX's internals
+        logging.warning("compilation cache: processes other than 0 will not write entries (%s)", e)
+        _patched = True
+        return
+
+    def compile_or_get(backend: Any, computation: Any, devices: Any, *args: Any, **kwargs: Any) -> Any:
+        here = jax.process_index()
+        before = getattr(_local, "devices_local", False)
+        _local.devices_local = all(d.process_index == here for d in devices.flat)
+        try:
+            return compile_or_get_cached(backend, computation, devices, *args, **kwargs)
+        finally:
+            _local.devices_local = before
+
+    def write(cache_key: str, compile_time_secs: float, module_name: str, backend: Any, executable: Any,
+              host_callbacks: Any) -> None:
+        if (jax_dist.global_state.process_id in (0, None) or not getattr(_local, "devices_local", False)
+                or backend.platform == "gpu"):  # GPU: every process already shares process 0's keys
+            return cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if host_callbacks or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+            return None
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - as JAX's own write: a failed entry only warns
+            logging.warning("compilation cache: writing %s failed: %s: %s", module_name, type(e).__name__, e)
+        return None
+
+    compiler.compile_or_get_cached = compile_or_get
+    compiler._cache_write = write
+    _patched = True
 
 
 FLAG_HELP = ("JAX persistent compilation cache directory (a second run starts warm); default "
