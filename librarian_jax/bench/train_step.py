@@ -59,7 +59,6 @@ made only of such products runs at that ratio.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -72,7 +71,13 @@ from absl import app, flags
 from flax import nnx
 
 from librarian_jax import models
-from librarian_jax.bench.common import alternate_best, hf_causal_lm, load_average
+from librarian_jax.bench.common import (
+    alternate_best,
+    compile_abstract,
+    hf_causal_lm,
+    load_average,
+    make_batch,
+)
 from librarian_jax.rl import train_step as ts
 
 FLAGS = flags.FLAGS
@@ -101,19 +106,6 @@ flags.DEFINE_bool("compile_only", False, "lower the update from abstract shapes 
 flags.DEFINE_bool("transformers", True, "time transformers' forward + backward + AdamW beside ours "
                   "(mode full; needs torch and transformers)")
 flags.DEFINE_float("peak_tflops", 0.0, "the chip's peak for MFU, TFLOP/s (0 = measure a matmul)")
-
-
-def make_batch(vocab: int, rows: int, seq: int, seed: int = 0, loss_mask: str = "all"
-               ) -> dict[str, np.ndarray]:
-    """Random training rows `[rows, seq]`; the loss mask covers positions 1.. ("all") or the second half."""
-    rng = np.random.default_rng(seed)
-    mask = np.zeros((rows, seq), np.float32)
-    mask[:, 1 if loss_mask == "all" else seq // 2:] = 1.0
-    return {"tokens": rng.integers(0, vocab, (rows, seq)).astype(np.int32),
-            "valid": np.ones((rows, seq), bool), "loss_mask": mask,
-            "sampler_logprobs": np.full((rows, seq), -np.log(vocab), np.float32) * mask,
-            "advantages": (rng.normal(size=(rows, 1)) * mask).astype(np.float32),
-            "row_weights": np.ones((rows,), np.float32)}
 
 
 def model_config(preset: str) -> models.ModelConfig:
@@ -210,34 +202,6 @@ def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) 
         opt.step()
 
     return step
-
-
-def compile_abstract(model: nnx.Module, config: ts.TrainConfig, batch: dict[str, np.ndarray]
-                     ) -> dict[str, float]:
-    """Lowers and compiles the update of an abstract model (`nnx.eval_shape`) from shapes alone: params,
-    AdamW state and batch are `jax.ShapeDtypeStruct`s, so nothing of the model's size is allocated."""
-    config = ts._static_config(dataclasses.replace(config, remat=ts.remat_mode(config.remat)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    opt_state = jax.eval_shape(ts.make_optimizer(config.optim).init, params)
-    m = config.micro_batches
-    arrays = dict(batch)
-    if config.logits_chunk and config.logits_at == "loss":
-        mask = np.asarray(arrays["loss_mask"]) > 0
-        capacity = ts.positions_bucket(int(mask[:, 1:].sum(axis=1).max()), arrays["tokens"].shape[1])
-        if capacity:
-            arrays["positions"] = ts.loss_positions(arrays["loss_mask"], capacity)
-    device_batch = {k: jax.ShapeDtypeStruct((m, v.shape[0] // m, *v.shape[1:]), v.dtype)
-                    for k, v in arrays.items()}
-    t0 = time.perf_counter()
-    compiled = ts._update_step.lower(graphdef, config, None, params, opt_state, rest, None, device_batch,
-                                     jax.ShapeDtypeStruct((), jnp.float32)).compile()
-    out = {"compile_s": time.perf_counter() - t0}
-    stats = compiled.memory_analysis()
-    if stats is not None:
-        out["temp_gib"] = stats.temp_size_in_bytes / 2**30
-        out["peak_gib"] = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                           + stats.output_size_in_bytes - stats.alias_size_in_bytes) / 2**30
-    return out
 
 
 def train_config(remat: str, chunk: int, scan: bool, micro_rows: int) -> ts.TrainConfig:
