@@ -438,6 +438,34 @@ class Cluster:
     def write_protocol(self, path: str) -> str:
         return write_protocol(path, self.protocol())
 
+    def programs_ahead(self, rollout: Any) -> list[tuple[str, Any]]:
+        """`(name, compile)` pairs of every program of the engines the roles of `rollout` (a
+        `rollout.RolloutConfig`) decode with (`roles_on_engines`): each distinct engine once, named by its
+        roles (`Engine.programs_ahead`). What a run compiles ahead of time."""
+        used = roles_on_engines(rollout)
+        by_engine: dict[int, tuple[Any, list[str]]] = {}
+        for role, engine in self.engines.items():
+            if role in used:
+                by_engine.setdefault(id(engine), (engine, []))[1].append(role)
+        return [(f"{'+'.join(roles)} {name}", job) for engine, roles in by_engine.values()
+                for name, job in engine.programs_ahead()]
+
+
+def roles_on_engines(rollout: Any) -> set[str]:
+    """The roles whose work runs on an engine under `rollout` (a `rollout.RolloutConfig`): the policy always;
+    the answerer unless scripted, the executor when "model", compaction when "model", the judge with
+    `use_model_judge` (the embedded default's frozen roles are all model-free: only the policy decodes)."""
+    used = {POLICY}
+    if rollout.answerer.kind != "scripted":
+        used.add(ANSWERER)
+    if rollout.builder.executor == "model":
+        used.add(EXECUTOR)
+    if rollout.builder.compaction == "model":
+        used.add(COMPACTION)
+    if rollout.use_model_judge:
+        used.add(JUDGE)
+    return used
+
 
 def build_cluster(config: Any, tokenizer: Any, *, engine_mesh: Any, base: Any, policy: Any,
                   builder_weights: str | None = None, policy_slots: int = 0, policy_max_seq_len: int = 0,

@@ -25,9 +25,11 @@ its summary).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import threading
+import time
 from typing import Any
 
 import jax
@@ -239,3 +241,81 @@ class CompileClock:
 
     def since(self, before: CompileTotals) -> CompileTotals:
         return self.totals() - before
+
+
+# ------------------------------------------------------------------------------------- ahead of time
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadReport:
+    """What `Ahead` compiled: programs, wall seconds, worker threads, and the names of jobs that failed."""
+
+    programs: int = 0
+    seconds: float = 0.0
+    threads: int = 1
+    failed: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        bad = f", {len(self.failed)} failed ({', '.join(self.failed[:3])})" if self.failed else ""
+        return f"{self.programs} programs in {self.seconds:.1f}s on {self.threads} threads{bad}"
+
+
+def ahead_threads() -> int:
+    """Worker threads for compiling ahead: the cores but one (the main thread goes on with its work), at
+    least 1, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+class Ahead:
+    """Compiles `jobs` ((name, compile) pairs, e.g. `Engine.programs_ahead`) on `threads` worker threads, in
+    the background: the caller goes on, and a program it calls while a worker compiles it waits for that
+    compile instead of compiling it twice (JAX's caches). XLA compiles with the GIL released.
+
+        ahead = Ahead(jobs).start()
+        ...                                   # the run's own work
+        report = ahead.wait()                 # an AheadReport; logged when the last job ends
+
+    A job that raises is logged and named in the report; the others still run (the run itself then compiles
+    that program when it calls it, and reports its error there)."""
+
+    def __init__(self, jobs: list[tuple[str, Any]], threads: int | None = None, what: str = "programs"):
+        self.jobs = list(jobs)
+        self.threads = max(1, int(threads or ahead_threads()))
+        self.what = what
+        self._report: AheadReport | None = None
+        self._thread = threading.Thread(target=self._run, name="compile-ahead", daemon=True)
+
+    def start(self) -> Ahead:
+        self._thread.start()
+        return self
+
+    def run(self) -> AheadReport:
+        """Compiles every job here, now (no background thread)."""
+        self._run()
+        assert self._report is not None
+        return self._report
+
+    def wait(self) -> AheadReport:
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        return self._report or AheadReport(threads=self.threads)
+
+    def _one(self, job: tuple[str, Any]) -> str | None:
+        name, fn = job
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported; the run compiles it itself when it calls it
+            logging.warning("compiling ahead %s failed: %s: %s", name, type(e).__name__, e)
+            return name
+        return None
+
+    def _run(self) -> None:
+        t = time.perf_counter()
+        if self.threads == 1:
+            failed = [n for n in map(self._one, self.jobs) if n]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="compile") as pool:
+                failed = [n for n in pool.map(self._one, self.jobs) if n]
+        self._report = AheadReport(len(self.jobs) - len(failed), time.perf_counter() - t, self.threads,
+                                   tuple(failed))
+        logging.info("compiled ahead: %s (%s)", self._report.line(), self.what)

@@ -51,7 +51,7 @@ RETRIEVAL_INDEXES = ("bm25", "embedding")  # what `rerank` re-scores and `agenti
 RETRIEVAL_INSTRUCTION = "Given a question, retrieve passages of the documents that answer it"
 EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
 ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps",
-                       "scan_layers")
+                       "scan_layers", "compile_ahead")
 
 
 class ConfigError(ValueError):
@@ -334,6 +334,9 @@ class RolloutSection(Section):
     # (`Engine(scan_layers=True)`): each program compiles each distinct layer once (CPU, 36 layers: decode
     # 2.2x, prefill 4x faster to compile), but the CPU decode step runs slower (BENCHMARKS.md)
     scan_layers: bool = spec(False)
+    # at start, every program of the engines the run decodes with is compiled on worker threads, beside the
+    # run's own work (`compile_cache.Ahead`, `cluster.Cluster.programs_ahead`)
+    compile_ahead: bool = spec(True)
     config: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     @classmethod

@@ -29,6 +29,8 @@ from librarian_jax.rl.train_step import NonFiniteUpdates
 if "config" not in flags.FLAGS:
     config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/grpo.py[:preset].")
     flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
+    flags.DEFINE_bool("compile", False, "With --dry_run (GRPO): also build the run and compile its engines' "
+                      "programs into the persistent compilation cache, then exit (warms a cache).")
 compile_cache.define_flag()
 
 
@@ -76,7 +78,14 @@ def main(argv: list[str]) -> None:
         if command not in COMMANDS:
             raise config_validation.ConfigError(
                 f"config.command: must be one of {list(COMMANDS)}, got {command!r}")
-        _command(command)(config, dry_run=flags.FLAGS.dry_run)
+        extra = {}
+        if flags.FLAGS.compile:
+            if command != "train" or not flags.FLAGS.dry_run:
+                raise config_validation.ConfigError(
+                    "--compile: only with --dry_run, for the train command (configs/grpo.py); a run "
+                    "compiles its engines' programs ahead itself (rollout.compile_ahead)")
+            extra["compile_programs"] = True
+        _command(command)(config, dry_run=flags.FLAGS.dry_run, **extra)
     except (config_validation.ConfigError, HFLoadError, NonFiniteUpdates) as e:
         # a bad setting or file, or a run whose updates keep failing: one line naming it, exit 2
         logging.error("%s", e)

@@ -13,8 +13,11 @@ one). The run's protocol (every role's weights, template, context and sampling) 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -287,6 +290,10 @@ def run(config: Any) -> dict[str, Any]:
         storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     state = build(config)
+    # every program of the engines the run decodes with, compiled on worker threads beside the run's own
+    # work (a program the run calls meanwhile waits for its compile rather than compiling it twice)
+    ahead = compile_cache.Ahead(state.cluster.programs_ahead(state.rollout_config), what="engines").start() \
+        if config.rollout.compile_ahead else None
     if primary:
         inputs.write_split(workdir, state.train_tasks, state.heldout, config)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
@@ -350,19 +357,39 @@ def run(config: Any) -> dict[str, Any]:
                 workdir, config.eval.final_methods, name="final_sampled", samples=config.eval.final_samples,
                 builder_temperature=float(config.rollout.builder.temperature))
     totals["final_eval_s"] = time.perf_counter() - t_eval
+    ahead_report = ahead.wait() if ahead is not None else None
     wall = time.perf_counter() - t_start
     compiled = compile_cache.CompileClock.get().since(compiled_before)  # this process's, warm start included
+    by_process = compile_by_process(compiled)
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
-               "compile": compiled.as_dict(),
+               "compile": {**compiled.as_dict(), "by_process": by_process,
+                           "ahead": dataclasses.asdict(ahead_report) if ahead_report else None},
                "reward_curve": learning, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "initial_eval": _finite(initial), "metrics": _finite(metrics)}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
-                 "compiling %s)", start + 1, state.step, wall, totals["rollout_s"], totals["update_s"],
-                 totals["eval_s"], compiled.line() or "nothing")
+                 "compiling %s; %s%s)", start + 1, state.step, wall, totals["rollout_s"], totals["update_s"],
+                 totals["eval_s"], compiled.line() or "nothing", compile_line(by_process),
+                 f"; ahead: {ahead_report.line()}" if ahead_report else "")
     if primary:
         storage.write_text(storage.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
+
+
+def compile_by_process(compiled: compile_cache.CompileTotals) -> list[dict[str, int]]:
+    """Every process's programs compiled anew and read from the persistent cache (one entry per process,
+    in process order; a collective in a multi-process run)."""
+    mine = {"compiled": compiled.programs - compiled.cache_hits, "from_cache": compiled.cache_hits}
+    return distributed.allgather_json(mine) if distributed.is_multi() else [mine]
+
+
+def compile_line(by_process: list[dict[str, int]]) -> str:
+    """`programs compiled / from the cache by process: 0: 3/57, 1: 0/58` (one process: `... 3/57`)."""
+    parts = [f"{d['compiled']}/{d['from_cache']}" for d in by_process]
+    if len(parts) == 1:
+        return f"programs compiled / from the cache: {parts[0]}"
+    return "programs compiled / from the cache by process: " + ", ".join(
+        f"{i}: {p}" for i, p in enumerate(parts))
 
 
 def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict[str, Any]:
@@ -426,10 +453,39 @@ def evaluate(run: Run, seed: int) -> dict[str, float]:
     return metrics
 
 
-def train_command(config: Any, dry_run: bool = False) -> None:
-    """`main --config=configs/grpo.py`: validate; with `dry_run` print what would run (the role table)."""
+def train_command(config: Any, dry_run: bool = False, compile_programs: bool = False) -> None:
+    """`main --config=configs/grpo.py`: validate; with `dry_run` print what would run (the role table); with
+    `compile_programs` too (`--dry_run --compile`) build the run and compile its engines' programs into the
+    persistent compilation cache, then exit (`compile_ahead`)."""
     config_validation.validate(config)
     if dry_run:
         print(describe(config))  # noqa: T201 - the CLI's answer
+        if compile_programs:
+            before = compile_cache.CompileClock.get().totals()
+            report = compile_ahead(config)
+            spent = compile_cache.CompileClock.get().since(before)
+            print(f"compiled ahead: {report.line()} (the engines' programs); this process: "  # noqa: T201
+                  f"{spent.programs - spent.cache_hits} programs compiled, {spent.cache_hits} from the "
+                  "persistent cache")
         return
     run(config)
+
+
+def compile_ahead(config: Any) -> compile_cache.AheadReport:
+    """`--dry_run --compile`: builds `config`'s run (tasks, tokenizer, cluster, trainer; the warm start's
+    model as its preset's random weights, which give the same programs; a tokenizer, if one is trained, in a
+    temporary directory, not the workdir) and compiles every program of the engines it decodes with, on
+    every core but one, into the persistent compilation cache, so a later run (or another process on the
+    same cache) starts with them compiled. The train step's programs are not among them: each depends on a
+    step's rows (a sequence bucket and a loss-position bucket), known after a rollout."""
+    c = copy.deepcopy(config)
+    with c.unlocked(), tempfile.TemporaryDirectory(prefix="librarian_jax_compile_") as tmp:
+        if c.warm_start.enabled:
+            c.warm_start.enabled = False  # same architecture: the preset's
+        c.workdir = tmp
+        config_validation.validate(c)
+        state = build(c)
+        jobs = state.cluster.programs_ahead(state.rollout_config)
+        logging.info("compiling %d programs of the run's engines ahead", len(jobs))
+        return compile_cache.Ahead(jobs, threads=os.cpu_count() or 1, what="engines, --dry_run --compile"
+                                   ).run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -166,3 +167,31 @@ def test_every_process_writes_and_reads_its_own_programs(tmp_path):
     for pid in (0, 1):
         assert second[pid]["programs"] == first[pid]["programs"], (pid, first, second)
         assert second[pid]["hits"] == second[pid]["programs"], (pid, second)  # nothing compiled anew
+
+
+def _dry_run_compile(cache_dir: str) -> tuple[int, int, str]:
+    """`main --config=configs/grpo.py --dry_run --compile` in a fresh process: (programs it compiled, read
+    from the persistent cache, its output)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py", "--dry_run",
+                          "--compile", f"--compilation_cache_dir={cache_dir}"], cwd=root,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"compiled ahead: (\d+) programs .*this process: (\d+) programs compiled, (\d+) from the "
+                  r"persistent cache", out.stdout)
+    assert m, out.stdout[-3000:]
+    assert int(m.group(1)) >= 40, out.stdout  # the policy engine's prefill buckets x slots x lengths, decode
+    return int(m.group(2)), int(m.group(3)), out.stdout
+
+
+def test_a_second_process_compiles_none_of_the_embedded_defaults_programs(tmp_path):
+    """`--dry_run --compile` builds the embedded default's run and compiles its engines' programs (every
+    prefill bucket and slot count and decode length of the policy engine: its frozen roles are model-free)
+    into the cache; a second process doing the same on that cache compiles nothing and reads every program
+    back (red with JAX's own cache threshold: its programs under 1 s would be compiled again)."""
+    cache_dir = str(tmp_path / "cache")
+    compiled, hits, _ = _dry_run_compile(cache_dir)
+    assert compiled >= 40 and hits == 0, (compiled, hits)
+    again, hits_again, text = _dry_run_compile(cache_dir)
+    assert again == 0 and hits_again >= compiled, text[-2000:]

@@ -491,3 +491,38 @@ def test_generate_prefill_chunk_fits_the_prompt():
     assert _generate_buckets(17) == (32,)
     assert _generate_buckets(512) == (512,)
     assert _generate_buckets(513) == DEFAULT_PREFILL_BUCKETS
+
+
+def test_compile_ahead_leaves_the_engine_nothing_to_compile(qwen):
+    """`Engine.compile_ahead` (what a run does at start, `rollout.compile_ahead`) compiles every program the
+    engine can run from abstract arguments: afterwards sessions of every length, slot count and prefix
+    sharing compile nothing (red if `programs_ahead` leaves out a prefill slot bucket, an attended length,
+    the decode round or the copy program)."""
+    from librarian_jax.compile_cache import CompileClock
+
+    # max_seq_len 1024: attended lengths all / 512; 4 slots: prefill rows 1, 2 and all; prefix sharing on
+    engine = Engine(qwen, num_slots=4, max_seq_len=1024, round_steps=8, prefill_buckets=(8, 32),
+                    share_prefix=8)
+    jobs = engine.programs_ahead()
+    names = [n for n, _ in jobs]
+    assert len(names) == len(set(names)) == 2 * (2 * 3 + 1) + 3, names  # (chunks x rows + decode) x lens
+    report = engine.compile_ahead(threads=2)
+    assert report.programs == len(jobs) and not report.failed
+    clock = CompileClock.get()
+    before = clock.totals()
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(1, 100, 20).tolist()
+    # shared prefixes (copy), one and several rows, short and past-512 contexts, turns that continue
+    sessions = [engine.new_session(prefix + rng.integers(1, 100, n).tolist()) for n in (3, 5, 40)]
+    for s in sessions:
+        engine.submit(s, 12)
+    engine.run_until_done()
+    long = engine.new_session(rng.integers(1, 100, 600).tolist())
+    engine.submit(long, 20)
+    engine.run_until_done()
+    engine.append(sessions[0], [5, 6, 7])
+    engine.submit(sessions[0], 4)
+    engine.run_until_done()
+    assert clock.since(before).programs == 0, clock.since(before)
+    for s in [*sessions, long]:
+        s.close()

@@ -30,7 +30,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from librarian_jax import models
+from librarian_jax import compile_cache, models
 from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
@@ -128,6 +128,13 @@ def _layer_stacker(graphdef: nnx.GraphDef, plan: ScanPlan, shardings: tuple,
         return stack_layers(list(nnx.merge(graphdef, state).layers), plan).states
 
     return jax.jit(stack, out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def _abstract(x: Any) -> Any:
+    """A device array's shape, dtype and sharding (``jax.ShapeDtypeStruct``), for lowering ahead of time."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
 
 
 def _mesh_of(state: Any) -> Mesh:
@@ -262,6 +269,7 @@ class Engine:
             config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
             self._plan,
         )()
+        self._cache_spec = jax.tree.map(_abstract, self.cache)  # what `programs_ahead` lowers with
 
         self.processed_logprobs = bool(processed_logprobs)
         self.share_prefix = int(share_prefix)
@@ -460,6 +468,48 @@ class Engine:
             )
             jax.block_until_ready(out)
         return time.perf_counter() - t
+
+    def programs_ahead(self) -> list[tuple[str, Callable[[], Any]]]:
+        """Every program this engine can run, as ``(name, compile)`` pairs: ``compile()`` lowers and compiles
+        that program for the engine's shapes from abstract arguments (``jax.ShapeDtypeStruct``s with the
+        params' and cache's shardings), so nothing runs and no buffer is touched: another thread may use the
+        engine meanwhile. Once compiled, the engine's own call of the program compiles nothing (JAX's
+        in-memory caches), and the persistent compilation cache keeps it for later processes.
+
+        The set: per attended cache length (``models.cache.live_lens``), each prefill chunk bucket at every
+        slot-count bucket (``prefill_all`` for all slots, ``prefill`` for fewer) and the decode round; and the
+        slot-copy program of prefix sharing at each slot-count bucket. ``warmup`` runs the same prefill and
+        decode programs."""
+        params = jax.tree.map(_abstract, self._program_params)
+        cache, n, out = self._cache_spec, self.num_slots, []
+        p = self._programs
+
+        def job(fn: Any, *args: Any, **kw: Any) -> Callable[[], Any]:
+            return lambda: fn.lower(*args, **kw).compile()
+
+        for live in live_lens(self.capacity):
+            at = "all" if live is None else live
+            for chunk in self.prefill_buckets:
+                out.append((f"prefill_all[{n}x{chunk}, attend {at}]",
+                            job(p.prefill_all, params, cache, *self._idle_prefill_all_args(chunk),
+                                attend_len=live)))
+                for k in self._slot_buckets[:-1]:
+                    args = (np.zeros((k,), np.int32), np.zeros((k, chunk), np.int32),
+                            np.zeros((k, chunk), bool), np.zeros((k,), bool))
+                    out.append((f"prefill[{k}x{chunk}, attend {at}]",
+                                job(p.prefill, params, cache, *args, attend_len=live)))
+            out.append((f"decode[{n}, attend {at}]",
+                        job(p.decode, params, cache, *self._idle_decode_args(), attend_len=live)))
+        if self.share_prefix >= 1:
+            for k in self._slot_buckets:
+                ids = np.zeros((k,), np.int32)
+                out.append((f"copy[{k}]", job(self._copy, cache, ids, ids)))
+        return out
+
+    def compile_ahead(self, threads: int = 1) -> compile_cache.AheadReport:
+        """Compiles every program of ``programs_ahead`` now, on ``threads`` threads
+        (``compile_cache.Ahead``). Safe beside other work on the engine."""
+        return compile_cache.Ahead(self.programs_ahead(), threads, "engine").run()
 
     def reset_stats(self) -> None:
         self.stats = []
