@@ -12,6 +12,14 @@ import os
 
 import pytest
 
+from librarian_jax import compile_cache
+
+# tests/run.sh gives the suite one persistent compilation cache (a new directory each run): the workers use
+# it too, so a program one test compiled is read back by another test, in this worker, the other one or a
+# process a test starts (which finds it through the same variable)
+if os.environ.get(compile_cache.ENV):
+    compile_cache.enable()
+
 LONGEST_FIRST = (  # seconds of its tests in two full runs on 2 cores (tests/run.sh --durations, 2026-12-02)
     "test_learning_embedded.py",  # 212-243
     "test_multihost.py",  # 142-176: 3 launches of main, 2 processes each

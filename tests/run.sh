@@ -11,4 +11,10 @@ export JAX_PLATFORMS=cpu
 # optimisation (the same HLO passes, less LLVM work; results unchanged). The run-time-bound embedded learning
 # test turns it back off for itself. JAX_DISABLE_MOST_OPTIMIZATIONS=0 compiles everything fully.
 export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
-exec "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@"
+# One persistent compilation cache for the whole suite, new each run: both workers and every process a test
+# starts (commands, launches) read what another test already compiled (tests/conftest.py turns it on in the
+# workers). A test that measures the cache itself passes its own directory.
+SUITE_TMP="$(mktemp -d)"
+trap 'rm -rf "$SUITE_TMP"' EXIT
+export LIBRARIAN_JAX_COMPILATION_CACHE="${LIBRARIAN_JAX_SUITE_CACHE:-$SUITE_TMP/jax_compilation_cache}"
+"$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@"
