@@ -387,6 +387,9 @@ class OptimSection(Section):
     # once, not once per layer (same values); pays on deep models (CPU: 36 layers compile 2.3x faster), not on
     # the 4-6 layer CPU presets (BENCHMARKS.md)
     scan_layers: bool = spec(False)
+    # models with at least this many decoder layers scan them anyway (0 = only with scan_layers): on the CPU
+    # the scanned step compiles faster from ~8 layers and steps as fast from 16 (rl.TrainConfig)
+    scan_min_layers: int = spec(16, lo=0)
     max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
     # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never
     max_skipped_in_a_row: int = spec(3, lo=0)
@@ -428,7 +431,8 @@ class TrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs=self.old_logprobs,
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers, moe_aux_loss_coef=self.moe_aux_loss_coef,
+            scan_layers=self.scan_layers, scan_min_layers=self.scan_min_layers,
+            moe_aux_loss_coef=self.moe_aux_loss_coef,
             max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
@@ -449,7 +453,8 @@ class SFTTrainSection(OptimSection):
             optim=self.optim_config(), micro_batches=self.micro_batches,
             micro_batch_rows=self.micro_batch_rows, old_logprobs="trainer",
             remat=self.remat, logits_chunk=self.logits_chunk, logits_at=self.logits_at,
-            scan_layers=self.scan_layers, max_skipped_in_a_row=self.max_skipped_in_a_row)
+            scan_layers=self.scan_layers, scan_min_layers=self.scan_min_layers,
+            max_skipped_in_a_row=self.max_skipped_in_a_row)
 
 
 # ------------------------------------------------------------------------------------------- the rest

@@ -211,3 +211,23 @@ def test_scan_layers_key():
     msg = "config.train.scan_layers: must be True or False"
     with pytest.raises(config_schema.ConfigError, match=msg):
         config_schema.TrainSection.parse({"scan_layers": "no"}, "config.train")
+
+
+def test_deep_models_scan_by_default():
+    """`train.scan_min_layers` (default 16, from `bench.compile`'s measurements): a model with at least that
+    many layers trains scanned though `scan_layers` is False, a shallower one runs the loop, 0 never scans by
+    depth, and `scan_layers=True` scans any depth (red when the Trainer ignores the threshold)."""
+    assert ts.TrainConfig().scan_min_layers == 16
+    shallow = models.Transformer(config("qwen3", 2), rngs=nnx.Rngs(0))
+    assert ts.Trainer(shallow, ts.TrainConfig(scan_min_layers=2)).config.scan_layers is True
+    assert ts.Trainer(shallow, ts.TrainConfig(scan_min_layers=3)).config.scan_layers is False
+    assert ts.Trainer(shallow, ts.TrainConfig(scan_min_layers=0)).config.scan_layers is False
+    assert ts.Trainer(shallow, ts.TrainConfig(scan_layers=True, scan_min_layers=0)).config.scan_layers is True
+    with pytest.raises(ValueError, match="train.scan_min_layers: must be an integer >= 0"):
+        ts.Trainer(shallow, ts.TrainConfig(scan_min_layers=-1))
+    from configs import grpo
+    from librarian_jax import config_schema
+
+    c = grpo.get_config()
+    c.train.scan_min_layers = 2
+    assert config_schema.schema_for(c).parse(c).train.trainer_config(1.0).scan_min_layers == 2

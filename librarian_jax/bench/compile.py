@@ -32,7 +32,6 @@ preset after a compile that took longer.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -118,7 +117,8 @@ def train_cases(model: nnx.Module, scans: list[bool]) -> dict[bool, dict[str, fl
     batch = make_batch(model.config.vocab_size, FLAGS.rows, FLAGS.seq)
     trainers, out = {}, {}
     for scan in scans:
-        trainers[scan] = ts.Trainer(model, ts.TrainConfig(scan_layers=scan, logits_chunk=1024))
+        config = ts.TrainConfig(scan_layers=scan, scan_min_layers=0, logits_chunk=1024)
+        trainers[scan] = ts.Trainer(model, config)
         t0 = time.perf_counter()
         trainers[scan].memory_analysis(batch)  # lowers and compiles the update (cached for `update`)
         out[scan] = {"compile_s": time.perf_counter() - t0}
@@ -238,7 +238,7 @@ def run() -> None:
                 print("  (rest skipped: --abstract_timeout_s)")  # noqa: T201
                 break
             model = nnx.eval_shape(lambda config=config: models.Transformer(config, rngs=nnx.Rngs(0)))
-            tc = dataclasses.replace(ts.TrainConfig(scan_layers=scan, logits_chunk=1024), remat="full")
+            tc = ts.TrainConfig(scan_layers=scan, scan_min_layers=0, logits_chunk=1024, remat="full")
             r = compile_abstract(model, tc, make_batch(config.vocab_size, FLAGS.rows, FLAGS.seq))
             print(f"  train step [{FLAGS.rows}, {FLAGS.seq}] full fine-tuning, remat full, scan "  # noqa: T201
                   f"{'on ' if scan else 'off'}: lower + compile {r['compile_s']:.1f}s | "

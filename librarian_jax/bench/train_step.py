@@ -207,7 +207,7 @@ def transformers_step(config: models.ModelConfig, batch: dict[str, np.ndarray]) 
 def train_config(remat: str, chunk: int, scan: bool, micro_rows: int) -> ts.TrainConfig:
     """The timed update's config: the flags' micro-batching and one case's settings."""
     return ts.TrainConfig(micro_batches=FLAGS.micro_batches, micro_batch_rows=micro_rows, remat=remat,
-                          logits_chunk=chunk, scan_layers=scan)
+                          logits_chunk=chunk, scan_layers=scan, scan_min_layers=0)
 
 
 def programs() -> int:

@@ -96,10 +96,13 @@ class TrainConfig:
     # `models.Transformer` policies: run the decoder layers that repeat a pattern under one `lax.scan`
     # (`Transformer.hidden(scan_layers=True)`: params stacked inside the trace, layout unchanged), so the step
     # compiles each distinct layer once instead of once per layer; same loss and gradients as the loop.
-    # Off by default: on XLA:CPU it pays only for deep models (36 tiny-width layers at 8 x 1152: compile
-    # 118 -> 52 s, temporaries 11.2 -> 3.8 GiB), while the 4-6 layer presets compile no faster and step
-    # 10-17% slower (BENCHMARKS.md, "Compile time: scan over layers").
+    # True: always; False: from `scan_min_layers` layers on (BENCHMARKS.md, "Compile once").
     scan_layers: bool = False
+    # a model with at least this many decoder layers scans them even with `scan_layers` False (0 = never by
+    # depth): on XLA:CPU the scanned step compiles faster from ~8 layers on and runs as fast from 16 (36
+    # tiny-width layers at 8 x 1152: compile 118 -> 52 s, temporaries 11.2 -> 3.8 GiB), while the 4-6 layer
+    # presets compile no faster scanned (`python -m librarian_jax.bench.compile`)
+    scan_min_layers: int = 16
     # > 0: every micro-batch holds this many rows per data-parallel shard and a step runs as many
     # micro-batches as its rows need (a host loop over one compiled program; `micro_batches` is then unused),
     # so a new row count compiles nothing; 0: the step's rows split into `micro_batches` equal micro-batches
@@ -331,6 +334,12 @@ class Trainer:
             raise ValueError(f"train.micro_batch_rows: must be an integer >= 0 (0 = off), got {rows!r}")
         if not isinstance(config.scan_layers, bool):
             raise ValueError(f"train.scan_layers: must be a bool, got {config.scan_layers!r}")
+        depth = config.scan_min_layers
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"train.scan_min_layers: must be an integer >= 0 (0 = never), got {depth!r}")
+        layers = getattr(model, "layers", None)
+        if not config.scan_layers and depth and layers is not None and len(layers) >= depth:
+            config = dataclasses.replace(config, scan_layers=True)  # deep: the scan compiles once per layer
         if chunk and not callable(getattr(model, "hidden", None)):
             raise ValueError(f"train.logits_chunk={chunk} needs a model with hidden()/project() "
                              f"({type(model).__name__} has none); set it to 0")
