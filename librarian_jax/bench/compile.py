@@ -142,7 +142,9 @@ def abstract_decode(config: models.ModelConfig, batch: int, scan: bool) -> tuple
     if plan is not None:
         cache = jax.eval_shape(lambda: stack_cache(models.init_cache(config, batch, capacity), plan.period,
                                                    plan.periods))
-        params = (state, jax.eval_shape(lambda: stack_layers(list(model.layers), plan).states))
+        stacked = jax.eval_shape(lambda st: stack_layers(list(nnx.merge(graphdef, st).layers), plan).states,
+                                 state)
+        params = (state, stacked)
     programs = slot_programs.programs(graphdef, None, capacity, 32, False, plan is not None)
     zi = jax.ShapeDtypeStruct((batch,), jnp.int32)
     zf = jax.ShapeDtypeStruct((batch,), jnp.float32)
@@ -222,7 +224,7 @@ def run() -> None:
         if results:
             _table(part, results, scans)
     for preset in FLAGS.abstract_presets:
-        config = _config(preset)
+        config = models.get_preset(preset)  # its own dtypes (bf16 for the 4B presets): what a GPU compiles
         print(f"\n{preset} ({config.num_layers} layers, hidden {config.hidden_size}, {config.dtype}), "  # noqa: T201
               "from abstract shapes:", flush=True)
         skip = False
