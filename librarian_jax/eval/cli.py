@@ -26,12 +26,23 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from librarian_jax import cluster, config_schema, config_validation, data, inputs, models, storage, tokenizers
+from librarian_jax import (
+    cluster,
+    config_schema,
+    config_validation,
+    data,
+    distributed,
+    inputs,
+    models,
+    storage,
+    tokenizers,
+)
 from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
+from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
 BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
@@ -387,7 +398,7 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 
 def _rollout_config(plan: Plan, models_: Models) -> Any:
     """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
-    return pipeline.eval_rollout_config(config_validation.rollout_config(models_.config),
+    return rjobs.eval_config(config_validation.rollout_config(models_.config),
                                         builder_temperature=plan.config.builder_temperature,
                                         answer_temperature=plan.config.get("answer_temperature", 0.0))
 
@@ -396,8 +407,8 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records).
 
     Multi-process (every process calls it): each process builds and answers only its contiguous share of
-    the held-out corpora (`pipeline.share`, uneven or empty shares included) on its process-local engines;
-    the per-question records are gathered in the order of a single-process run (`pipeline.gather_sections`;
+    the held-out corpora (`distributed.share`, uneven or empty shares included) on its process-local engines;
+    the per-question records are gathered in the order of a single-process run (`distributed.gather_sections`;
     no seed depends on the split), every process analyses all of them (the same results everywhere), and
     process 0 exports the workspaces and writes the one report. Timing entries are the slowest process's.
     Every process still loads every builder (restores are collectives), even with an empty share."""
@@ -405,7 +416,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     t_start = time.perf_counter()
     tasks, split_source = heldout_tasks(plan)
     corpora = [t.task_id for t in tasks]
-    part = pipeline.share(len(tasks))
+    part = distributed.share(len(tasks))
     mine = tasks[part]
     logging.info(
         "eval: process %d of %d builds and answers corpora [%d, %d) of %d",
@@ -434,16 +445,16 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     repeats = c.samples if one_build else 1
     # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
     # processes' records of a section, concatenated in process order, are that section's records
-    sections: list[tuple[str, list[pipeline.Job]]] = []
-    built_by: dict[str, list[pipeline.Built]] = {}
+    sections: list[tuple[str, list[rjobs.Job]]] = []
+    built_by: dict[str, list[rjobs.Built]] = {}
     timing = {"load_s": t_load - t_start}
     for label in plan.methods:
         if label in baselines.METHODS:
             continue
         t0 = time.perf_counter()
-        pipeline.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
+        distributed.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
         models.set_policy(models.builder(label, plan))
-        built = pipeline.build_workspaces(
+        built = rjobs.build_workspaces(
             label,
             mine,
             models.engines,
@@ -458,12 +469,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             start=part.start,
         )
         built_by[label] = built
-        sections.append((f"build/{label}", [
-            pipeline.Job(
-                label, b.task, b.workspace, repeats, b.construction_tokens, b.episode, failed=b.failed
-            )
-            for b in built
-        ]))
+        sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
     # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
     base_jobs, constructed, retrieval_models = baselines.baseline_sections(
@@ -471,17 +477,17 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     built_by.update(constructed)
     sections.append(("baselines", base_jobs))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
-    variants: list[pipeline.Job] = []
+    variants: list[rjobs.Job] = []
     for b in built_by.get("trained", []):
         if ablation and b.episode == 0:
             flat = b.workspace.flattened() if b.workspace is not None else None
             shuf = b.workspace.shuffled(c.ablation.shuffle_seed) if b.workspace is not None else None
             for name, ws in (("flattened", flat), ("shuffled", shuf)):
-                variants.append(pipeline.Job(name, b.task, ws, 1, b.construction_tokens, failed=b.failed))
+                variants.append(rjobs.Job.of(b, 1, method=name, workspace=ws))
     sections.append(("ablation", variants))
     jobs = [j for _, js in sections for j in js]
     t0 = time.perf_counter()
-    answers = pipeline.answer_jobs(
+    answers = rjobs.answer_jobs(
         jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed, reset=models.reset,
         progress=progress,
     )
@@ -505,9 +511,9 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             for b in bs
             if b.episode == 0 and b.workspace is not None
         ]))
-    gathered = pipeline.gather_sections(shares, "execute")
+    gathered = distributed.gather_sections(shares, "execute")
     records = [r for name, _ in own for r in gathered[name]]
-    timing = pipeline.slowest(gathered["timing"])
+    timing = distributed.slowest(gathered["timing"])
     results = report.analyse(
         records,
         plan.methods + ablation,
@@ -551,10 +557,10 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         if root != storage.join(plan.out_dir, "workspaces"):
             logging.info("workspaces of %s exported locally to %s", plan.out_dir, root)
         by_id = {t.task_id: t for t in tasks}
-        firsts: dict[str, list[pipeline.Built]] = {m: [] for m in built_by}
+        firsts: dict[str, list[rjobs.Built]] = {m: [] for m in built_by}
         for m, task_id, snap in gathered["workspaces"]:
             task = by_id[task_id]
-            firsts[m].append(pipeline.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
+            firsts[m].append(rjobs.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
         results["workspaces"] = export_workspaces(root, firsts)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
@@ -565,7 +571,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     return results, records
 
 
-def export_workspaces(root: str, built_by: dict[str, list[pipeline.Built]]) -> dict[str, int]:
+def export_workspaces(root: str, built_by: dict[str, list[rjobs.Built]]) -> dict[str, int]:
     """Each method's first construction of each corpus, exported under `root/<method>/<corpus>/`."""
     if os.path.isdir(root) and not os.path.islink(root):
         shutil.rmtree(root)
@@ -716,12 +722,12 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
                      start.changes.counts(), len(start.stale))
         task = dataclasses.replace(task, meta={**task.meta, UPDATE_META: start})
     if start is not None and start.changes.empty:  # nothing changed: the old workspace as it was
-        built = pipeline.Built("trained", task, 0, start.workspace.copy())
+        built = rjobs.Built("trained", task, 0, start.workspace.copy())
     else:
         models = Models(plan.run_cfg, c, mesh, tokenizer)
         models.set_policy(models.builder("trained", plan))
         cfg = _rollout_config(plan, models)
-        built = pipeline.build_workspaces(
+        built = rjobs.build_workspaces(
             "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
             reset=models.reset
         )[0]
