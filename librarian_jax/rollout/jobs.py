@@ -59,7 +59,6 @@ def eval_config(
         probe_at_start=False,
         record_snapshots=True,
         snapshot_raw_text=False,
-        dedupe_greedy_repeats=not sampled,
         repeat_mode="sample" if sampled else "greedy_once",
         repeat_temperature=float(answer_temperature) if sampled else config.repeat_temperature,
     )
