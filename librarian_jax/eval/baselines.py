@@ -187,7 +187,7 @@ def construct(
     chunk of `batch_tasks`; "extractive": the model-free stand-in). A corpus that fails is a failed
     construction (its questions count as incorrect)."""
     executor = config.builder.executor
-    s = c[method].to_dict() if hasattr(c[method], "to_dict") else dict(c[method])
+    s = getattr(c, method).to_dict()
 
     def gens(chunk: Sequence[Any], by_role: dict[str, Any]) -> list[Any]:
         return [
