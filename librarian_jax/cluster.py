@@ -52,7 +52,10 @@ PROTOCOL_FIELDS = ("weights", "architecture", "dtype", "template", "thinking", "
 
 
 def _mesh_over(config: Any, devices: list[Any]) -> Any:
-    shape = config_validation.validate_mesh(config.mesh.shape.to_dict(), len(devices))
+    """`config.mesh.shape` (a ConfigDict's or a typed section's dict) over `devices`."""
+    shape = config.mesh.shape
+    shape = config_validation.validate_mesh(shape.to_dict() if hasattr(shape, "to_dict") else shape,
+                                            len(devices))
     return engine_make_mesh(shape, devices=devices[: int(np.prod(list(shape.values())))])
 
 
@@ -182,11 +185,11 @@ def _own_tokenizer(path: str) -> bool:
 
 def retrieval_model(role: str, section: Any, mesh: Any, tokenizer: Any) -> RetrievalModel:
     """The `roles.<role>` model (`role` in RETRIEVAL_ROLES; `section` a `config_schema.EmbeddingRoleSection`
-    or `RerankerRoleSection` as a mapping) loaded through our families onto `mesh`."""
-    path = str(section["path"])
+    or `RerankerRoleSection`, typed or as a ConfigDict) loaded through our families onto `mesh`."""
+    path = str(section.path)
     if not path:
         raise ConfigError(f"config.roles.{role}.path: required (a Hugging Face folder of the {role} model)")
-    model = models.load_hf(path, dtype=section["dtype"] or "bfloat16", mesh=mesh)
+    model = models.load_hf(path, dtype=section.dtype or "bfloat16", mesh=mesh)
     tok = load_tokenizer(path) if _own_tokenizer(path) else tokenizer
     _check_vocab(model, tok, f"roles.{role}.path", path)
     style = detect_style(tok)

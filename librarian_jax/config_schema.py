@@ -30,6 +30,7 @@ from librarian_jax.agents.runtime import FROZEN_ROLES
 from librarian_jax.engine.mesh import MESH_AXES, resolve_mesh_shape
 from librarian_jax.models import PRESETS as MODEL_PRESETS
 from librarian_jax.rl import advantages, losses, train_step
+from librarian_jax.rl.rows import RowsConfig
 from librarian_jax.rl.sft import PACKING
 from librarian_jax.rollout import RolloutConfig
 from librarian_jax.tokenizers import STYLES as CHAT_STYLES
@@ -364,35 +365,46 @@ class RolloutSection(Section):
 # ------------------------------------------------------------------------------------------- train
 
 
+# The train step's knobs keep their defaults in one place, `rl`'s own configs (`rl.OptimConfig`,
+# `rl.TrainConfig`, `rl.LossConfig`, `rl.RowsConfig`): the sections below declare each key's type, bounds
+# and choices, and take its default from there, so a default lives once. (Every command's config sets its
+# own learning rate; the section's default is rl's.)
+_OPTIM = train_step.OptimConfig()
+_TRAIN = train_step.TrainConfig()
+_LOSS = losses.LossConfig()
+_ROWS = RowsConfig()
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimSection(Section):
     """The keys GRPO's and SFT's `train` sections share: the schedule, AdamW and the memory knobs."""
 
     num_steps: int = spec(15, lo=0)
-    learning_rate: float = spec(2e-4, lo=0.0, lo_open=True)
-    warmup_steps: int = spec(0, lo=0)
-    decay: str = spec("cosine", choices=train_step.DECAYS)
-    end_lr_ratio: float = spec(0.1, lo=0.0, hi=1.0)
-    weight_decay: float = spec(0.0, lo=0.0)
-    grad_clip: float = spec(1.0, lo=0.0)
-    micro_batches: int = spec(1, lo=1)
+    learning_rate: float = spec(_OPTIM.learning_rate, lo=0.0, lo_open=True)
+    warmup_steps: int = spec(_OPTIM.warmup_steps, lo=0)
+    decay: str = spec(_OPTIM.decay, choices=train_step.DECAYS)
+    end_lr_ratio: float = spec(_OPTIM.end_lr_ratio, lo=0.0, hi=1.0)
+    weight_decay: float = spec(_OPTIM.weight_decay, lo=0.0)
+    grad_clip: float = spec(_OPTIM.grad_clip, lo=0.0)
+    micro_batches: int = spec(_TRAIN.micro_batches, lo=1)
     # > 0: micro-batches of this many rows per data-parallel shard, as many a step as its rows need, one
     # compiled program for any row count (micro_batches unused); 0: `micro_batches` equal micro-batches
-    micro_batch_rows: int = spec(0, lo=0)
-    remat: str | bool = spec("none", choices=train_step.REMAT_MODES)  # "full": whole forward, "layer": each
-    logits_chunk: int = spec(1024, lo=0)  # logits of this many positions at a time; 0 = all at once
+    micro_batch_rows: int = spec(_TRAIN.micro_batch_rows, lo=0)
+    # "full": whole forward, "layer": each decoder layer
+    remat: str | bool = spec(_TRAIN.remat, choices=train_step.REMAT_MODES)
+    logits_chunk: int = spec(_TRAIN.logits_chunk, lo=0)  # logits of this many positions at a time; 0 = all
     # with logits_chunk > 0: the LM head runs only at the loss positions ("loss") or at every one ("all")
-    logits_at: str = spec("loss", choices=train_step.LOGITS_AT)
+    logits_at: str = spec(_TRAIN.logits_at, choices=train_step.LOGITS_AT)
     # the decoder layers that repeat a pattern run under one lax.scan: the step compiles each distinct layer
     # once, not once per layer (same values); pays on deep models (CPU: 36 layers compile 2.3x faster), not on
     # the 4-6 layer CPU presets (BENCHMARKS.md)
-    scan_layers: bool = spec(False)
+    scan_layers: bool = spec(_TRAIN.scan_layers)
     # models with at least this many decoder layers scan them anyway (0 = only with scan_layers): on the CPU
     # the scanned step compiles faster from ~8 layers and steps as fast from 16 (rl.TrainConfig)
-    scan_min_layers: int = spec(16, lo=0)
-    max_seq_len: int = spec(4096, lo=16)  # training rows longer than this are truncated
+    scan_min_layers: int = spec(_TRAIN.scan_min_layers, lo=0)
+    max_seq_len: int = spec(_ROWS.max_seq_len, lo=16)  # training rows longer than this are truncated
     # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never
-    max_skipped_in_a_row: int = spec(3, lo=0)
+    max_skipped_in_a_row: int = spec(_TRAIN.max_skipped_in_a_row, lo=0)
 
     def optim_config(self) -> train_step.OptimConfig:
         return train_step.OptimConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
@@ -405,18 +417,19 @@ class OptimSection(Section):
 class TrainSection(OptimSection):
     """GRPO's `train`: the optimizer, the loss (`rl.losses`), advantages (`rl.advantages`) and rows."""
 
-    moe_aux_loss_coef: float = spec(0.0, lo=0.0)  # MoE models: weight of the router's load-balancing loss
-    loss: str = spec("ppo", choices=tuple(losses.LOSSES))
-    eps_low: float = spec(0.2, lo=0.0, hi=1.0, lo_open=True)
-    eps_high: float = spec(0.28, lo=0.0, lo_open=True)
-    dual_clip: float = spec(3.0, lo=0.0)  # 0 = off, else > 1
-    tis_cap: float = spec(2.0, lo=0.0)
-    kl_beta: float = spec(0.0, lo=0.0)
-    aggregation: str = spec("token_mean", choices=losses.AGGREGATIONS)
-    old_logprobs: str = spec("trainer", choices=train_step.OLD_LOGPROBS)
-    advantage: str = spec("paper", choices=tuple(advantages.ADVANTAGES))
-    step_weight: float = spec(0.0, lo=0.0)  # per-step (reward-to-go) advantage weight; 0 = off
-    step_gamma: float = spec(1.0, lo=0.0, hi=1.0)
+    # MoE models: weight of the router's load-balancing loss
+    moe_aux_loss_coef: float = spec(_TRAIN.moe_aux_loss_coef, lo=0.0)
+    loss: str = spec(_LOSS.name, choices=tuple(losses.LOSSES))
+    eps_low: float = spec(_LOSS.eps_low, lo=0.0, hi=1.0, lo_open=True)
+    eps_high: float = spec(_LOSS.eps_high, lo=0.0, lo_open=True)
+    dual_clip: float = spec(_LOSS.dual_clip, lo=0.0)  # 0 = off, else > 1
+    tis_cap: float = spec(_LOSS.tis_cap, lo=0.0)
+    kl_beta: float = spec(_LOSS.kl_beta, lo=0.0)
+    aggregation: str = spec(_LOSS.aggregation, choices=losses.AGGREGATIONS)
+    old_logprobs: str = spec(_TRAIN.old_logprobs, choices=train_step.OLD_LOGPROBS)
+    advantage: str = spec(_ROWS.advantage, choices=tuple(advantages.ADVANTAGES))
+    step_weight: float = spec(_ROWS.step_weight, lo=0.0)  # per-step (reward-to-go) advantage weight; 0 = off
+    step_gamma: float = spec(_ROWS.step_gamma, lo=0.0, hi=1.0)
 
     def check(self, key: str) -> None:
         if 0 < self.dual_clip <= 1:

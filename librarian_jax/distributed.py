@@ -16,6 +16,7 @@ Everything here is a no-op (or the identity) in a single-process run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from librarian_jax import storage, xla_flags
 from librarian_jax.rollout import read_jsonl, write_jsonl
+from librarian_jax.rollout.scheduler import episode_rng  # noqa: F401 - the stream a share of a batch draws
 
 # Environment knobs (the launch scripts pass them with --env=KEY=VALUE; launch/README.md).
 HEARTBEAT_ENV = "LIBRARIAN_HEARTBEAT_TIMEOUT_S"  # a process silent this long is declared dead (all stop)
@@ -182,16 +184,6 @@ def process_slice(n: int, process: int | None = None, count: int | None = None, 
     return slice(begin, begin + size + (1 if p < extra else 0))
 
 
-def episode_rng(seed: int, skip: int) -> np.random.Generator:
-    """The episode seed stream `rollout.run_batch` draws from (`default_rng(seed)`, one `integers(2**62)` per
-    episode, task-major), advanced past the `skip` episodes of earlier processes' tasks: every episode gets
-    the seed it gets in a single-process run of the same global batch."""
-    rng = np.random.default_rng(int(seed))
-    for _ in range(int(skip)):
-        rng.integers(2**62)
-    return rng
-
-
 # ------------------------------------------------------------------------------------------- host values
 
 
@@ -207,6 +199,51 @@ def allgather_json(obj: Any) -> list[Any]:
     padded[: data.size] = data
     allb = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [json.loads(bytes(allb[i, : int(lengths[i])]).decode("utf-8")) for i in range(len(lengths))]
+
+
+def share(n: int, process: int | None = None, count: int | None = None) -> slice:
+    """Process `process`'s (default: this one's) contiguous share of `n` corpora over `count` processes
+    (default: all): `numpy.array_split`'s, the first `n % count` processes one corpus more; empty when there
+    are fewer corpora than processes (evaluation's held-out corpora). One process: everything."""
+    return process_slice(n, process, count, even=False)
+
+
+_MEETINGS = itertools.count()  # every process meets in the same order, so the n-th meeting has one name
+
+
+def meet(what: str) -> None:
+    """All processes wait for each other here (`wait_for_all`, timeout `LIBRARIAN_SYNC_TIMEOUT_S`): before a
+    collective that processes reach at different times (their shares take different times, and a device
+    collective's own timeout is not meant for that wait). Every process meets in the same order."""
+    if is_multi():
+        wait_for_all(f"meet/{what}/{next(_MEETINGS)}")
+
+
+def gather(obj: Any, what: str) -> list[Any]:
+    """Every process's JSON-serialisable `obj`, in process order (`allgather_json` after `meet`); one
+    process: `[obj]`."""
+    if not is_multi():
+        return [obj]
+    meet(what)
+    return allgather_json(obj)
+
+
+def gather_sections(sections: Sequence[tuple[str, list[Any]]], what: str) -> dict[str, list[Any]]:
+    """Every process's items of each named section, in process order: when each process's items of a
+    section come from its contiguous `share` in order, the concatenation is the section of a single-process
+    run. Every process must pass the same section names in the same order."""
+    gathered = gather([[name, items] for name, items in sections], what)
+    out: dict[str, list[Any]] = {name: [] for name, _ in sections}
+    for per_process in gathered:
+        for name, items in per_process:
+            out[name].extend(items)
+    return out
+
+
+def slowest(timings: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Processes' timing entries as the job's: each the slowest process's (the job waits for it)."""
+    keys = list(dict.fromkeys(k for t in timings for k in t))
+    return {k: max(float(t[k]) for t in timings if k in t) for k in keys}
 
 
 # metric name -> how processes' values combine; anything else is a mean weighted by episodes

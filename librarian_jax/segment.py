@@ -12,11 +12,20 @@ exactly the ids the sampler saw and produced, in order:
 
 A `Segment` is checked once, when it is constructed (from an engine record, a JSONL line or by hand): a
 malformed one raises `ValueError` naming the field, so no consumer re-checks it.
+
+Why a segment is not the engine's `SessionRecord` (same four arrays, `tags` for `turn_index`), but derived
+from it (`Segment.from_record`, the one conversion): a session record is any role's. Its tags are whatever
+the agent submitted with, so an answerer's, executor's or judge's sampled ids carry tag -1, and those
+sessions are never trained on. A segment is a builder session's record under one more invariant, the one
+`rl` relies on: every sampled id names the builder turn that sampled it (`turn_index >= 0` exactly where
+`loss_mask` is 1), which is what per-turn advantages are assigned by. Checking it when the record becomes a
+segment, not in the engine, keeps the engine free of a builder's notion of turns.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +72,12 @@ class Segment:
 
     def to_dict(self) -> dict[str, list]:
         return {k: getattr(self, k).tolist() for k in FIELDS}
+
+    @classmethod
+    def from_record(cls, record: Any) -> Segment:
+        """A builder session's record (`engine.SessionRecord`: tokens, logprobs, loss_mask, tags) as a
+        segment, its tags the turn indices; raises ValueError if a sampled id carries no turn (module doc)."""
+        return cls(record.tokens, record.logprobs, record.loss_mask, record.tags)
 
     @classmethod
     def from_dict(cls, d: dict) -> Segment:

@@ -1,79 +1,182 @@
-"""Test doubles shipped with the library (as gemma ships `gm.testing`): a byte-level ChatML tokenizer and chat
-template that need no tokenizer file, and the library's scripted engine
-(`librarian_jax.rollout.scripted.ScriptedEngine`) ending turns with its end-of-turn id by default. The unit
-tests of agents, rollout, SFT and the navigator use them; so can a user's own tests of a protocol change.
+"""Test doubles shipped with the library (as gemma ships `gm.testing`): the library's real parts with the
+smallest stand-ins, one module.
+
+- `ByteTokenizer`: a real `tokenizers.Tokenizer` (the same atomic-token splitting and decoding) whose plain
+  text is UTF-8 bytes (ids 0..255) and whose special tokens are single ids from 256: every chat style's turn
+  markers, the tool-call and tool-response tags, BOS and EOS. It needs no tokenizer file.
+- `chat_template(tokenizer=None, style="chatml", **kw)`: the real `tokenizers.chat_template` over it (ChatML,
+  Qwen3.5 with its thinking switch, Gemma with or without the system fold, Llama 3), so a test runs exactly
+  the templates a run uses, not a re-implementation.
+- `ScriptedEngine` / `FakeSession`: the real engine's session API answering each turn with text from a
+  policy function (below). The embedded world's demonstration builders (`warm_start.demos`) run through it,
+  so their transcripts are exactly what the tool protocol produces, and unit tests use it to script exact
+  actions.
+
+The unit tests of agents, rollout, SFT and the navigator use them; so can a user's own tests of a protocol
+change. Training and evaluation of models always use `librarian_jax.engine.Engine`.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from librarian_jax.rollout import scripted
+import numpy as np
 
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<eos>"]
-IM_END = 257
-EOS = 260
-_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+from librarian_jax.engine.session import TokenRecord
+from librarian_jax.tokenizers import ChatTemplate
+from librarian_jax.tokenizers import chat_template as real_chat_template
+from librarian_jax.tokenizers.tokenizer import Tokenizer
 
-
-class ByteTokenizer:
-    """Bytes are ids 0..255; the ChatML markers and tool-call tags are single ids 256..260."""
-
-    vocab_size = 256 + len(SPECIALS)
-    eos_id = EOS
-    bos_id = None
-    pad_id = None
-
-    def encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        for piece in _SPLIT.split(text):
-            if piece in SPECIALS:
-                out.append(256 + SPECIALS.index(piece))
-            elif piece:
-                out.extend(piece.encode("utf-8"))
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        out, buf = [], bytearray()
-        for i in ids:
-            i = int(i)
-            if i >= 256:
-                out.append(buf.decode("utf-8", errors="replace"))
-                buf = bytearray()
-                out.append(SPECIALS[i - 256] if i - 256 < len(SPECIALS) else "")
-            else:
-                buf.append(i)
-        out.append(buf.decode("utf-8", errors="replace"))
-        return "".join(out)
+# ids 256.. in this order (the first five keep the ids tests have always seen: <|im_end|> 257, <eos> 260)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<eos>", "<tool_response>",
+            "</tool_response>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|begin_of_text|>",
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<think>", "</think>"]
+IM_END = 256 + SPECIALS.index("<|im_end|>")
+EOS = 256 + SPECIALS.index("<eos>")
+BOS = 256 + SPECIALS.index("<bos>")
 
 
-class ByteChatML:
-    """ChatML over `ByteTokenizer` with the contract's ChatTemplate methods."""
+class ByteTokenizer(Tokenizer):
+    """Bytes are ids 0..255; the chat markers, tool tags, BOS and EOS are single ids from 256 (`SPECIALS`)."""
 
-    def __init__(self, tok: ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__("byte-tokenizer (librarian_jax.testing)",
+                         atomic={s: 256 + i for i, s in enumerate(SPECIALS)},
+                         special_ids=(BOS, EOS), bos_id=BOS, eos_id=EOS, pad_id=None, unk_id=None,
+                         add_bos=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(SPECIALS)
+
+    def _encode_plain(self, segments: list[str]) -> list[list[int]]:
+        return [list(s.encode("utf-8")) for s in segments]
+
+    def _decode_plain(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in SPECIALS:
+            return 256 + SPECIALS.index(token)
+        b = token.encode("utf-8")
+        return b[0] if len(b) == 1 else None
+
+    def id_to_token(self, token_id: int) -> str:
+        i = int(token_id)
+        if 0 <= i < 256:
+            return bytes([i]).decode("latin-1")
+        if 256 <= i < self.vocab_size:
+            return SPECIALS[i - 256]
+        raise IndexError(f"token id {i} is outside [0, {self.vocab_size}) of {self.path}")
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (type(self), ())
+
+
+def chat_template(tokenizer: Tokenizer | None = None, style: str = "chatml", **kw: Any) -> ChatTemplate:
+    """The real chat template of `style` (`tokenizers.chat_template`, keywords as there: `fold_system`,
+    `thinking`, `add_bos`) over `tokenizer` (default a new `ByteTokenizer`)."""
+    return real_chat_template(tokenizer or ByteTokenizer(), style, **kw)
+
+
+# ------------------------------------------------------------------------------------------- scripted engine
+
+
+@dataclasses.dataclass
+class Result:
+    session: FakeSession
+    tokens: list[int]
+    logprobs: np.ndarray
+    status: str
+
+
+class FakeSession(TokenRecord):
+    """A session of the scripted engine: the engine's token record (`engine.session.TokenRecord`, so agents
+    read the same record either way) plus a turn counter."""
+
+    def __init__(self, engine: ScriptedEngine, prompt: Sequence[int]):
+        super().__init__(prompt)
+        self.engine = engine
+        self.closed = False
+        self.turns = 0
+        self.inflight = False
+
+    @property
+    def mask(self) -> list[float]:
+        """The loss mask as a list (1.0 on sampled ids)."""
+        return self.record().loss_mask.tolist()
+
+    def append(self, ids: Sequence[int]) -> None:
+        assert not self.inflight and not self.closed
+        self.extend(ids)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def text(self) -> str:
+        return self.engine.tok.decode(self.tokens)
+
+
+class ScriptedEngine:
+    """Answers every turn with `policy(session) -> str | list[int]`: text is encoded with the engine's
+    tokenizer and ends with `end_id` (default: `ByteTokenizer`'s `<|im_end|>`); ids are used as they are.
+    Sampled ids get log-prob -0.5 and the tag their turn was submitted with. Works with any tokenizer (the
+    byte tokenizer or a real one); records the batch size of every `step()`."""
+
+    def __init__(
+        self,
+        tok: Any,
+        policy: Callable[[FakeSession], str | list[int]],
+        num_slots: int = 64,
+        max_seq_len: int = 1_000_000,
+        end_id: int = IM_END,
+    ):
         self.tok = tok
-        self.stop_ids = (IM_END, EOS)
+        self.policy = policy
+        self.end_id = end_id
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.queue: list[tuple[FakeSession, int, tuple[int, ...], int]] = []
+        self.batch_sizes: list[int] = []
+        self.sessions: list[FakeSession] = []
+        self.samplings: list[object] = []
 
-    def start(self, system: str | None = None) -> list[int]:
-        return self.turn("system", system) if system else []
+    def new_session(self, prompt_ids: Sequence[int]) -> FakeSession:
+        s = FakeSession(self, prompt_ids)
+        self.sessions.append(s)
+        return s
 
-    def turn(self, role: str, content: str) -> list[int]:
-        return self.tok.encode(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    def submit(
+        self, session: FakeSession, max_new_tokens: int, sampling: object, stop_ids: Sequence[int],
+        *, tag: int = -1,
+    ) -> None:
+        assert not session.inflight and not session.closed
+        session.inflight = True
+        self.samplings.append(sampling)
+        self.queue.append((session, max_new_tokens, tuple(stop_ids), int(tag)))
 
-    def open_turn(self, role: str) -> list[int]:
-        return self.tok.encode(f"<|im_start|>{role}\n")
-
-    def close_turn(self) -> list[int]:
-        return self.tok.encode("<|im_end|>\n")
-
-
-FakeSession = scripted.FakeSession
-
-
-class ScriptedEngine(scripted.ScriptedEngine):
-    """The library's scripted engine over the byte tokenizer, ending each scripted reply with `<|im_end|>`."""
-
-    def __init__(self, tok: ByteTokenizer, policy: Callable[[FakeSession], str | list[int]],
-                 num_slots: int = 64, max_seq_len: int = 1_000_000, end_id: int = IM_END):
-        super().__init__(tok, policy, num_slots, max_seq_len, end_id)
+    def step(self) -> list[Result]:
+        batch, self.queue = self.queue[: self.num_slots], self.queue[self.num_slots :]
+        self.batch_sizes.append(len(batch))
+        out = []
+        for s, max_new, stops, tag in batch:
+            reply = self.policy(s)
+            ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.end_id]
+            status = "length"
+            for k, t in enumerate(ids):
+                if t in stops:
+                    ids = ids[: k + 1]
+                    status = "stop"
+                    break
+            if len(ids) > max_new:
+                ids, status = ids[:max_new], "length"
+            room = self.max_seq_len - len(s)
+            if len(ids) > room:
+                ids, status = ids[: max(room, 0)], "cache_full"
+            s.extend(ids, [-0.5] * len(ids), tag=tag)
+            s.turns += 1
+            s.inflight = False
+            out.append(Result(s, ids, np.full(len(ids), -0.5, np.float32), status))
+        return out

@@ -37,6 +37,7 @@ from librarian_jax import (
     storage,
 )
 from librarian_jax import eval as eval_lib
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.data import TaskPipeline
 from librarian_jax.eval import pipeline, restore
 from librarian_jax.rl import rows as rows_lib
@@ -45,10 +46,13 @@ from librarian_jax.warm_start import sft as warm_start_sft
 
 
 def train_config(config: Any) -> Any:
-    """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`); the
-    loss's temperature is the builder's sampling temperature (0, greedy, counts as 1)."""
-    temperature = config_validation.rollout_config(config).builder.temperature or 1.0
-    return config_validation.validate_train(config).trainer_config(temperature)
+    """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`) of a
+    validated config (`GRPOConfig`; a raw ConfigDict is parsed first); the loss's temperature is the
+    builder's sampling temperature (0, greedy, counts as 1)."""
+    if not isinstance(config, GRPOConfig):
+        return config_validation.validate_train(config).trainer_config(
+            config_validation.rollout_config(config).builder.temperature or 1.0)
+    return config.train.trainer_config(config.rollout.config.builder.temperature or 1.0)
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -101,21 +105,24 @@ def progress_line(step: int, total: int, m: dict[str, float]) -> str:
 
 def describe(config: Any) -> str:
     """What a run of `config` would do, in a few lines, with the role table (`cluster.role_table`)."""
-    m, d, r, t = config.model, config.data, config.rollout, config.train
+    c = GRPOConfig.parse(config)
+    m, d, r, t = c.model, c.data, c.rollout, c.train
     weights = {"random": "random init", "hf": f"HF safetensors {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
     data = f"a synthetic world of {d.num_tasks} tasks" if d.source == "synthetic" else f"tasks from {d.path}"
     tuning = f"LoRA rank {m.lora_rank}" if m.lora_rank else "full fine-tuning"
-    return (f"GRPO preset {config.preset!r}: model {m.preset} ({weights}, {tuning}) on {data}; "
+    return (f"GRPO preset {c.preset!r}: model {m.preset} ({weights}, {tuning}) on {data}; "
             f"{t.num_steps} steps of {d.tasks_per_batch} tasks x group {r.group_size}, "
-            f"builder H={r.builder.max_turns}, {t.advantage} advantages, {t.loss} loss ({t.aggregation}), "
+            f"builder H={r.config.builder.max_turns}, {t.advantage} advantages, "
+            f"{t.loss} loss ({t.aggregation}), "
             f"lr {t.learning_rate}; "
-            f"mesh {config.mesh.shape.to_dict()}; workdir {config.workdir}\n"
+            f"mesh {c.mesh.shape}; workdir {c.workdir}\n"
             f"roles (which model serves which role):\n{cluster.role_table(config)}")
 
 
 @dataclasses.dataclass
 class Run:
-    """Everything a training run holds between steps."""
+    """Everything a training run holds between steps: `settings` is the validated, typed config (what the
+    loop reads); `config` the ConfigDict it was parsed from (what `cluster` and `inputs` take)."""
 
     config: Any
     train_tasks: list[Any]
@@ -127,6 +134,7 @@ class Run:
     rollout_config: Any
     data_iter: Any
     rng: jax.Array
+    settings: GRPOConfig
     step: int = 0
 
     @property
@@ -142,9 +150,10 @@ class Run:
         self.cluster.push_weights(self.trainer.policy_state())
 
 
-def build(config: Any) -> Run:
+def build(config: Any, settings: GRPOConfig | None = None) -> Run:
     """Data, tokenizer, mesh, cluster (every role's model, engine and template) and trainer for `config`
-    (validated)."""
+    (validated; `settings`: its typed config, parsed here when not given)."""
+    settings = settings or GRPOConfig.parse(config)
     train_tasks, heldout = inputs.build_tasks(config)
     if distributed.is_multi():  # process 0 trains (and caches) the tokenizer; the others then read it
         if distributed.is_primary():
@@ -158,15 +167,15 @@ def build(config: Any) -> Run:
     emesh = cluster.engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
     base = cluster.initial_model(config, emesh, tokenizer)
     distributed.uncommit(base)  # several processes: weights the trainer can place on the global mesh
-    m, t = config.model, config.train
-    policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed) \
+    m, t = settings.model, settings.train
+    policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=settings.seed) \
         if m.lora_rank else base
     roles = config_validation.resolve_roles(config)
     logging.info("roles:\n%s", cluster.role_table(config, roles))
     the_cluster = cluster.build_cluster(
         config, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
         localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
-    trainer = train_step.Trainer(policy, train_config(config), mesh=mesh)
+    trainer = train_step.Trainer(policy, train_config(settings), mesh=mesh)
     logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
                  "LoRA" if trainer.lora else "full")
     rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
@@ -176,17 +185,17 @@ def build(config: Any) -> Run:
     # own contiguous share of each batch (`distributed.process_slice`): the global batch is the one a single
     # process would see, whatever the process count.
     # (Several processes drop an epoch's short last batch, which cannot be split evenly.)
-    pipeline_ = TaskPipeline(train_tasks, tasks_per_batch=config.data.tasks_per_batch,
-                             seed=config.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
+    pipeline_ = TaskPipeline(train_tasks, tasks_per_batch=settings.data.tasks_per_batch,
+                             seed=settings.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
                              drop_remainder=distributed.is_multi())
     return Run(config, train_tasks, heldout, tokenizer, the_cluster, trainer, rows_config,
-               config_validation.rollout_config(config), pipeline_.iterator(), jax.random.key(config.seed))
+               settings.rollout.config, pipeline_.iterator(), jax.random.key(settings.seed), settings)
 
 
 def resume(run: Run, ck: Any) -> None:
     """Restores params, optimizer state, step, RNG and data position from the newest good checkpoint."""
     restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state,
-                          start_fresh=bool(run.config.checkpoint.get("start_fresh", False)))
+                          start_fresh=run.settings.checkpoint.start_fresh)
     if restored is None:
         return
     checkpoint.check_schedule(restored, run.trainer.schedule_info(), ck.directory)
@@ -213,7 +222,7 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     tasks = global_tasks[share]
     run.rng, sub = jax.random.split(run.rng)
     seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
-    group = run.config.rollout.group_size
+    group = run.settings.rollout.group_size
     sched = rollout.Scheduler(run.engines)
     t0 = time.perf_counter()
     records = rollout.run_batch(tasks, group, run.engines, run.tokenizer, run.rollout_config,
@@ -247,7 +256,7 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
         row_metrics, update = {}, {"time_s": 0.0, "skipped": 1.0}
     run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
     metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
-    cfg = run.config.eval
+    cfg = run.settings.eval
     if cfg.every and run.step % cfg.every == 0 and run.heldout:
         t1 = time.perf_counter()
         metrics.update(evaluate(run, seed))
@@ -276,32 +285,32 @@ def run(config: Any) -> dict[str, Any]:
     """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
     t_start = time.perf_counter()
     compiled_before = compile_cache.CompileClock.get().totals()
-    config_validation.validate(config)
+    settings = config_validation.validate(config)
     logging.info("%s", describe(config))
-    workdir = storage.abspath(config.workdir)  # a local directory or a URL (gs://...): launch/README.md
+    workdir = storage.abspath(settings.workdir)  # a local directory or a URL (gs://...): launch/README.md
     restore.check_output_dir(workdir, "workdir")  # writable, with free disk: one line before any work
     storage.makedirs(workdir)
     primary = jax.process_index() == 0
     sft_summary: dict[str, Any] = {}
-    if config.warm_start.enabled:
+    if settings.warm_start.enabled:
         config, sft_summary = warm_start_sft.warm_start(config)
-        config_validation.validate(config)
+        settings = config_validation.validate(config)
     if primary:
         storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
-    state = build(config)
+    state = build(config, settings)
     # every program of the engines the run decodes with, compiled on worker threads beside the run's own
     # work (a program the run calls meanwhile waits for its compile rather than compiling it twice)
     ahead = compile_cache.Ahead(state.cluster.programs_ahead(state.rollout_config), what="engines").start() \
-        if config.rollout.compile_ahead else None
+        if settings.rollout.compile_ahead else None
     if primary:
         inputs.write_split(workdir, state.train_tasks, state.heldout, config)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
-    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
-                                 keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-    if config.checkpoint.resume:
+    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=settings.checkpoint.every,
+                                 keep=settings.checkpoint.keep, async_save=settings.checkpoint.async_save)
+    if settings.checkpoint.resume:
         resume(state, ck)
-    start, num_steps = state.step, config.train.num_steps
+    start, num_steps = state.step, settings.train.num_steps
     # tensorboardX writes gs:// itself (google-cloud-storage), a local path as files
     writer = SummaryWriter(storage.join(workdir, "tb")) if primary else None
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
@@ -309,11 +318,11 @@ def run(config: Any) -> dict[str, Any]:
     curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
     initial: dict[str, float] = {}
     try:
-        if config.eval.every and state.heldout and state.step == 0 and num_steps > 0:
+        if settings.eval.every and state.heldout and state.step == 0 and num_steps > 0:
             # the starting policy on the same held-out tasks, so the held-out curve has its step-0 point;
             # greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
             t1 = time.perf_counter()
-            initial = evaluate(state, int(config.seed))
+            initial = evaluate(state, settings.seed)
             took = time.perf_counter() - t1
             totals["eval_s"] += took
             if primary:
@@ -350,12 +359,13 @@ def run(config: Any) -> dict[str, Any]:
     t_eval = time.perf_counter()
     # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
     # records (eval.cli.execute; every process restores each builder, a collective); process 0 reports
-    if config.eval.final_methods and state.heldout:
-        final = final_evaluation(workdir, config.eval.final_methods)
-        if config.eval.final_samples:
+    e = settings.eval
+    if e.final_methods and state.heldout:
+        final = final_evaluation(workdir, e.final_methods)
+        if e.final_samples:
             final["sampled"] = final_evaluation(
-                workdir, config.eval.final_methods, name="final_sampled", samples=config.eval.final_samples,
-                builder_temperature=float(config.rollout.builder.temperature))
+                workdir, e.final_methods, name="final_sampled", samples=e.final_samples,
+                builder_temperature=settings.rollout.config.builder.temperature)
     totals["final_eval_s"] = time.perf_counter() - t_eval
     ahead_report = ahead.wait() if ahead is not None else None
     wall = time.perf_counter() - t_start
@@ -446,9 +456,9 @@ def evaluate(run: Run, seed: int) -> dict[str, float]:
     question) on the run's cluster, with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is
     the same accuracy. Multi-process: each process evaluates its share of the corpora and every process gets
     the same metrics."""
-    tasks = run.heldout[: run.config.eval.num_tasks]
+    tasks = run.heldout[: run.settings.eval.num_tasks]
     _, metrics = pipeline.periodic_eval(tasks, run.engines, run.tokenizer, run.rollout_config, seed,
-                                        repeats=run.config.eval.repeats, templates=run.templates)
+                                        repeats=run.settings.eval.repeats, templates=run.templates)
     metrics["eval/accuracy"] = metrics["eval/trained/accuracy"]
     return metrics
 

@@ -24,14 +24,14 @@ from librarian_jax.agents.runtime import EXECUTOR, FROZEN, POLICY, AgentContext
 from librarian_jax.data import synthetic
 from librarian_jax.eval import baselines, constructions, retrieval
 from librarian_jax.rollout import Scheduler
-from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
+from librarian_jax.testing import ByteTokenizer, ScriptedEngine, chat_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_main import tiny_run_config  # noqa: E402
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 TASK = synthetic.generate_task(0, 0, synthetic.WorldConfig(docs_per_task=4, min_words=30, max_words=50,
                                                             questions_per_task=3))
 

@@ -143,3 +143,14 @@ def test_every_choice_list_is_written_out_once():
         want = frozenset(choices) - {""}  # "" (= the default's) does not make a list another
         places = [f"{f}:{line}" for f, line, values in literals if values - {""} == want]
         assert len(places) <= 1, f"the choices of {key} are written out in {places}"
+
+
+def test_a_retired_rollout_key_in_an_older_run_config_still_reads():
+    """`rollout.dedupe_greedy_repeats` (nothing read it) is gone from the schema, so a flag naming it is a
+    mistyped key; an older run's config.json that holds it still reads (evaluation reads those)."""
+    from librarian_jax.rollout import RolloutConfig
+
+    old = {**S.GRPOConfig().to_dict()["rollout"], "dedupe_greedy_repeats": True}
+    assert S.RolloutSection.parse(old).config == RolloutConfig.from_dict(
+        {k: v for k, v in old.items() if k not in S.ROLLOUT_ENGINE_KEYS})
+    assert "dedupe_greedy_repeats" not in S.GRPOConfig().to_config_dict().rollout

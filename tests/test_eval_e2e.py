@@ -17,6 +17,7 @@ from configs import eval as eval_config
 from librarian_jax import data
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.eval import cli, pipeline, stats
+from librarian_jax.rollout import jobs
 from librarian_jax.workspace import load_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,7 +247,7 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
             for i, t in enumerate(batch)
         ]
 
-    monkeypatch.setattr(pipeline, "run_batch", fake_run_batch)
+    monkeypatch.setattr(jobs, "run_batch", fake_run_batch)
     resets = []
     cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
     built = pipeline.build_workspaces(

@@ -35,21 +35,22 @@ SAMPLES = 2  # sampled constructions per corpus
 
 
 def test_shares_are_contiguous_uneven_and_may_be_empty():
-    from librarian_jax.eval import pipeline
+    from librarian_jax import distributed
 
     for n in range(0, 9):
         for count in (1, 2, 3, 5):
-            parts = [pipeline.share(n, p, count) for p in range(count)]
+            parts = [distributed.share(n, p, count) for p in range(count)]
             want = np.array_split(np.arange(n), count)
             assert [list(range(n))[s] for s in parts] == [list(w) for w in want], (n, count)
-    assert pipeline.share(1, 1, 2) == slice(1, 1)  # more processes than corpora: an empty share
-    assert pipeline.share(7) == slice(0, 7)  # this (single) process: everything
+    assert distributed.share(1, 1, 2) == slice(1, 1)  # more processes than corpora: an empty share
+    assert distributed.share(7) == slice(0, 7)  # this (single) process: everything
 
 
 def test_answer_seeds_do_not_depend_on_the_process_hash_seed(monkeypatch):
     """The answerer's stream of a job is a function of (seed, corpus id, construction) alone: pinned values
     (red on `hash(task_id)`, which PYTHONHASHSEED salts per process), and `answer_jobs` uses it."""
     from librarian_jax.eval import pipeline
+    from librarian_jax.rollout import jobs
 
     assert pipeline.task_seed("task_0003") == 3860922803
     assert int(pipeline.answer_rng(0, "task_0003", 1).integers(2**62)) == 1197510428464194297
@@ -65,9 +66,9 @@ def test_answer_seeds_do_not_depend_on_the_process_hash_seed(monkeypatch):
         def run(self, gens):
             return [[] for _ in gens]
 
-    monkeypatch.setattr(pipeline, "AgentContext", context)
-    monkeypatch.setattr(pipeline, "Scheduler", Scheduler)
-    monkeypatch.setattr(pipeline, "fit_to_engines", lambda config, engines: config)
+    monkeypatch.setattr(jobs, "AgentContext", context)
+    monkeypatch.setattr(jobs, "Scheduler", Scheduler)
+    monkeypatch.setattr(jobs, "fit_to_engines", lambda config, engines: config)
 
     class Task:
         def __init__(self, task_id):
@@ -112,13 +113,14 @@ def test_a_share_builds_with_the_episode_seeds_of_the_whole_build(monkeypatch):
     over all corpora draws (chunks at global multiples of batch_tasks; the 1-process seeds are the ones it
     always drew: chunk k from default_rng(seed + k * batch_tasks * group)), a corpus re-run alone after its
     batch failed included; so the Built lists, concatenated, are the whole build's."""
-    from librarian_jax import data
+    from librarian_jax import data, distributed
     from librarian_jax.eval import pipeline
+    from librarian_jax.rollout import jobs
 
     tasks = data.generate_world(3, 7, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1)
     seeds: dict[tuple[str, int], int] = {}
     # corpus 4's batch fails: each corpus of that chunk is re-run alone
-    monkeypatch.setattr(pipeline, "run_batch", _fake_run_batch(seeds, bad=tasks[4].task_id))
+    monkeypatch.setattr(jobs, "run_batch", _fake_run_batch(seeds, bad=tasks[4].task_id))
     cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
     kw = dict(group_size=2, seed=11, batch_tasks=3, progress=False)
 
@@ -139,7 +141,7 @@ def test_a_share_builds_with_the_episode_seeds_of_the_whole_build(monkeypatch):
     assert all(not f for *_, f in whole)
     for count in (2, 3, 4, 8):
         seeds.clear()
-        split = [b for p in range(count) for b in build(pipeline.share(len(tasks), p, count))]
+        split = [b for p in range(count) for b in build(distributed.share(len(tasks), p, count))]
         assert split == whole, count
         assert seeds == whole_seeds, count
 
@@ -150,12 +152,13 @@ def test_periodic_eval_on_two_processes_returns_the_one_process_records_and_metr
     share and hands its records to the gather; process 1 does its share (none of 1 corpus) and gets both
     (process order), as the collective gives them; what process 1 returns is the 1-process records and
     metrics (times aside)."""
-    from librarian_jax import data
+    from librarian_jax import data, distributed
     from librarian_jax.eval import pipeline
+    from librarian_jax.rollout import jobs
 
     tasks = data.generate_world(5, num_corpora, docs_per_task=2, min_words=20, max_words=30,
                                 questions_per_task=2)
-    monkeypatch.setattr(pipeline, "run_batch", _fake_run_batch({}))
+    monkeypatch.setattr(jobs, "run_batch", _fake_run_batch({}))
 
     def answer_jobs(jobs, engines, tokenizer, config, *, seed=0, progress=True, **kw):
         t = [j.construction_tokens for j in jobs]
@@ -186,10 +189,10 @@ def test_periodic_eval_on_two_processes_returns_the_one_process_records_and_metr
             raise Handed
         return list(sent)
 
-    monkeypatch.setattr(pipeline, "gather", gather)
-    real_share = pipeline.share
+    monkeypatch.setattr(distributed, "gather", gather)
+    real_share = distributed.share
     for p in range(2):
-        monkeypatch.setattr(pipeline, "share", lambda n, p=p: real_share(n, p, 2))
+        monkeypatch.setattr(distributed, "share", lambda n, p=p: real_share(n, p, 2))
         try:
             records, metrics = run()
         except Handed:

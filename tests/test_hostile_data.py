@@ -167,6 +167,53 @@ def _check_task(task: CorpusTask) -> None:
     Workspace.from_documents(task.documents).to_json()
 
 
+_ID = st.text(alphabet=st.characters(categories=("L", "N", "P", "S", "Zs")), min_size=1, max_size=8)
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+_DOCS = st.lists(st.tuples(_ID, _TEXT, _TEXT, _TEXT), min_size=1, max_size=3, unique_by=lambda d: d[0])
+
+
+@st.composite
+def well_formed(draw: st.DrawFn, fmt: str) -> tuple[list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """Rows of `fmt` with every field well-formed (any text but lone surrogates, ids of printable
+    characters), and what each must load as: (task id, [(doc id, text, title, url)], question, answer)."""
+    rows_, want = [], []
+    for n in range(draw(st.integers(1, 3))):
+        docs, qid, question, answer = draw(_DOCS), f"{draw(_ID)}-{n}", draw(_TEXT), draw(_TEXT)
+        if fmt == "corpus":
+            row: dict[str, Any] = {"task_id": qid, "documents": [
+                {"doc_id": i, "text": t, "title": ti, "url": u, "meta": {}} for i, t, ti, u in docs],
+                "questions": [{"question_id": "q", "question": question, "gold_answer": answer}]}
+        elif fmt == "tasks":
+            row = {"question_id": qid, "question": question, "gold_answer": answer,
+                   "docs": [{"doc_id": i, "text": t, "title": ti, "url": u} for i, t, ti, u in docs]}
+        else:
+            row = {"query_id": qid, "query": question, "answer": answer,
+                   "gold_docs": [{"docid": i, "text": t, "title": ti, "url": u} for i, t, ti, u in docs]}
+        rows_.append(row)
+        want.append((qid, docs, question, answer))
+    return rows_, want
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(KEYS)).flatmap(lambda f: st.tuples(st.just(f), well_formed(f))))
+def test_well_formed_data_files_always_load_as_written(tmp_path_factory: pytest.TempPathFactory,
+                                                       case: Any) -> None:
+    """The other half of the property below (which a loader refusing everything would pass): a file of
+    well-formed rows of each format always loads, every task, document and question as written, and makes a
+    workspace."""
+    fmt, (lines, want) = case
+    p = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    tasks = load_tasks(p, format=fmt)
+    assert len(tasks) == len(want)
+    for t, (tid, docs, question, answer) in zip(tasks, want, strict=True):
+        assert t.task_id == tid
+        assert [(d.doc_id, d.text, d.title, d.url) for d in t.documents] == [tuple(d) for d in docs]
+        (q,) = t.questions
+        assert (q.question, q.gold_answer) == (question, answer)
+        _check_task(t)
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.sampled_from(sorted(KEYS)).flatmap(lambda f: st.tuples(st.just(f), rows(f))))
 def test_hostile_data_files_load_or_raise_data_error(

@@ -376,6 +376,50 @@ def tampered_snapshot(draw: st.DrawFn) -> dict[str, Any]:
     return d
 
 
+_PLAIN = st.text(alphabet=st.characters(categories=("L", "N", "Zs"), include_characters=".,"), min_size=1,
+                max_size=24).filter(str.strip)
+
+
+@st.composite
+def grown_workspace(draw: st.DrawFn) -> Workspace:
+    """A workspace of well-formed documents grown by a few well-formed actions (create over raw documents
+    and files, merge, delete), so its snapshot has nesting, synthetic sources and history."""
+    n = draw(st.integers(1, 3))
+    w = Workspace.from_documents([Document(f"d{i}", draw(_PLAIN), title=draw(_PLAIN)) for i in range(n)])
+    raws = [f"raw_{i + 1:04d}" for i in range(n)]
+    for turn in range(draw(st.integers(0, 6))):
+        live = sorted(i for i, node in w.nodes.items() if node.active)
+        kind = draw(st.sampled_from(["create", "create", "merge", "delete"] if live else ["create"]))
+        if kind == "create":
+            sources = draw(st.lists(st.sampled_from(raws + live), min_size=1, max_size=3, unique=True))
+            w.create_file(draw(_PLAIN), sources, draw(_PLAIN), turn=turn)
+        elif kind == "merge":
+            w.merge_files(draw(_PLAIN), draw(st.lists(st.sampled_from(live), min_size=1, max_size=2,
+                                                      unique=True)), draw(_PLAIN), turn=turn)
+        else:
+            w.delete([draw(st.sampled_from(live))], draw(_PLAIN), turn=turn)
+    return w
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(grown_workspace(), _PLAIN)
+def test_well_formed_snapshots_always_load_as_written(w: Workspace, body: str) -> None:
+    """The other half of the tampered-snapshot property below (which a loader refusing every snapshot would
+    pass): every well-formed snapshot loads, equal to its workspace (with or without raw texts), and a
+    well-formed edit of one (another body for a file) loads with the edit."""
+    assert w.check_invariants() == []
+    assert Workspace.from_json(w.to_json()) == w
+    docs = [Document(d.doc_id, d.text, title=d.title, url=d.url) for d in w.raw_docs]
+    assert Workspace.from_dict(w.to_dict(include_raw_text=False), docs=docs) == w
+    d = json.loads(w.to_json())
+    files = [n for n in d["nodes"] if n["kind"] == "file" and n["active"]]
+    if files:
+        files[0]["body"] = body
+        edited = Workspace.from_json(json.dumps(d))
+        assert edited.check_invariants() == []
+        assert edited.nodes[files[0]["node_id"]].body == body
+
+
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(tampered_snapshot())
 def test_tampered_snapshots_raise_snapshot_error_or_load_sound(d: dict[str, Any]) -> None:

@@ -132,6 +132,21 @@ def tiny_run_config(workdir: str, num_steps: int):
     return c
 
 
+def _eval_values(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("eval/") and not k.endswith("_s")}
+
+
+def _check_periodic_eval(m: dict[str, float]) -> None:
+    """A periodic eval of `tiny_run_config` (one held-out corpus of one question, answered once) that really
+    built and answered: a construction that failed, or an answer that never ran, still gives every key (its
+    question counts as incorrect) but no builder tokens and no reading."""
+    acc = m["eval/trained/accuracy"]
+    assert m["eval/accuracy"] == acc and acc in (0.0, 1.0)
+    # builder tokens read and written (its prompt, one turn): more than the turn's 16 new ones
+    assert m["eval/trained/construction_tokens_per_corpus"] > 16
+    assert m["eval/trained/tokens_read_per_query"] > 0 and m["eval/trained/passages_per_query"] == 0
+
+
 def _checkpoint_arrays(step_dir: str, item: str = "params") -> dict[str, np.ndarray]:
     """One item (`params`, `opt_state`) of a checkpoint step, by path (read with Orbax, no target tree)."""
     import jax
@@ -165,7 +180,8 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     # leave training untouched (the episodes and checkpoints below equal the killed run's, which does not)
     config.eval.update(every=1, num_tasks=1, repeats=1)
     out = training.run(config)
-    assert "eval/accuracy" in out["initial_eval"] and "eval/accuracy" in out["metrics"]
+    for evaluated in (out["initial_eval"], out["metrics"]):
+        _check_periodic_eval(evaluated)
     # compile time apart from run time: the last step's (inside its rollout/update/eval times) and the run's
     last, run_total = out["metrics"], out["compile"]
     assert {"compile/programs", "compile/cache_hits", "compile/time_s"} <= last.keys()
@@ -189,7 +205,10 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     config.eval.update(every=1, num_tasks=1, repeats=1)
     second = training.run(config)
     assert (second["start_step"], second["last_step"]) == (1, 2)
-    assert "eval/accuracy" in second["metrics"] and second["eval_s"] > 0
+    _check_periodic_eval(second["metrics"])
+    assert second["eval_s"] > 0
+    # the resumed run evaluates step 2's policy on the same corpora and seeds as the run that never stopped
+    assert _eval_values(second["metrics"]) == _eval_values(out["metrics"])
     assert second["initial_eval"] == {}  # a resumed run does not evaluate its starting point again
     with open(os.path.join(killed, "summary.json")) as f:
         assert json.load(f)["last_step"] == 2

@@ -17,11 +17,11 @@ from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.executor import extractive_text
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import synthetic
-from librarian_jax.testing import ByteChatML, ByteTokenizer
+from librarian_jax.testing import ByteTokenizer, chat_template
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 WORLD = synthetic.generate_world(3, 12, docs_per_task=6, min_words=40, max_words=80, questions_per_task=4)
 
 

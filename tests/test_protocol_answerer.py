@@ -14,11 +14,11 @@ from librarian_jax.data.schema import Document, Question
 from librarian_jax.rollout import RolloutConfig, Scheduler
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.episode import evaluate
-from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
+from librarian_jax.testing import ByteTokenizer, ScriptedEngine, chat_template
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 DOCS = (Document("d1", "Paris is the capital of France.", title="France"),
         Document("d2", "The sky is blue.", title="Sky"))
 

@@ -180,7 +180,8 @@ def test_eval_bright_preset_samples_the_same_questions(tmp_path):
     root = _bright(tmp_path / "bright", {"aops": 80, "biology": 60})
     c = eval_config.get_config("bright")
     c.tasks = root
-    tasks, _ = cli.heldout_tasks(types.SimpleNamespace(config=c, run_dir="", run_cfg=None))
+    plan = types.SimpleNamespace(config=c, settings=cli.EvalConfig.parse(c), run_dir="", run_cfg=None)
+    tasks, _ = cli.heldout_tasks(plan)
     train, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
     assert [len(t.questions) for t in tasks] == [50, 50]
     assert [[q.question_id for q in t.questions] for t in tasks] == [

@@ -212,3 +212,26 @@ def test_optimizer_direction_times_host_lr_equals_optax_adamw_schedule():
         p2 = jax.tree.map(lambda x, y, lr=sched(step): x - lr * y, p2, d)
     np.testing.assert_allclose(np.asarray(p2["a"]), np.asarray(p1["a"]), rtol=1e-6)
     assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1e-2)
+
+
+def test_a_segment_derives_from_a_builder_sessions_record_only():
+    """`Segment.from_record`: a builder session's record (sampled ids tagged with their turn) becomes a
+    segment array for array; an answerer's (sampled ids tagged -1, as the engine records any role's turn)
+    is refused, naming the invariant."""
+    from librarian_jax.engine.session import TokenRecord
+    from librarian_jax.segment import Segment
+
+    builder = TokenRecord([5, 6])
+    builder.extend([7, 8], [-0.5, -0.25], tag=0)
+    builder.extend([9])  # an observation
+    builder.extend([10], [-1.0], tag=1)
+    rec = builder.record()
+    seg = Segment.from_record(rec)
+    np.testing.assert_array_equal(seg.tokens, rec.tokens)
+    np.testing.assert_array_equal(seg.logprobs, rec.logprobs)
+    np.testing.assert_array_equal(seg.loss_mask, rec.loss_mask)
+    np.testing.assert_array_equal(seg.turn_index, [-1, -1, 0, 0, -1, 1])
+    answerer = TokenRecord([5, 6])
+    answerer.extend([7], [-0.5])  # untagged: -1
+    with pytest.raises(ValueError, match="turn_index must be >= 0 exactly where loss_mask is 1"):
+        Segment.from_record(answerer.record())

@@ -18,11 +18,11 @@ from librarian_jax.data.schema import CorpusTask, Document, Question
 from librarian_jax.rollout import EpisodeRecord, RolloutConfig, Scheduler, read_jsonl, run_batch, write_jsonl
 from librarian_jax.rollout.rewards import probe_reward, should_probe
 from librarian_jax.rollout.scheduler import fit_to_engines
-from librarian_jax.testing import IM_END, ByteChatML, ByteTokenizer, ScriptedEngine
+from librarian_jax.testing import IM_END, ByteTokenizer, ScriptedEngine, chat_template
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 DOCS = (
     Document("d1", "Paris is the capital of France. It has many bridges.", title="France facts"),
     Document("d2", "The sky is blue on a clear day. Clouds are white.", title="Sky"),

@@ -20,12 +20,12 @@ from librarian_jax.agents.builder import BuilderConfig
 from librarian_jax.data import synthetic
 from librarian_jax.rl import sft
 from librarian_jax.rollout import RolloutConfig
-from librarian_jax.testing import ByteChatML, ByteTokenizer
+from librarian_jax.testing import ByteTokenizer, chat_template
 from librarian_jax.warm_start import demos
 from librarian_jax.warm_start import sft as supervised
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 TASKS = synthetic.generate_world(5, 3, docs_per_task=6, min_words=30, max_words=50, questions_per_task=2)
 CFG = RolloutConfig(builder=BuilderConfig(max_turns=3, max_new_tokens=4000, executor="extractive",
                                           compaction="none"),

@@ -25,7 +25,7 @@ from librarian_jax.data import synthetic as S
 from librarian_jax.data.mutate import mutate_task
 from librarian_jax.data.schema import CorpusTask, Document
 from librarian_jax.rollout import RolloutConfig, run_batch
-from librarian_jax.testing import ByteChatML, ByteTokenizer, ScriptedEngine
+from librarian_jax.testing import ByteTokenizer, ScriptedEngine, chat_template
 from librarian_jax.workspace import (
     UPDATE_META,
     ExportError,
@@ -37,7 +37,7 @@ from librarian_jax.workspace import (
 )
 
 TOK = ByteTokenizer()
-TPL = ByteChatML(TOK)
+TPL = chat_template(TOK)
 
 DOCS = [
     Document("a", "Orlen Vask works at the Amber Institute.\n", title="Profile: Orlen Vask"),

@@ -184,8 +184,7 @@ class SessionLog:
 
     def segment(self) -> Segment:
         """The session's record as a training segment (turn index = the tag of each sampled id)."""
-        rec = self.session.record()
-        return Segment(rec.tokens, rec.logprobs, rec.loss_mask, rec.tags)
+        return Segment.from_record(self.session.record())
 
     def close(self) -> None:
         if not self.closed:

@@ -28,10 +28,10 @@ import numpy as np
 from absl import logging
 
 from librarian_jax import cluster
-from librarian_jax.agents.runtime import ANSWERER, EXECUTOR, FROZEN, FROZEN_ROLES, POLICY, AgentContext
+from librarian_jax.agents.runtime import EXECUTOR, AgentContext
 from librarian_jax.config_schema import RETRIEVAL_INDEXES
-from librarian_jax.eval import constructions, pipeline, retrieval
-from librarian_jax.rollout import Scheduler
+from librarian_jax.eval import constructions, retrieval
+from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import Workspace
 
 PREAMBLE_METHODS = ("bm25", "embedding", "rerank")  # retrieved passages in the first prompt
@@ -118,7 +118,7 @@ def _index(kind: str, chunks: Sequence[retrieval.Passage], models: RetrievalMode
 
 
 def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], c: Any, samples: int,
-                   models: RetrievalModels) -> list[pipeline.Job]:
+                   models: RetrievalModels) -> list[rjobs.Job]:
     """The jobs of the methods without construction (`raw`, `bm25`, `embedding`, `rerank`, `agentic`) for one
     corpus, in `methods` order; retrieval runs here (the passages of each question) except agentic search,
     which runs while the answerer answers."""
@@ -141,12 +141,12 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
     for m in methods:
         meter = _Meter()
         if m == "raw":
-            jobs.append(pipeline.Job("raw", task, raw_ws(), samples))
+            jobs.append(rjobs.Job("raw", task, raw_ws(), samples))
         elif m in RETRIEVAL_INDEXES:  # the `bm25` and `embedding` methods: their index's top k
             index, counters = _index(m, chunks, models, meter)
             pre = preambles("BM25" if m == "bm25" else "embedding", lambda q, i=index: i.search(q, k), meter,
                             counters)
-            jobs.append(pipeline.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
+            jobs.append(rjobs.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
                                      embedded=lambda meter=meter: meter.tokens))
         elif m == "rerank":
             if models.reranker is None:
@@ -159,12 +159,12 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
                 return rr.rerank(q, chunks, index.search(q, n), k)
 
             pre = preambles(f"{c.rerank.first_stage} top {n} reranked", rerank, meter, [*counters, rr])
-            jobs.append(pipeline.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
+            jobs.append(rjobs.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
                                      embedded=lambda meter=meter: meter.tokens))
         elif m == "agentic":
             index, counters = _index(c.agentic.index, chunks, models, meter)
             searcher = Searcher(chunks, index, meter, counters)
-            jobs.append(pipeline.Job(m, task, raw_ws(), samples, search=searcher, search_k=int(c.agentic.k),
+            jobs.append(rjobs.Job(m, task, raw_ws(), samples, search=searcher, search_k=int(c.agentic.k),
                                      embedded=lambda meter=meter: meter.tokens))
     return jobs
 
@@ -181,38 +181,34 @@ def construct(
     seed: int = 0,
     batch_tasks: int = 8,
     reset: Callable[[], None] | None = None,
-) -> list[pipeline.Built]:
+) -> list[rjobs.Built]:
     """GraphRAG's or AutoCompaction's workspace for each corpus (`eval.constructions`), written by the run's
     executor (`config.builder.executor`: "model" on the executor's engine, batched over the corpora of a
     chunk of `batch_tasks`; "extractive": the model-free stand-in). A corpus that fails is a failed
     construction (its questions count as incorrect)."""
     executor = config.builder.executor
-    s = c[method].to_dict() if hasattr(c[method], "to_dict") else dict(c[method])
+    s = getattr(c, method).to_dict()
 
-    def run(chunk: Sequence[Any]) -> list[Any]:
-        eng = engines()
-        answerer = eng.get(ANSWERER, eng[FROZEN])
-        by_role = {POLICY: answerer, FROZEN: answerer, **{r: eng[r] for r in FROZEN_ROLES if r in eng}}
-        gens = [
+    def gens(chunk: Sequence[Any], by_role: dict[str, Any]) -> list[Any]:
+        return [
             constructions.CONSTRUCTIONS[method](
                 AgentContext(tokenizer, templates[EXECUTOR], by_role,
-                             np.random.default_rng([seed, pipeline.task_seed(t.task_id)]),
+                             np.random.default_rng([seed, rjobs.task_seed(t.task_id)]),
                              templates=templates),
                 t, executor=executor, **s)
             for t in chunk
         ]
-        return Scheduler(by_role).run(gens)
 
+    chunks = [list(tasks[i : i + batch_tasks]) for i in range(0, len(tasks), batch_tasks)]
+    results = rjobs.run_jobs(chunks, gens, engines, f"build {method}", reset=reset)
     out = []
-    for i in range(0, len(tasks), batch_tasks):
-        chunk = list(tasks[i : i + batch_tasks])
-        for t, res in zip(chunk, pipeline.guarded(chunk, run, reset, f"build {method}"), strict=True):
-            if isinstance(res, Exception):
-                out.append(pipeline.Built(method, t, 0, failed=f"{type(res).__name__}: {res}"))
-                continue
-            logging.info("%s %s: %s, %d executor calls, %d tokens", method, t.task_id, res.info, res.calls,
-                         res.construction_tokens)
-            out.append(pipeline.Built(method, t, 0, res.workspace, res.construction_tokens, res.calls, True))
+    for t, res in zip(tasks, results, strict=True):
+        if isinstance(res, Exception):
+            out.append(rjobs.Built(method, t, 0, failed=f"{type(res).__name__}: {res}"))
+            continue
+        logging.info("%s %s: %s, %d executor calls, %d tokens", method, t.task_id, res.info, res.calls,
+                     res.construction_tokens)
+        out.append(rjobs.Built(method, t, 0, res.workspace, res.construction_tokens, res.calls, True))
     return out
 
 
@@ -226,14 +222,14 @@ def baseline_sections(
     mesh: Any,
     *,
     timing: dict[str, float],
-) -> tuple[list[pipeline.Job], dict[str, list[pipeline.Built]], dict[str, Any]]:
+) -> tuple[list[rjobs.Job], dict[str, list[rjobs.Built]], dict[str, Any]]:
     """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
     constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
     description. `models_` is the eval's cluster (`cli.Models`); `timing` gets `build_<method>_s`."""
     t0 = time.perf_counter()
     models = load_models(methods, c, mesh, tokenizer)
     timing["load_retrieval_s"] = time.perf_counter() - t0
-    built_by: dict[str, list[pipeline.Built]] = {}
+    built_by: dict[str, list[rjobs.Built]] = {}
     for m in CONSTRUCTED:
         if m in methods:
             t0 = time.perf_counter()
@@ -242,14 +238,14 @@ def baseline_sections(
                                     reset=models_.reset)
             timing[f"build_{m}_s"] = time.perf_counter() - t0
     simple = [m for m in methods if m in METHODS and m not in CONSTRUCTED]
-    jobs: list[pipeline.Job] = []
+    jobs: list[rjobs.Job] = []
     t0 = time.perf_counter()
     for i, t in enumerate(tasks):
-        jobs.extend(retrieval_jobs(simple, t, pipeline.questions_of(t, config), c, c.samples, models))
+        jobs.extend(retrieval_jobs(simple, t, rjobs.questions_of(t, config), c, c.samples, models))
         for m in CONSTRUCTED:
             if m in methods:
                 b = built_by[m][i]
-                jobs.append(pipeline.Job(m, t, b.workspace, c.samples, b.construction_tokens,
+                jobs.append(rjobs.Job(m, t, b.workspace, c.samples, b.construction_tokens,
                                          failed=b.failed))
     order = {m: i for i, m in enumerate(methods)}
     pos = {t.task_id: i for i, t in enumerate(tasks)}

@@ -26,12 +26,23 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from librarian_jax import cluster, config_schema, config_validation, data, inputs, models, storage, tokenizers
+from librarian_jax import (
+    cluster,
+    config_schema,
+    config_validation,
+    data,
+    distributed,
+    inputs,
+    models,
+    storage,
+    tokenizers,
+)
 from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
+from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
 BUILTIN_METHODS = EVAL_METHODS  # the `methods` choices (config_schema), and run:/other/workdir
@@ -63,12 +74,13 @@ def _csv(text: str) -> list[str]:
 
 
 def _ints(config: Any, key: str) -> list[int]:
+    text = getattr(config, key)
     try:
-        vals = [int(x) for x in _csv(config[key])]
+        vals = [int(x) for x in _csv(text)]
     except ValueError:
-        raise _err(key, f"must be comma-separated integers, got {config[key]!r}") from None
+        raise _err(key, f"must be comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
-        raise _err(key, f"must list integers >= 1, got {config[key]!r}")
+        raise _err(key, f"must list integers >= 1, got {text!r}")
     return vals
 
 
@@ -81,7 +93,8 @@ def method_label(method: str) -> str:
 
 @dataclasses.dataclass
 class Plan:
-    """What a validated eval config will do (no model loaded yet)."""
+    """What a validated eval config will do (no model loaded yet): `settings` is the validated, typed config
+    (`config_schema.EvalConfig`, what evaluation reads); `config` the ConfigDict it was parsed from."""
 
     config: Any
     run_dir: str
@@ -93,6 +106,7 @@ class Plan:
     out_dir: str
     pass_k: list[int]
     cost_qs: list[int]
+    settings: EvalConfig
 
 
 def _check_builder(c: Any) -> None:
@@ -116,8 +130,7 @@ def _no_run_config(c: Any) -> Any:
 def plan_eval(config: Any) -> Plan:
     """Validates an eval config (every key: `config_schema.EvalConfig`) against the file system (run dir,
     checkpoints, shapes). No model loaded."""
-    c = config
-    EvalConfig.parse(c)  # types, bounds and choices of every key, the method names
+    c = EvalConfig.parse(config)  # types, bounds and choices of every key, the method names
     _check_builder(c)
     methods = _csv(c.methods)
     if len(set(map(method_label, methods))) != len(methods):
@@ -128,16 +141,16 @@ def plan_eval(config: Any) -> Plan:
     cost_qs = _ints(c, "cost_qs")
     for role, needed in (("embedding", baselines.needs_embedding(methods, c)),
                          ("reranker", baselines.needs_reranker(methods))):
-        path = c.roles[role].path
+        path = getattr(c.roles, role).path
         if needed and not path:
             raise _err(f"roles.{role}.path", f"required by methods {methods} (a Hugging Face folder of the "
                        f"{role} model, e.g. Qwen3-{'Embedding' if role == 'embedding' else 'Reranker'}-0.6B)")
         if needed and not storage.isfile(storage.join(path, "config.json")):
             raise _err(f"roles.{role}.path", f"{path!r} is not a Hugging Face model folder (no config.json)")
     for k in ("tasks", "task_ids"):
-        if c[k] and not os.path.exists(c[k]):
-            raise _err(k, f"{c[k]!r} does not exist")
-    validate_mesh(c.mesh.shape.to_dict(), jax.device_count())
+        if getattr(c, k) and not os.path.exists(getattr(c, k)):
+            raise _err(k, f"{getattr(c, k)!r} does not exist")
+    validate_mesh(c.mesh.shape, jax.device_count())
     step, step_dir = -1, ""
     if c.run:
         run_dir = storage.abspath(c.run)  # a local directory or a URL (gs://...)
@@ -175,7 +188,7 @@ def plan_eval(config: Any) -> Plan:
         raise _err("out", "required without config.run")
     restore.check_output_dir(out_dir, "out" if c.out else "run")  # writable, with free space: before any work
     return Plan(
-        c,
+        config,
         run_dir,
         run_cfg,
         step,
@@ -185,6 +198,7 @@ def plan_eval(config: Any) -> Plan:
         out_dir,
         pass_k,
         cost_qs,
+        c,
     )
 
 
@@ -199,12 +213,12 @@ def _read_ids(path: str) -> list[str]:
 def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
     """The held-out tasks and where their ids came from: `tasks` (a file) filtered by `task_ids` when
     given; else the run's own data (`inputs.build_tasks` on its config) selected by its split.json ids."""
-    c = plan.config
+    c = plan.settings
     if c.tasks:
         try:
-            n = int(c.get("questions_per_domain", 0))
+            n = c.questions_per_domain
             sample = n and data.sniff_format(c.tasks) == "bright"
-            kwargs = {"questions_per_domain": n, "seed": int(c.get("sample_seed", 0))} if sample else {}
+            kwargs = {"questions_per_domain": n, "seed": c.sample_seed} if sample else {}
             pool = data.load_tasks(c.tasks, **kwargs)
         except data.DataError as e:
             raise _err("tasks", str(e)) from None
@@ -253,17 +267,16 @@ def protocol_config(run_cfg: Any, eval_cfg: Any) -> tuple[Any, list[str]]:
     Every role is the run's own unless asked for here; the report marks each difference."""
     cfg = ml_collections.ConfigDict(run_cfg.to_dict())
     asked: list[str] = []
-    roles = eval_cfg.get("roles", None)
     if "roles" not in cfg:  # a run from before roles: every frozen role on the run's initial weights
         cfg.roles = config_schema.RolesSection().to_config_dict()
     for role in FROZEN_ROLES:
-        over = roles[role] if roles is not None and role in roles else {}
+        over = getattr(eval_cfg.roles, role)
         for key in _ROLE_OVERRIDES:
-            value = over.get(key, "")
+            value = getattr(over, key)
             if value not in ("", 0):
                 cfg.roles[role][key] = value
                 asked.append(f"roles.{role}.{key}")
-        if int(over.get("thinking", -1)) >= 0:
+        if over.thinking >= 0:
             cfg.roles[role].thinking = bool(over.thinking)
             asked.append(f"roles.{role}.thinking")
     a = eval_cfg.answerer
@@ -275,10 +288,10 @@ def protocol_config(run_cfg: Any, eval_cfg: Any) -> tuple[Any, list[str]]:
         asked.append("answerer.temperature")
     e = eval_cfg.engine
     for key, target in (("frozen_slots", "frozen_slots"), ("round_steps", "round_steps")):
-        if e[key]:
-            cfg.rollout[target] = int(e[key])
+        if getattr(e, key):
+            cfg.rollout[target] = int(getattr(e, key))
             asked.append(f"engine.{key}")
-    cfg.rollout.builder.temperature = float(eval_cfg.get("builder_temperature", 0.0))
+    cfg.rollout.builder.temperature = float(eval_cfg.builder_temperature)
     return cfg, asked
 
 
@@ -338,13 +351,13 @@ class Models:
         if label == "base":
             return self.base
         if label == "trained":
-            if plan.config.builder.startswith("hf:"):
+            if plan.settings.builder.startswith("hf:"):
                 return models.load_hf(
-                    plan.config.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
+                    plan.settings.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
                 )
             return restore.restore_builder(  # a step asked for by number never falls back to another
                 self.run_cfg, plan.step_dir, self.mesh, self.tokenizer, base=self.base,
-                fallback=plan.config.step < 0,
+                fallback=plan.settings.step < 0,
             )
         run_cfg, step_dir, _ = plan.extra_runs[label]
         return restore.restore_builder(run_cfg, step_dir, self.mesh, self.tokenizer)
@@ -352,8 +365,8 @@ class Models:
 
 def builder_weights(plan: Plan) -> str:
     """The trained builder as the protocol names it: `run:DIR@STEP`, or the HF folder of `builder=hf:`."""
-    if plan.config.builder.startswith("hf:"):
-        return plan.config.builder[3:]
+    if plan.settings.builder.startswith("hf:"):
+        return plan.settings.builder[3:]
     return f"run:{plan.run_dir}@{plan.step}"
 
 
@@ -387,25 +400,25 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 
 def _rollout_config(plan: Plan, models_: Models) -> Any:
     """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
-    return pipeline.eval_rollout_config(config_validation.rollout_config(models_.config),
-                                        builder_temperature=plan.config.builder_temperature,
-                                        answer_temperature=plan.config.get("answer_temperature", 0.0))
+    return rjobs.eval_config(config_validation.rollout_config(models_.config),
+                                        builder_temperature=plan.settings.builder_temperature,
+                                        answer_temperature=plan.settings.answer_temperature)
 
 
 def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records).
 
     Multi-process (every process calls it): each process builds and answers only its contiguous share of
-    the held-out corpora (`pipeline.share`, uneven or empty shares included) on its process-local engines;
-    the per-question records are gathered in the order of a single-process run (`pipeline.gather_sections`;
+    the held-out corpora (`distributed.share`, uneven or empty shares included) on its process-local engines;
+    the per-question records are gathered in the order of a single-process run (`distributed.gather_sections`;
     no seed depends on the split), every process analyses all of them (the same results everywhere), and
     process 0 exports the workspaces and writes the one report. Timing entries are the slowest process's.
     Every process still loads every builder (restores are collectives), even with an empty share."""
-    c = plan.config
+    c = plan.settings
     t_start = time.perf_counter()
     tasks, split_source = heldout_tasks(plan)
     corpora = [t.task_id for t in tasks]
-    part = pipeline.share(len(tasks))
+    part = distributed.share(len(tasks))
     mine = tasks[part]
     logging.info(
         "eval: process %d of %d builds and answers corpora [%d, %d) of %d",
@@ -434,16 +447,16 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     repeats = c.samples if one_build else 1
     # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
     # processes' records of a section, concatenated in process order, are that section's records
-    sections: list[tuple[str, list[pipeline.Job]]] = []
-    built_by: dict[str, list[pipeline.Built]] = {}
+    sections: list[tuple[str, list[rjobs.Job]]] = []
+    built_by: dict[str, list[rjobs.Built]] = {}
     timing = {"load_s": t_load - t_start}
     for label in plan.methods:
         if label in baselines.METHODS:
             continue
         t0 = time.perf_counter()
-        pipeline.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
+        distributed.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
         models.set_policy(models.builder(label, plan))
-        built = pipeline.build_workspaces(
+        built = rjobs.build_workspaces(
             label,
             mine,
             models.engines,
@@ -458,12 +471,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             start=part.start,
         )
         built_by[label] = built
-        sections.append((f"build/{label}", [
-            pipeline.Job(
-                label, b.task, b.workspace, repeats, b.construction_tokens, b.episode, failed=b.failed
-            )
-            for b in built
-        ]))
+        sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
     # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
     base_jobs, constructed, retrieval_models = baselines.baseline_sections(
@@ -471,17 +479,17 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     built_by.update(constructed)
     sections.append(("baselines", base_jobs))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
-    variants: list[pipeline.Job] = []
+    variants: list[rjobs.Job] = []
     for b in built_by.get("trained", []):
         if ablation and b.episode == 0:
             flat = b.workspace.flattened() if b.workspace is not None else None
             shuf = b.workspace.shuffled(c.ablation.shuffle_seed) if b.workspace is not None else None
             for name, ws in (("flattened", flat), ("shuffled", shuf)):
-                variants.append(pipeline.Job(name, b.task, ws, 1, b.construction_tokens, failed=b.failed))
+                variants.append(rjobs.Job.of(b, 1, method=name, workspace=ws))
     sections.append(("ablation", variants))
     jobs = [j for _, js in sections for j in js]
     t0 = time.perf_counter()
-    answers = pipeline.answer_jobs(
+    answers = rjobs.answer_jobs(
         jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed, reset=models.reset,
         progress=progress,
     )
@@ -505,9 +513,9 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             for b in bs
             if b.episode == 0 and b.workspace is not None
         ]))
-    gathered = pipeline.gather_sections(shares, "execute")
+    gathered = distributed.gather_sections(shares, "execute")
     records = [r for name, _ in own for r in gathered[name]]
-    timing = pipeline.slowest(gathered["timing"])
+    timing = distributed.slowest(gathered["timing"])
     results = report.analyse(
         records,
         plan.methods + ablation,
@@ -536,7 +544,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         else "one construction + one answer" if not greedy_builder
         else "one answer on the (greedy) construction",
         "answer_temperature": cfg.repeat_temperature if sampled_answers else 0.0,
-        "preset": c.get("preset", ""),
+        "preset": c.preset,
         "protocol_overrides": list(models.overrides),
         "retrieval_models": retrieval_models,
         "devices": jax.device_count(),
@@ -551,10 +559,10 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         if root != storage.join(plan.out_dir, "workspaces"):
             logging.info("workspaces of %s exported locally to %s", plan.out_dir, root)
         by_id = {t.task_id: t for t in tasks}
-        firsts: dict[str, list[pipeline.Built]] = {m: [] for m in built_by}
+        firsts: dict[str, list[rjobs.Built]] = {m: [] for m in built_by}
         for m, task_id, snap in gathered["workspaces"]:
             task = by_id[task_id]
-            firsts[m].append(pipeline.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
+            firsts[m].append(rjobs.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
         results["workspaces"] = export_workspaces(root, firsts)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
@@ -565,7 +573,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     return results, records
 
 
-def export_workspaces(root: str, built_by: dict[str, list[pipeline.Built]]) -> dict[str, int]:
+def export_workspaces(root: str, built_by: dict[str, list[rjobs.Built]]) -> dict[str, int]:
     """Each method's first construction of each corpus, exported under `root/<method>/<corpus>/`."""
     if os.path.isdir(root) and not os.path.islink(root):
         shutil.rmtree(root)
@@ -619,7 +627,8 @@ format_table = report.format_table
 def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     """`main --config=configs/eval.py`: validate, then evaluate and print the table."""
     plan = plan_eval(config)
-    what = f"eval {plan.methods} of {plan.run_dir or config.builder} (step {plan.step}) -> {plan.out_dir}"
+    what = (f"eval {plan.methods} of {plan.run_dir or plan.settings.builder} (step {plan.step}) -> "
+            f"{plan.out_dir}")
     if dry_run:
         print(what)  # noqa: T201 - the CLI's answer
         return None
@@ -693,13 +702,14 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
     plan, task = plan_build(config)
-    c = plan.config
-    folder = config.data.path
+    b = BuildConfig.parse(config)  # the build's own keys, typed (`plan.settings`: the eval keys it shares)
+    c = plan.settings
+    folder = b.data.path
     if dry_run:
         print(
             f"build a workspace over {len(task.documents)} documents of {folder} with "  # noqa: T201
             f"{plan.run_dir or c.builder} (step {plan.step}) -> {c.out}"
-            + (f" (an update of {config.update_from})" if config.update_from else "")
+            + (f" (an update of {b.update_from})" if b.update_from else "")
         )
         return None
     t0 = time.perf_counter()
@@ -710,18 +720,18 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         else tokenizers.load_tokenizer(c.builder[3:])
     )
     start = None
-    if config.update_from:  # an incremental update: the old export carried over to the folder's documents
-        start = carry_over(load_export(config.update_from).workspace, task.documents, config.update_max_turns)
-        logging.info("build: updating %s: %s, %d stale synthetic files", config.update_from,
+    if b.update_from:  # an incremental update: the old export carried over to the folder's documents
+        start = carry_over(load_export(b.update_from).workspace, task.documents, b.update_max_turns)
+        logging.info("build: updating %s: %s, %d stale synthetic files", b.update_from,
                      start.changes.counts(), len(start.stale))
         task = dataclasses.replace(task, meta={**task.meta, UPDATE_META: start})
     if start is not None and start.changes.empty:  # nothing changed: the old workspace as it was
-        built = pipeline.Built("trained", task, 0, start.workspace.copy())
+        built = rjobs.Built("trained", task, 0, start.workspace.copy())
     else:
         models = Models(plan.run_cfg, c, mesh, tokenizer)
         models.set_policy(models.builder("trained", plan))
         cfg = _rollout_config(plan, models)
-        built = pipeline.build_workspaces(
+        built = rjobs.build_workspaces(
             "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
             reset=models.reset
         )[0]
@@ -748,7 +758,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     }
     if start is not None:
         summary["update"] = {
-            "from": os.path.abspath(config.update_from),
+            "from": os.path.abspath(b.update_from),
             "changes": start.changes.counts(),
             "stale_before": len(start.stale),
             "stale_after": [s["path"] for s in ws.stale_nodes()],

@@ -43,7 +43,7 @@ class RowsConfig:
     step_weight: float = 0.0
     step_gamma: float = 1.0
     step_normalize_std: bool = False
-    max_seq_len: int = 8192
+    max_seq_len: int = 4096
     seq_buckets: tuple[int, ...] = DEFAULT_SEQ_BUCKETS
     row_multiple: int = 1
 

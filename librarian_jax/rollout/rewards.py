@@ -22,8 +22,9 @@ Repeats (`repeat_mode`): R greedy answerer runs of one question are R copies of 
 paid R times. `"greedy_once"` (default; the paper's answerer is greedy): with a greedy answerer (temperature
 0) each question is answered once and the run counted R times (the copies carry `"copy": True` and no
 tokens); an answerer with temperature > 0 samples all R. `"sample"`: the R runs sample at
-`repeat_temperature`, so the mean estimates the answerer's expected correctness. (`dedupe_greedy_repeats` is
-the older name of greedy_once; it is kept for callers and changes nothing.)
+`repeat_temperature`, so the mean estimates the answerer's expected correctness. (`dedupe_greedy_repeats`,
+an older name of greedy_once that changed nothing, is gone; a run's older config.json holding it still
+reads: `RETIRED_KEYS`.)
 
 Cost-aware utility (paper §2.3, Equations 1-4; all zero by default, as in the main run): a correct answer's
 score is `1 - token_cost * tokens_read - read_cost * files_read` (the penalties apply to correct answers
@@ -45,6 +46,10 @@ TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
 REPEAT_MODES = ("greedy_once", "sample")
 
 
+# keys an older run's config.json may hold that nothing reads any more: dropped when read back
+RETIRED_KEYS = frozenset({"dedupe_greedy_repeats"})
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """Every rollout term; defaults are the paper's main run (see the module docstring)."""
@@ -64,7 +69,6 @@ class RolloutConfig:
     judge_max_new_tokens: int = 16
     record_snapshots: bool = True
     snapshot_raw_text: bool = False  # snapshots keep raw doc hashes; texts only when True
-    dedupe_greedy_repeats: bool = True  # older name of repeat_mode="greedy_once" (kept for callers)
     repeat_mode: str = "greedy_once"  # "greedy_once" | "sample" (module docstring)
     repeat_temperature: float = 1.0  # the answerer's temperature for repeat_mode="sample"
     token_cost: float = 0.0  # lambda_tok: per token a correct answer read
@@ -117,7 +121,7 @@ class RolloutConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RolloutConfig:
         """From a (nested) dict or ml_collections ConfigDict; an unknown key raises KeyError naming it."""
-        d = dict(d)
+        d = {k: v for k, v in dict(d).items() if k not in RETIRED_KEYS}
         kwargs: dict[str, Any] = {}
         sub = {"builder": BuilderConfig, "answerer": AnswererConfig}
         names = {f.name for f in dataclasses.fields(cls)}

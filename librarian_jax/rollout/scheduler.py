@@ -223,6 +223,16 @@ def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> Rollout
     return dataclasses.replace(config, builder=b, answerer=a)
 
 
+def episode_rng(seed: int, skip: int = 0) -> np.random.Generator:
+    """The episode seed stream `run_batch` draws from (`default_rng(seed)`, one `integers(2**62)` per
+    episode, task-major), advanced past `skip` episodes (those of corpora before this share's: another
+    process's, or earlier ones of a chunk): every episode gets the seed it gets in one run over all."""
+    rng = np.random.default_rng(int(seed))
+    for _ in range(int(skip)):
+        rng.integers(2**62)
+    return rng
+
+
 def run_batch(
     tasks: Sequence[Any],
     group_size: int,

@@ -2,7 +2,7 @@
 protocol, whose transcripts become supervised (SFT) data that teaches a small model the protocol.
 
 Each style is a policy over what the builder's prompt shows (the raw listing: titles and doc ids), replayed
-through the real `BuilderAgent`, executor, workspace and scheduler by a `rollout.scripted.ScriptedEngine`, so
+through the real `BuilderAgent`, executor, workspace and scheduler by a `testing.ScriptedEngine`, so
 the transcript is exactly what the protocol produces; the episode is scored by the same probes and terminal
 evaluation as training (with the run's answerer), and that score is kept with each demonstration.
 
@@ -33,7 +33,7 @@ from absl import logging
 
 from librarian_jax.agents.builder import first_observation
 from librarian_jax.rollout import run_batch
-from librarian_jax.rollout.scripted import FakeSession, ScriptedEngine
+from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
 STYLES = ("entities", "own_doc", "generic", "early_stop")

@@ -51,22 +51,24 @@ def builder_template(config: Any, tokenizer: Any) -> Any:
 
 
 def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], config: Any, *,
-          workdir: str, mesh: Any = None, template: Any = None) -> dict[str, Any]:
+          workdir: str, mesh: Any = None, template: Any = None,
+          settings: config_schema.SFTConfig | None = None) -> dict[str, Any]:
     """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `config` (the
-    `configs/sft.py` ConfigDict: `train`, `data.packing`, `checkpoint`, `seed`), each encoded with
-    `template` (default: the builder's, `cluster.role_templates`: the template GRPO samples with).
-    Checkpoints go to `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses,
-    times, steps)."""
+    `configs/sft.py` ConfigDict; what the loop reads, `train`, `data.packing`, `checkpoint` and `seed`, from
+    its validated, typed form `settings`, parsed here when not given), each encoded with `template`
+    (default: the builder's, `cluster.role_templates`: the template GRPO samples with). Checkpoints go to
+    `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses, times, steps)."""
     t_start = time.perf_counter()
     compiled_before = compile_cache.CompileClock.get().totals()
-    t = config.train
+    settings = settings or config_schema.SFTConfig.parse(config)
+    t, c = settings.train, settings.checkpoint
     template = template or builder_template(config, tokenizer)
-    examples = [sft.encode_conversation(c["messages"], template, tokenizer) for c in conversations]
-    tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, config.data.packing)
+    examples = [sft.encode_conversation(c_["messages"], template, tokenizer) for c_ in conversations]
+    tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, settings.data.packing)
     logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
                  len(examples), counts["rows"], tokens.shape[1], counts["loss_tokens"],
                  counts["cut_loss_tokens"])
-    tcfg = config_schema.SFTTrainSection.parse(t, "train").trainer_config()
+    tcfg = t.trainer_config()
     # the LM head's per-row loss positions sized for the data's fullest row: one compiled update for every
     # batch (a batch of shorter answers would otherwise compile a smaller bucket)
     trainer = train_step.Trainer(model, tcfg, mesh=mesh, min_loss_positions=train_step.most_loss_tokens(mask))
@@ -78,13 +80,12 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
                      t.batch_rows, multiple)
     share = distributed.process_slice(batch_rows)  # this process's rows of every global batch
     group = t.group_by_length
-    stream = sft.RowStream(counts["rows"], batch_rows, config.seed, lengths=valid.sum(axis=1), group=group)
-    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=config.checkpoint.every,
-                                 keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-    rng = jax.random.key(config.seed)
-    if config.checkpoint.resume:
-        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state,
-                              start_fresh=bool(config.checkpoint.get("start_fresh", False)))
+    stream = sft.RowStream(counts["rows"], batch_rows, settings.seed, lengths=valid.sum(axis=1), group=group)
+    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=c.every, keep=c.keep,
+                                 async_save=c.async_save)
+    rng = jax.random.key(settings.seed)
+    if c.resume:
+        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state, start_fresh=c.start_fresh)
         if restored is not None:
             trainer.set_state(restored.params, restored.opt_state, restored.step)
             if restored.data_state:
@@ -140,22 +141,22 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
 
 def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     """The `configs/sft.py` command: validate, build data / tokenizer / mesh / model, train."""
-    validate(config)
-    desc = (f"SFT: model {config.model.preset} ({config.model.init}) on "
-            f"{config.data.path or 'embedded demonstrations'}; {config.train.num_steps} steps of "
-            f"{config.train.batch_rows} rows, lr {config.train.learning_rate}; workdir {config.workdir}")
+    settings = validate(config)
+    m, t = settings.model, settings.train
+    desc = (f"SFT: model {m.preset} ({m.init}) on {settings.data.path or 'embedded demonstrations'}; "
+            f"{t.num_steps} steps of {t.batch_rows} rows, lr {t.learning_rate}; workdir {settings.workdir}")
     if dry_run:
         print(desc)  # noqa: T201 - the CLI's answer
         return None
     logging.info("%s", desc)
-    workdir = storage.abspath(config.workdir)
+    workdir = storage.abspath(settings.workdir)
     storage.makedirs(workdir)
     if distributed.is_primary():
         storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     def data() -> tuple[list[dict[str, Any]], Any]:
-        if config.data.path:
-            return (sft.load_conversations(inputs.local_file(config.data.path, "sft_data")),
+        if settings.data.path:
+            return (sft.load_conversations(inputs.local_file(settings.data.path, "sft_data")),
                     inputs.build_tokenizer(config, []))
         return embedded_demonstrations(config)
 
@@ -168,11 +169,11 @@ def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     # weights loaded onto this process's devices, then made placeable on the global mesh (as GRPO's)
     model = cluster.initial_model(config, cluster.engine_mesh(mesh), tokenizer)
     distributed.uncommit(model)
-    m = config.model
     if m.lora_rank:
-        model = train_step.apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=config.seed)
+        model = train_step.apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path,
+                                      seed=settings.seed)
     try:
-        return train(model, tokenizer, convs, config, workdir=workdir, mesh=mesh)
+        return train(model, tokenizer, convs, config, workdir=workdir, mesh=mesh, settings=settings)
     except sft.ConversationError as e:
         raise config_validation.ConfigError(f"config.data.path: {e}") from None
 
