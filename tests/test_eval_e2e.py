@@ -249,7 +249,7 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
 
     monkeypatch.setattr(jobs, "run_batch", fake_run_batch)
     resets = []
-    cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
+    cfg = pipeline.eval_config(pipeline.R.RolloutConfig())
     built = pipeline.build_workspaces(
         "trained", tasks, dict, None, cfg, templates={"policy": None}, reset=lambda: resets.append(1),
         progress=False,

@@ -121,7 +121,7 @@ def test_a_share_builds_with_the_episode_seeds_of_the_whole_build(monkeypatch):
     seeds: dict[tuple[str, int], int] = {}
     # corpus 4's batch fails: each corpus of that chunk is re-run alone
     monkeypatch.setattr(jobs, "run_batch", _fake_run_batch(seeds, bad=tasks[4].task_id))
-    cfg = pipeline.eval_rollout_config(pipeline.R.RolloutConfig())
+    cfg = pipeline.eval_config(pipeline.R.RolloutConfig())
     kw = dict(group_size=2, seed=11, batch_tasks=3, progress=False)
 
     def build(part):

@@ -16,7 +16,7 @@ the new corpus are answered by the run's answerer (the embedded default: the scr
 
 Builders: `--run=DIR` restores the run's builder (greedy) and answers with the run's protocol
 (`eval.cli.Models`); without it, a scripted builder (`--style`, a warm-start demonstration style, default
-`own_doc`: one file per entity document) builds through the real protocol (`rollout.scripted.ScriptedEngine`),
+`own_doc`: one file per entity document) builds through the real protocol (`testing.ScriptedEngine`),
 and its update episode deletes each stale file and writes it again under its title from its sources as they
 are now (the update prompt lists them), and gives each added document (and a changed one no rewrite covers)
 its own file. History compaction is off for scripted builders (their plans read the first prompt).
@@ -45,7 +45,8 @@ from librarian_jax.agents.protocol import format_call
 from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.data.mutate import mutate_task
 from librarian_jax.eval import cli, pipeline, restore, stats
-from librarian_jax.rollout.scripted import FakeSession, ScriptedEngine
+from librarian_jax.rollout.jobs import eval_config
+from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.warm_start.demos import listed_docs, scripted_builder
 from librarian_jax.workspace import UPDATE_META, carry_over
 
@@ -171,7 +172,7 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
     train, held = inputs.build_tasks(cfg)
     tok = inputs.build_tokenizer(cfg, train + held)
     template = tokenizers.chat_template(tok)
-    rollout = pipeline.eval_rollout_config(config_validation.rollout_config(cfg))
+    rollout = eval_config(config_validation.rollout_config(cfg))
     rollout = dataclasses.replace(rollout, terminal_questions="hidden")
     engine = ScriptedEngine(tok, scripted_policy(style, rollout.builder.max_turns),
                             end_id=template.stop_ids[0])

@@ -36,10 +36,8 @@ from librarian_jax.rollout.jobs import (  # the entry points callers (eval.cli, 
     task_seed,
 )
 
-eval_rollout_config = eval_config  # the name bench.update and the tests know
-
 __all__ = ["SCALARS", "Built", "Job", "answer_jobs", "answer_rng", "bm25_preambles", "build_workspaces",
-           "eval_config", "eval_rollout_config", "job_records", "periodic_eval", "questions_of",
+           "eval_config", "job_records", "periodic_eval", "questions_of",
            "scalar_metrics", "task_seed"]
 
 
