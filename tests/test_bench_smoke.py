@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # module -> (smoke flags, a string its output must contain)
 SMOKE: dict[str, tuple[list[str], str]] = {
-    "compile": (["--depths=1,2", "--batch=1", "--prompt_len=4", "--new_tokens=2", "--rows=2", "--seq=16",
+    "compile": (["--depths=2", "--batch=1", "--prompt_len=4", "--new_tokens=2", "--rows=2", "--seq=16",
                  "--repeats=1"], "engine: compile (lower + compile) and steady step by depth"),
     "decode": (["--preset=tiny", "--batches=2", "--new_tokens=4", "--prompt_len=4", "--repeats=1",
                 "--transformers=false", "--memory_gbps=20", "--compilation_cache_dir=none"],
