@@ -399,8 +399,8 @@ class OptimSection(Section):
     # once, not once per layer (same values); pays on deep models (CPU: 36 layers compile 2.3x faster), not on
     # the 4-6 layer CPU presets (BENCHMARKS.md)
     scan_layers: bool = spec(_TRAIN.scan_layers)
-    # models with at least this many decoder layers scan them anyway (0 = only with scan_layers): on the CPU
-    # the scanned step compiles faster from ~8 layers and steps as fast from 16 (rl.TrainConfig)
+    # > 0: models with at least this many decoder layers scan them anyway; 0: only with scan_layers (the
+    # scanned CPU step is 5-11% slower at every depth; deep ones compile 1.6-2.3x faster: rl.TrainConfig)
     scan_min_layers: int = spec(_TRAIN.scan_min_layers, lo=0)
     max_seq_len: int = spec(_ROWS.max_seq_len, lo=16)  # training rows longer than this are truncated
     # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never

@@ -96,13 +96,14 @@ class TrainConfig:
     # `models.Transformer` policies: run the decoder layers that repeat a pattern under one `lax.scan`
     # (`Transformer.hidden(scan_layers=True)`: params stacked inside the trace, layout unchanged), so the step
     # compiles each distinct layer once instead of once per layer; same loss and gradients as the loop.
-    # True: always; False: from `scan_min_layers` layers on (BENCHMARKS.md, "Compile once").
+    # True: always; False: only from `scan_min_layers` layers on.
     scan_layers: bool = False
-    # a model with at least this many decoder layers scans them even with `scan_layers` False (0 = never by
-    # depth): on XLA:CPU the scanned step compiles faster from ~8 layers on and runs as fast from 16 (36
-    # tiny-width layers at 8 x 1152: compile 118 -> 52 s, temporaries 11.2 -> 3.8 GiB), while the 4-6 layer
-    # presets compile no faster scanned (`python -m librarian_jax.bench.compile`)
-    scan_min_layers: int = 16
+    # > 0: a model with at least this many decoder layers scans them even with `scan_layers` False (e.g. 16
+    # for deep presets on an accelerator, where the scan is the usual choice); 0: by `scan_layers` alone. 0 by
+    # default: on XLA:CPU the scanned step ran 0.89-0.95x the loop's speed at every depth from 4 to 32 (each
+    # layer's weights are copied out of the stack), though it compiles 1.6x faster at 32 layers (32.2 -> 20.5
+    # s at 8 x 512) and 2.3x at 36 (8 x 1152: 118 -> 52 s); `python -m librarian_jax.bench.compile`.
+    scan_min_layers: int = 0
     # > 0: every micro-batch holds this many rows per data-parallel shard and a step runs as many
     # micro-batches as its rows need (a host loop over one compiled program; `micro_batches` is then unused),
     # so a new row count compiles nothing; 0: the step's rows split into `micro_batches` equal micro-batches
