@@ -5,13 +5,14 @@ else `~/.cache/librarian_jax/jax_compilation_cache`); every program that took at
 compile is written there, keyed by its HLO, the compile options, the JAX/XLA version and the devices, and a
 later process that compiles the same program reads it back instead. The main command and the benches call it
 before compiling anything; `--compilation_cache_dir=none` (or the variable set to `none`) turns it off.
-Multi-process runs: JAX writes entries from process 0 only, and on the CPU (and TPU) a program's key holds
-its device assignment, so the process-local engines of process 1, 2, ... (other devices, other keys) would
-miss the cache on every start. `enable` lets each process write the entries of programs that run on its own
-devices only (`_write_local_programs`); programs over every process's devices (the trainer's update) have
-one key for all and process 0 writes them, as JAX does. On GPU JAX strips the device assignment from the
-key, so every process already reads process 0's entries. Each host keeps its own local directory, or the
-processes share one.
+Multi-process runs: JAX writes entries from process 0 only, and on the CPU (and TPU) a program's key holds its
+device assignment, so the process-local engines of process 1, 2, ... (other devices, other keys) would miss
+the cache on every start. `enable` lets each process write the entries of programs that run on its own devices
+only (`_write_local_programs`), and, with a local cache directory, every program it compiles (a global program
+can be one process's own too, e.g. a slice at its share's offsets); with a `gs://` directory programs over
+every process's devices are written by process 0 alone, as JAX does. On GPU JAX strips the device assignment
+from the key, so every process already reads process 0's entries. Each host keeps its own local directory, or
+the processes share one.
 
 Every program is written (`min_compile_s=0` by default), however fast it compiled: a second run of the same
 config, or an evaluation of its run, then compiles nothing new (the main command's `done:` line says how many
@@ -73,22 +74,27 @@ def enable(cache_dir: str | None = None, *, min_compile_s: float = MIN_COMPILE_S
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _write_local_programs()
+    _write_local_programs(every_program="://" not in path)
     logging.info("persistent compilation cache: %s", path)
     return path
 
 
 _local = threading.local()  # .devices_local: the program being compiled runs on this process's devices only
 _patched = False
+_every_program = False  # processes other than 0 write every program, not only their process-local ones
 
 
-def _write_local_programs() -> None:
+def _write_local_programs(every_program: bool = False) -> None:
     """Lets a process other than 0 write the cache entries of its process-local programs (see the module
-    docstring). JAX skips every write from such a process (`jax._src.compiler._cache_write`: write contention
-    on shared filesystems); a process-local program's key names its own devices, so no other process writes
-    it. Wraps two of JAX's internal functions once per process; a JAX without them keeps its own rule (a
-    warning says so)."""
-    global _patched
+    docstring), and with `every_program` (a local cache directory, where JAX's file locks keep concurrent
+    writers apart) all of its programs: a program over every process's devices can still be this process's
+    own (a slice of its share of a global batch holds its own offsets), and JAX alone would never write it.
+    JAX skips every write from such a process (`jax._src.compiler._cache_write`: write contention on shared
+    filesystems such as GCS, where only process-local programs, whose keys no other process has, are
+    written). Wraps two of JAX's internal functions once per process; a JAX without them keeps its own rule
+    (a warning says so)."""
+    global _patched, _every_program
+    _every_program = bool(every_program)
     if _patched:
         return
     try:
@@ -114,8 +120,9 @@ def _write_local_programs() -> None:
 
     def write(cache_key: str, compile_time_secs: float, module_name: str, backend: Any, executable: Any,
               host_callbacks: Any) -> None:
-        if (jax_dist.global_state.process_id in (0, None) or not getattr(_local, "devices_local", False)
-                or backend.platform == "gpu"):  # GPU: every process already shares process 0's keys
+        mine = _every_program or getattr(_local, "devices_local", False)
+        if jax_dist.global_state.process_id in (0, None) or not mine or backend.platform == "gpu":
+            # process 0, a program other processes write, or GPU (every process shares process 0's keys)
             return cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
         if host_callbacks or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
             return None

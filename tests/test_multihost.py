@@ -248,9 +248,10 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     updates moved far more than TOL. Not here: an uninterrupted 2-process run (the opt-in test above), and
     process 0 stopping on its own through the heartbeat (`test_a_dead_process_stops_the_others_naming_it`).
 
-    On the restart only process 0 reads its programs from the shared cache: JAX writes cache entries from
-    process 0 alone, and process 1's process-local (engine) programs have keys of their own (their device
-    assignment), so process 1 compiles them again."""
+    On the restart both processes read their programs from the shared cache: process 1's process-local
+    (engine) programs have keys of their own (their device assignment), which JAX alone would never write
+    (it writes from process 0 only); `compile_cache` lets each process write its own. The `done:` line says
+    what each process compiled and read back."""
     cache = str(tmp_path / "jax_cache")  # shared: the restart reads the first launch's programs
     run, single = str(tmp_path / "two"), str(tmp_path / "one")
     env = _env(cache, 4)
@@ -274,6 +275,13 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
         text = f.read()
     assert "resumed from step 2" in text and text.count(f"step {STEPS}/{STEPS} |") == 1, text[-3000:]
     assert _committed(run)[-1] == STEPS
+    # each process read the first launch's programs back, process 1's own engine programs included: it
+    # compiles no more than process 0 does (only what steps 3-4 meet for the first time). Before
+    # `compile_cache` let processes other than 0 write, process 1 compiled every engine program again.
+    done = re.search(r"programs compiled / from the cache by process: 0: (\d+)/(\d+), 1: (\d+)/(\d+)", text)
+    assert done, text[-3000:]
+    compiled0, cached0, compiled1, cached1 = map(int, done.groups())
+    assert cached0 > 0 and cached1 > 0 and compiled1 <= compiled0, done.group(0)
     written = glob.glob(os.path.join(run, "episodes", f"step_{STEPS}*"))
     assert sorted(map(os.path.basename, written)) == [f"step_{STEPS}.jsonl", f"step_{STEPS}.p1.jsonl"]
     slog = str(tmp_path / "single.log")
