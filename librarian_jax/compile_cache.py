@@ -175,6 +175,11 @@ class CompileTotals:
     lower_s: float = 0.0
 
     @property
+    def compiled(self) -> int:
+        """Programs XLA compiled anew (not read back from the persistent cache)."""
+        return self.programs - self.cache_hits
+
+    @property
     def total_s(self) -> float:
         return self.compile_s + self.trace_s + self.lower_s
 

@@ -389,7 +389,7 @@ def run(config: Any) -> dict[str, Any]:
 def compile_by_process(compiled: compile_cache.CompileTotals) -> list[dict[str, int]]:
     """Every process's programs compiled anew and read from the persistent cache (one entry per process,
     in process order; a collective in a multi-process run)."""
-    mine = {"compiled": compiled.programs - compiled.cache_hits, "from_cache": compiled.cache_hits}
+    mine = {"compiled": compiled.compiled, "from_cache": compiled.cache_hits}
     return distributed.allgather_json(mine) if distributed.is_multi() else [mine]
 
 
@@ -475,7 +475,7 @@ def train_command(config: Any, dry_run: bool = False, compile_programs: bool = F
             report = compile_ahead(config)
             spent = compile_cache.CompileClock.get().since(before)
             print(f"compiled ahead: {report.line()} (the engines' programs); this process: "  # noqa: T201
-                  f"{spent.programs - spent.cache_hits} programs compiled, {spent.cache_hits} from the "
+                  f"{spent.compiled} programs compiled, {spent.cache_hits} from the "
                   "persistent cache")
         return
     run(config)
@@ -485,7 +485,7 @@ def compile_ahead(config: Any) -> compile_cache.AheadReport:
     """`--dry_run --compile`: builds `config`'s run (tasks, tokenizer, cluster, trainer; the warm start's
     model as its preset's random weights, which give the same programs; a tokenizer, if one is trained, in a
     temporary directory, not the workdir) and compiles every program of the engines it decodes with, on
-    every core but one, into the persistent compilation cache, so a later run (or another process on the
+    every core, into the persistent compilation cache, so a later run (or another process on the
     same cache) starts with them compiled. The train step's programs are not among them: each depends on a
     step's rows (a sequence bucket and a loss-position bucket), known after a rollout."""
     c = copy.deepcopy(config)

@@ -65,6 +65,23 @@ def compile_seconds(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]
     return compiled, time.perf_counter() - t
 
 
+def engine_program_seconds(engine: Any) -> dict[str, float]:
+    """An engine's decode-round and first-bucket all-slot prefill programs, each lowered and compiled ahead
+    of time on its own: their lower / compile seconds and the total `compile_s`."""
+    programs, params = engine._programs, engine._program_params
+    out: dict[str, float] = {}
+    for name, fn, args in (("decode", programs.decode, engine._idle_decode_args()),
+                           ("prefill", programs.prefill_all,
+                            engine._idle_prefill_all_args(engine.prefill_buckets[0]))):
+        t0 = time.perf_counter()
+        lowered = fn.lower(params, engine.cache, *args)
+        t1 = time.perf_counter()
+        lowered.compile()
+        out[f"{name}_lower_s"], out[f"{name}_compile_s"] = t1 - t0, time.perf_counter() - t1
+    out["compile_s"] = sum(out.values())
+    return out
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages, e.g. "1.43 1.81 2.44" (figures on a shared machine need them)."""
     one, five, fifteen = os.getloadavg()

@@ -43,7 +43,13 @@ from absl import app, flags
 from flax import nnx
 
 from librarian_jax import models
-from librarian_jax.bench.common import alternate_best, compile_abstract, load_average, make_batch
+from librarian_jax.bench.common import (
+    alternate_best,
+    compile_abstract,
+    engine_program_seconds,
+    load_average,
+    make_batch,
+)
 from librarian_jax.engine import generate
 from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.engine import generate_engine
@@ -86,14 +92,8 @@ def _lower_compile(jitted: Any, *args: Any, **kwargs: Any) -> tuple[float, float
 
 def engine_compile(model: nnx.Module, scan: bool) -> dict[str, float]:
     """The decode-round and all-slot prefill programs of `generate`'s engine, lowered and compiled ahead."""
-    engine = generate_engine(model, FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens, scan_layers=scan)
-    programs, params = engine._programs, engine._program_params
-    dec_lower, dec_compile = _lower_compile(programs.decode, params, engine.cache,
-                                            *engine._idle_decode_args())
-    pre_lower, pre_compile = _lower_compile(programs.prefill_all, params, engine.cache,
-                                            *engine._idle_prefill_all_args(engine.prefill_buckets[0]))
-    return {"decode_lower_s": dec_lower, "decode_compile_s": dec_compile, "prefill_lower_s": pre_lower,
-            "prefill_compile_s": pre_compile, "compile_s": dec_lower + dec_compile + pre_lower + pre_compile}
+    return engine_program_seconds(
+        generate_engine(model, FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens, scan_layers=scan))
 
 
 def engine_steps(model: nnx.Module, scans: list[bool]) -> tuple[dict[bool, float], dict[bool, Any]]:

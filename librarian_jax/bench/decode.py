@@ -49,7 +49,7 @@ from librarian_jax import compile_cache, models
 from librarian_jax.bench.common import (
     alternate_best,
     best_time,
-    compile_seconds,
+    engine_program_seconds,
     hf_causal_lm,
     load_average,
 )
@@ -288,12 +288,9 @@ def tunix_generate(
 def program_compile_seconds(model: nnx.Module, batch: int, scan: bool) -> tuple[float, float]:
     """Seconds to lower + compile (ahead of time) the decode round and the all-slot prefill of the engine
     ``generate`` builds for this bench's shapes, with the layers scanned or not: (decode, prefill)."""
-    engine = generate_engine(model, batch, FLAGS.prompt_len, FLAGS.new_tokens, scan_layers=scan)
-    programs, params = engine._programs, engine._program_params
-    _, decode_s = compile_seconds(programs.decode, params, engine.cache, *engine._idle_decode_args())
-    _, prefill_s = compile_seconds(programs.prefill_all, params, engine.cache,
-                                   *engine._idle_prefill_all_args(engine.prefill_buckets[0]))
-    return decode_s, prefill_s
+    s = engine_program_seconds(generate_engine(model, batch, FLAGS.prompt_len, FLAGS.new_tokens,
+                                               scan_layers=scan))
+    return s["decode_lower_s"] + s["decode_compile_s"], s["prefill_lower_s"] + s["prefill_compile_s"]
 
 
 def main(argv: list[str]) -> None:

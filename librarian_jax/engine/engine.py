@@ -444,29 +444,40 @@ class Engine:
         stops = np.full((n, self.max_stop_ids), -1, np.int32)
         return zi, np.zeros((n,), bool), zi, stops, zf, zf + 1, zi, zi, zi
 
+    def _idle_prefill_args(self, rows: int, chunk: int) -> tuple[np.ndarray, ...]:
+        """``prefill``'s (slots, tokens, mask, reset) for a call of ``rows`` rows of ``chunk`` tokens that
+        changes nothing (every row at slot ``num_slots``: out of range, its writes dropped)."""
+        return (np.full((rows,), self.num_slots, np.int32), np.zeros((rows, chunk), np.int32),
+                np.zeros((rows, chunk), bool), np.zeros((rows,), bool))
+
+    def _program_calls(self) -> list[tuple[str, Any, tuple[np.ndarray, ...], dict[str, Any]]]:
+        """Every prefill and decode program this engine runs, as (name, jitted program, its arguments after
+        ``(params, cache)``, static keywords), with arguments that change nothing: per attended cache length
+        (``models.cache.live_lens``), each prefill chunk bucket at every slot-count bucket (``prefill_all``
+        for all slots, ``prefill`` for fewer), then the decode round (no active slot). What ``warmup`` runs
+        and ``programs_ahead`` lowers."""
+        n, p, out = self.num_slots, self._programs, []
+        for live in live_lens(self.capacity):
+            at, kw = "all" if live is None else live, {"attend_len": live}
+            for chunk in self.prefill_buckets:
+                out.append((f"prefill_all[{n}x{chunk}, attend {at}]", p.prefill_all,
+                            self._idle_prefill_all_args(chunk), kw))
+                for k in self._slot_buckets[:-1]:
+                    out.append((f"prefill[{k}x{chunk}, attend {at}]", p.prefill,
+                                self._idle_prefill_args(k, chunk), kw))
+            out.append((f"decode[{n}, attend {at}]", p.decode, self._idle_decode_args(), kw))
+        return out
+
     def warmup(self) -> float:
         """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
         inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
         t = time.perf_counter()
-        for live in live_lens(self.capacity):  # each program is compiled per attended cache length
-            for chunk in self.prefill_buckets:
-                self.cache = self._programs.prefill_all(
-                    self._program_params, self.cache, *self._idle_prefill_all_args(chunk), attend_len=live,
-                )
-                for k in self._slot_buckets[:-1]:
-                    self.cache = self._programs.prefill(
-                        self._program_params,
-                        self.cache,
-                        np.full((k,), self.num_slots, np.int32),
-                        np.zeros((k, chunk), np.int32),
-                        np.zeros((k, chunk), bool),
-                        np.zeros((k,), bool),
-                        attend_len=live,
-                    )
-            self.cache, out = self._programs.decode(
-                self._program_params, self.cache, *self._idle_decode_args(), attend_len=live,
-            )
-            jax.block_until_ready(out)
+        for _, fn, args, kw in self._program_calls():
+            if fn is self._programs.decode:
+                self.cache, out = fn(self._program_params, self.cache, *args, **kw)
+                jax.block_until_ready(out)
+            else:
+                self.cache = fn(self._program_params, self.cache, *args, **kw)
         return time.perf_counter() - t
 
     def programs_ahead(self) -> list[tuple[str, Callable[[], Any]]]:
@@ -476,30 +487,15 @@ class Engine:
         engine meanwhile. Once compiled, the engine's own call of the program compiles nothing (JAX's
         in-memory caches), and the persistent compilation cache keeps it for later processes.
 
-        The set: per attended cache length (``models.cache.live_lens``), each prefill chunk bucket at every
-        slot-count bucket (``prefill_all`` for all slots, ``prefill`` for fewer) and the decode round; and the
-        slot-copy program of prefix sharing at each slot-count bucket. ``warmup`` runs the same prefill and
-        decode programs."""
+        The set: the prefill and decode programs ``warmup`` runs (``_program_calls``), and the slot-copy
+        program of prefix sharing at each slot-count bucket."""
         params = jax.tree.map(_abstract, self._program_params)
-        cache, n, out = self._cache_spec, self.num_slots, []
-        p = self._programs
+        cache = self._cache_spec
 
         def job(fn: Any, *args: Any, **kw: Any) -> Callable[[], Any]:
             return lambda: fn.lower(*args, **kw).compile()
 
-        for live in live_lens(self.capacity):
-            at = "all" if live is None else live
-            for chunk in self.prefill_buckets:
-                out.append((f"prefill_all[{n}x{chunk}, attend {at}]",
-                            job(p.prefill_all, params, cache, *self._idle_prefill_all_args(chunk),
-                                attend_len=live)))
-                for k in self._slot_buckets[:-1]:
-                    args = (np.zeros((k,), np.int32), np.zeros((k, chunk), np.int32),
-                            np.zeros((k, chunk), bool), np.zeros((k,), bool))
-                    out.append((f"prefill[{k}x{chunk}, attend {at}]",
-                                job(p.prefill, params, cache, *args, attend_len=live)))
-            out.append((f"decode[{n}, attend {at}]",
-                        job(p.decode, params, cache, *self._idle_decode_args(), attend_len=live)))
+        out = [(name, job(fn, params, cache, *args, **kw)) for name, fn, args, kw in self._program_calls()]
         if self.share_prefix >= 1:
             for k in self._slot_buckets:
                 ids = np.zeros((k,), np.int32)
