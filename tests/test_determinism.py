@@ -1,10 +1,13 @@
 """Two launches of the same run are the same run, bit for bit (issue 39, "bit-identical launches").
 
-The same 2-step update of the default config's model and trainer runs in fresh processes: one compiling
-fresh and writing the persistent compilation cache, one reading its programs back from that cache, one
-"killed" after step 1 (checkpointed) and resumed by another process. Their params after step 2 are compared
-bit for bit. What is and is not the same run (the learning-rate schedule's length, the CPU count XLA:CPU
-compiles for) is measured in BENCHMARKS.md, "Bit-identical launches".
+The same 2-step update of the default config's model and trainer runs in two fresh processes: the first
+compiles fresh (writing the persistent compilation cache), initialises, updates twice and checkpoints after
+each step; the second reads its programs back from that cache, initialises, and resumes from the first's
+step-1 checkpoint ("killed" after step 1) to update once more. Their initial params (the init program from
+the cache vs compiled fresh) and their params after step 2 (a straight run vs a resumed one, the update
+program from the cache vs compiled fresh) are compared bit for bit. What is and is not the same run (the
+learning-rate schedule's length, the CPU count XLA:CPU compiles for) is measured in BENCHMARKS.md,
+"Bit-identical launches".
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os, sys
 import numpy as np
 from librarian_jax import checkpoint, compile_cache
 compile_cache.enable(os.environ["DET_CACHE"])
+clock = compile_cache.CompileClock.get()
 import jax
 from configs import grpo
 from librarian_jax import cluster, training
@@ -45,44 +49,54 @@ def batch(step):
             "advantages": (rng.normal(size=(ROWS, 1)) * mask).astype(np.float32),
             "row_weights": np.ones(ROWS, np.float32)}
 
+def dump(path, params):
+    np.savez(path, *[np.asarray(x) for x in jax.tree.leaves(params)])
+
 mode, out, ck_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+dump(out + ".init.npz", trainer.params)
 ck = checkpoint.Checkpointer(ck_dir, async_save=False)
-if mode == "resume":
-    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+if mode == "resume":  # from the straight run's step 1, as if that process had been killed after it
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state, step=1)
     trainer.set_state(restored.params, restored.opt_state, restored.step)
-    assert not checkpoint.check_schedule(restored, trainer.schedule_info())
-for step in range(trainer.step + 1, 3 if mode != "kill" else 2):
+    assert trainer.step == 1 and not checkpoint.check_schedule(restored, trainer.schedule_info())
+for step in range(trainer.step + 1, 3):
     trainer.update(batch(step))
-    ck.save(step, params=trainer.params, opt_state=trainer.opt_state, force=True,
-            extra={"schedule": trainer.schedule_info()})
+    if mode == "straight":
+        ck.save(step, params=trainer.params, opt_state=trainer.opt_state, force=True,
+                extra={"schedule": trainer.schedule_info()})
 ck.close()
-np.savez(out, *[np.asarray(x) for x in jax.tree.leaves(trainer.params)])
+dump(out + ".npz", trainer.params)
+print("CACHE_HITS", clock.totals().cache_hits)
 '''
 
 
-def _launch(tmp_path, mode: str, name: str, cache: str, ck: str) -> dict[str, np.ndarray]:
+def _launch(tmp_path, mode: str, cache: str, ck: str) -> tuple[dict, dict, int]:
+    """(initial params, params after step 2, programs read from the persistent cache) of one launch."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, DET_CACHE=cache, PYTHONPATH=REPO)
-    out = str(tmp_path / f"{name}.npz")
+    out = str(tmp_path / mode)
     proc = subprocess.run([sys.executable, str(script), mode, out, ck], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(out) as f:
-        return {k: f[k] for k in f.files}
+    hits = int(next(ln for ln in proc.stdout.splitlines() if ln.startswith("CACHE_HITS ")).split()[1])
+    arrays = []
+    for path in (out + ".init.npz", out + ".npz"):
+        with np.load(path) as f:
+            arrays.append({k: f[k] for k in f.files})
+    return arrays[0], arrays[1], hits
 
 
 @pytest.mark.slow
-def test_the_same_two_step_run_in_two_processes_and_resumed_is_bit_identical(tmp_path):
-    cache = str(tmp_path / "cache")
-    # compiles fresh and writes the persistent cache; then a process that reads its programs back
-    first = _launch(tmp_path, "straight", "first", cache, str(tmp_path / "ck_first"))
-    assert os.listdir(cache)
-    second = _launch(tmp_path, "straight", "second", cache, str(tmp_path / "ck_second"))
-    killed = str(tmp_path / "ck_killed")
-    _launch(tmp_path, "kill", "killed", cache, killed)  # step 1, checkpointed, then the process ends
-    resumed = _launch(tmp_path, "resume", "resumed", cache, killed)  # another process: step 2
-    assert len(first) == 46
-    for other in (second, resumed):
-        for k in first:
-            np.testing.assert_array_equal(first[k], other[k], err_msg=k)
+def test_the_same_two_step_run_compiled_fresh_and_resumed_from_the_cache_is_bit_identical(tmp_path):
+    cache, ck = str(tmp_path / "cache"), str(tmp_path / "ck")
+    # compiles fresh and writes the persistent cache; 2 steps, a checkpoint after each
+    init, straight, hits = _launch(tmp_path, "straight", cache, ck)
+    assert os.listdir(cache) and hits == 0
+    # another process: its programs read back from that cache; resumes from step 1 of the run above
+    init_again, resumed, hits_again = _launch(tmp_path, "resume", cache, ck)
+    assert hits_again > 0
+    assert len(straight) == 46
+    for want, got, what in ((init, init_again, "init"), (straight, resumed, "step 2")):
+        for k in want:
+            np.testing.assert_array_equal(want[k], got[k], err_msg=f"{what} {k}")
