@@ -25,6 +25,16 @@ def cached(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache, m
     return nnx.merge(graphdef, state)(tokens, cache=cache, mask=mask)
 
 
+@jax.jit
+def _hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state).hidden(tokens)[0]
+
+
 def logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     """`model(tokens)`'s logits `[batch, seq, vocab]`, no cache, no mask."""
     return forward(*nnx.split(model), tokens, None)
+
+
+def hidden(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """`model.hidden(tokens)`'s final-norm hidden states `[batch, seq, hidden]`, no cache, no mask."""
+    return _hidden(*nnx.split(model), tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+import forward
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,8 +69,7 @@ def test_embedder_pools_like_a_full_forward_and_counts_its_tokens(tiny_model, po
     ids = [TOK.encode(f"Instruct: Find it\nQuery:{t}")[:63] + [TOK.eos_id] for t in texts]  # cut to 64
     assert emb.tokens == sum(len(i) for i in ids)  # hand count: real tokens only, no padding
     for v, i in zip(vecs, ids, strict=True):  # each text alone, unpadded, through the model's own forward
-        h, _ = model.hidden(jnp.asarray([i], jnp.int32))
-        h = np.asarray(h[0], np.float32)
+        h = np.asarray(forward.hidden(model, jnp.asarray([i], jnp.int32))[0], np.float32)
         want = h[-1] if pooling == "last" else h.mean(0)
         np.testing.assert_allclose(v, want / np.linalg.norm(want), atol=2e-5)
     assert np.allclose(np.linalg.norm(vecs, axis=-1), 1.0, atol=1e-5)
@@ -96,7 +96,7 @@ def test_reranker_scores_yes_against_no_at_the_last_position(tiny_model):
     yes, no = rr.label_ids
     for score, d in zip(s, docs, strict=True):
         ids = rr.prompt("the query", d, 10_000)
-        logits, _ = model(jnp.asarray([ids], jnp.int32))
+        logits = forward.logits(model, jnp.asarray([ids], jnp.int32))
         pair = np.asarray(logits[0, -1, [yes, no]], np.float32)
         np.testing.assert_allclose(score, np.exp(pair[0]) / np.exp(pair).sum(), atol=1e-5)
     assert rr.tokens == sum(len(rr.prompt("the query", d, 10_000)) for d in docs)
