@@ -123,8 +123,12 @@ def tiny_run_config(workdir: str, num_steps: int):
     c.model.update(preset="tiny", tokenizer_vocab_size=2048)
     c.data.update(num_tasks=4, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1,
                   heldout_fraction=0.2, tasks_per_batch=1)  # 2 train, 2 held-out tasks (by id hash)
+    # compile_ahead off: these runs use a few of their engines' programs, and compiling every one ahead (the
+    # command's default, `rollout.compile_ahead`) was half of a first run's time in a test process; compiling
+    # ahead is checked where it is the subject (test_engine.py, test_compile_cache.py) and runs beside the
+    # launched training runs of test_multihost.py
     c.rollout.update(group_size=2, policy_slots=2, frozen_slots=4, max_seq_len=2048, round_steps=16,
-                     record_snapshots=False)
+                     record_snapshots=False, compile_ahead=False)
     c.rollout.builder.update(max_turns=1, max_new_tokens=16, compaction_budget=1500)
     c.rollout.answerer.update(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8)
     # no warmup and some weight decay: every step moves the weights (the hand-off test relies on it)
