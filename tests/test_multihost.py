@@ -204,10 +204,15 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     print(f"process 0 stopped {stopped_in:.1f}s after process 1 was killed")  # noqa: T201
 
 
+FAST_STEPS = 3  # the fast test's run: killed after step 1, resumed for steps 2-3
+
+
 def _fast_flags(workdir: str) -> list[str]:
     """The fast test's run (no --config: the launcher gives it): the GRPO test's world and fixture with
-    half the episodes (group 2), short budgets and short sessions."""
-    return [*_flags(workdir)[1:], "--config.rollout.group_size=2", "--config.rollout.policy_slots=2",
+    half the episodes (group 2), FAST_STEPS steps, short budgets and short sessions."""
+    flags = [f"--config.train.num_steps={FAST_STEPS}" if f.startswith("--config.train.num_steps=") else f
+             for f in _flags(workdir)[1:]]
+    return [*flags, "--config.rollout.group_size=2", "--config.rollout.policy_slots=2",
             "--config.rollout.frozen_slots=2", "--config.rollout.max_seq_len=1024",
             "--config.rollout.round_steps=16", "--config.rollout.builder.max_new_tokens=32",
             "--config.rollout.builder.compaction_budget=900",
@@ -241,12 +246,12 @@ def _child_with_process_id(launcher: subprocess.Popen, process_id: int) -> int:
 @pytest.mark.slow
 def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_process(tmp_path):
     """The suite's version of the test above (3 launches sharing one compilation cache, shorter budgets,
-    group 2; ~110 s on 2 idle cores, 8.75 min at load 9-12): a 2-process run
-    started by `launch/gpu_multinode.sh --local=2`; process 1 killed in step 3, after step 2 committed, and
-    the launcher stops process 0; restarted through the launcher, the run resumes from step 2 and reaches
-    step 4 with a 1-process 8-device run's episodes (every step) and params (within TOL), which the 4
-    updates moved far more than TOL. Not here: an uninterrupted 2-process run (the opt-in test above), and
-    process 0 stopping on its own through the heartbeat (`test_a_dead_process_stops_the_others_naming_it`).
+    group 2, FAST_STEPS = 3 steps): a 2-process run started by `launch/gpu_multinode.sh --local=2`; process 1
+    killed in step 2, after step 1 committed, and the launcher stops process 0; restarted through the
+    launcher, the run resumes from step 1 and reaches step 3 with a 1-process 8-device run's episodes (every
+    step) and params (within TOL), which the 3 updates moved far more than TOL. Not here: an uninterrupted
+    2-process run (the opt-in test above), and process 0 stopping on its own through the heartbeat
+    (`test_a_dead_process_stops_the_others_naming_it`).
 
     On the restart both processes read their programs from the shared cache: process 1's process-local
     (engine) programs have keys of their own (their device assignment), which JAX alone would never write
@@ -258,38 +263,40 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     log = str(tmp_path / "kill.log")
     launcher = _launch_local(run, env, log)
     deadline = time.time() + 600
-    while 2 not in _committed(run):
+    while 1 not in _committed(run):
         assert time.time() < deadline and launcher.poll() is None, open(log).read()[-3000:]
         time.sleep(0.3)
-    assert 3 not in _committed(run)
+    assert 2 not in _committed(run)
     os.kill(_child_with_process_id(launcher, 1), signal.SIGKILL)
     assert launcher.wait(timeout=120) != 0
     with open(log) as f:
         text = f.read()
     assert "exited with status 137; stopping the others" in text, text[-3000:]
-    assert _committed(run)[-1] == 2
+    assert _committed(run)[-1] == 1
     log = str(tmp_path / "restart.log")
     launcher = _launch_local(run, env, log)
     assert launcher.wait(timeout=600) == 0, open(log).read()[-3000:]
     with open(log) as f:
         text = f.read()
-    assert "resumed from step 2" in text and text.count(f"step {STEPS}/{STEPS} |") == 1, text[-3000:]
-    assert _committed(run)[-1] == STEPS
+    assert "resumed from step 1" in text and text.count(f"step {FAST_STEPS}/{FAST_STEPS} |") == 1, \
+        text[-3000:]
+    assert _committed(run)[-1] == FAST_STEPS
     # each process read the first launch's programs back, process 1's own engine programs included: it
-    # compiles no more than process 0 does (only what steps 3-4 meet for the first time). Before
+    # compiles no more than process 0 does (only what steps 2-3 meet for the first time). Before
     # `compile_cache` let processes other than 0 write, process 1 compiled every engine program again.
     done = re.search(r"programs compiled / from the cache by process: 0: (\d+)/(\d+), 1: (\d+)/(\d+)", text)
     assert done, text[-3000:]
     compiled0, cached0, compiled1, cached1 = map(int, done.groups())
     assert cached0 > 0 and cached1 > 0 and compiled1 <= compiled0, done.group(0)
-    written = glob.glob(os.path.join(run, "episodes", f"step_{STEPS}*"))
-    assert sorted(map(os.path.basename, written)) == [f"step_{STEPS}.jsonl", f"step_{STEPS}.p1.jsonl"]
+    written = glob.glob(os.path.join(run, "episodes", f"step_{FAST_STEPS}*"))
+    assert sorted(map(os.path.basename, written)) == [f"step_{FAST_STEPS}.jsonl",
+                                                      f"step_{FAST_STEPS}.p1.jsonl"]
     slog = str(tmp_path / "single.log")
     one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single)])
     wait_all([one], [slog], 900)
-    for step in range(1, STEPS + 1):
+    for step in range(1, FAST_STEPS + 1):
         assert _episodes(run, step) == _episodes(single, step), step
-    a, b = _params(run, STEPS), _params(single, STEPS)
+    a, b = _params(run, FAST_STEPS), _params(single, FAST_STEPS)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=TOL)
     moved = max(float(np.abs(x - y).max()) for x, y in zip(a, _params(FIXTURE, None), strict=True))
