@@ -8,7 +8,8 @@ The real runs evaluate a run directory made from the committed warm-start fixtur
 a builder that writes valid calls) with a sampling builder (2 constructions per corpus, one turn that the
 builder ends itself), so an episode's seed shows in its records (the construction's length): a process that
 drew other seeds than the 1-process run would write other records. The 1-process launch reads the
-programs the 2-process one compiled (one tmp compilation cache): ~60 s on 2 cores at load 5-9.
+programs the 2-process one compiled (one compilation cache: the suite's, else a tmp one), and the build test's
+launches read the engine programs of the eval test's: ~50 s on 2 cores at load 4-5.
 """
 
 from __future__ import annotations
@@ -262,6 +263,12 @@ def _start(run: str, out: str, log: str, process_id: int | None, port: int, cach
 
 
 
+def _cache(tmp_path) -> str:
+    """The launches' persistent compilation cache: the suite's (tests/run.sh), so both tests' launches read
+    what an earlier one compiled, or this test's own."""
+    return os.environ.get("LIBRARIAN_JAX_COMPILATION_CACHE") or str(tmp_path / "jax_cache")
+
+
 def _table(log: str) -> str:
     """The held-out table `run_eval` prints (between the tqdm/absl lines and the `report:` line)."""
     text = open(log).read()
@@ -282,7 +289,7 @@ def test_two_processes_evaluate_their_shares_and_report_what_one_process_does(tm
     logs = [str(tmp_path / f"two.p{i}.log") for i in range(2)]
     port = free_port()
     t0 = time.time()
-    cache = str(tmp_path / "jax_cache")
+    cache = _cache(tmp_path)
     wait_all([_start(run, two, logs[i], i, port, cache) for i in range(2)], logs, 300)
     t1 = time.time()
     slog = str(tmp_path / "one.log")
@@ -333,9 +340,11 @@ def test_build_on_two_processes_exports_what_one_process_does(tmp_path):
 
     def flags(out: str) -> list[str]:
         return ["--config=configs/build.py", f"--config.run={run}", f"--config.out={out}",
-                f"--config.data.path={folder}"]
+                f"--config.data.path={folder}",
+                # the eval test's engines: their programs are in the cache already
+                "--config.engine.policy_slots=4", "--config.engine.frozen_slots=4"]
 
-    cache = str(tmp_path / "jax_cache")
+    cache = _cache(tmp_path)
     logs = [str(tmp_path / f"build.p{i}.log") for i in range(2)]
     port = free_port()
     two = [_start(run, outs["two"], logs[i], i, port, cache, flags(outs["two"])) for i in range(2)]
