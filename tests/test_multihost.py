@@ -292,7 +292,9 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     assert sorted(map(os.path.basename, written)) == [f"step_{FAST_STEPS}.jsonl",
                                                       f"step_{FAST_STEPS}.p1.jsonl"]
     slog = str(tmp_path / "single.log")
-    one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single)])
+    # the reference run compiles only what it runs (the 2-process launches above compile ahead, the default)
+    one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single),
+                                                "--config.rollout.compile_ahead=False"])
     wait_all([one], [slog], 900)
     for step in range(1, FAST_STEPS + 1):
         assert _episodes(run, step) == _episodes(single, step), step
