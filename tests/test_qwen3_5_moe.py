@@ -147,13 +147,14 @@ def test_grouped_matmul_equals_dense_loop(impl, tokens):
     top_w, top_i = np.asarray(top_w), np.asarray(top_i)
     np.testing.assert_allclose(top_w.sum(1), 1.0, rtol=1e-6)
     want = _dense_reference(x, top_w, top_i, gate_up, down)
-    got = moe_lib.expert_ffn(jnp.asarray(x), jnp.asarray(top_w), jnp.asarray(top_i), jnp.asarray(gate_up),
-                             jnp.asarray(down), impl=impl)
+    # compiled, as in the model (eager, each op of each shape would be a program of its own)
+    ffn = jax.jit(moe_lib.expert_ffn, static_argnames=("first_expert", "impl"))
+    got = ffn(jnp.asarray(x), jnp.asarray(top_w), jnp.asarray(top_i), jnp.asarray(gate_up), jnp.asarray(down),
+              impl=impl)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
     # experts 4..7 held here only: the sum of the two halves is the whole
-    halves = [moe_lib.expert_ffn(jnp.asarray(x), jnp.asarray(top_w), jnp.asarray(top_i),
-                                 jnp.asarray(gate_up[s:s + 4]), jnp.asarray(down[s:s + 4]), first_expert=s,
-                                 impl=impl) for s in (0, 4)]
+    halves = [ffn(jnp.asarray(x), jnp.asarray(top_w), jnp.asarray(top_i), jnp.asarray(gate_up[s:s + 4]),
+                  jnp.asarray(down[s:s + 4]), first_expert=s, impl=impl) for s in (0, 4)]
     np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), want, atol=1e-5, rtol=1e-5)
 
 
@@ -205,7 +206,8 @@ def test_lora_on_experts_starts_at_the_base_model_and_trains():
     # every B = 0: the base model's logits up to float32 rounding (the differentiated program fuses its
     # attention differently from the plain forward: a few ulps at logits of ~4)
     np.testing.assert_allclose(np.asarray(logits), base, atol=1e-6, rtol=2e-6)
-    g = {".".join(map(str, p)): float(jnp.abs(v.get_value()).sum()) for p, v in nnx.to_flat_state(grads)}
+    g = {".".join(map(str, p)): float(np.abs(np.asarray(v.get_value())).sum())
+         for p, v in nnx.to_flat_state(grads)}
     experts = {k: v for k, v in g.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * model.config.num_layers
     assert all(v > 0 for k, v in experts.items() if k.endswith("_b"))

@@ -184,10 +184,13 @@ def test_unscannable_models_run_the_loop(monkeypatch):
     plan = transformer_lib.scan_plan(list(lora.layers), lora)
     assert plan.period == 0 and "qwix rules match layer 1 and layer 0 differently" in plan.reason, plan
     tokens = jnp.asarray(batch()["tokens"])
+    graphdef, state = nnx.split(lora)
+    logits = jax.jit(lambda state, scan: nnx.merge(graphdef, state)(tokens, scan_layers=scan)[0],
+                     static_argnums=1)  # compiled: eager, each op of the model is a program of its own
     infos.clear()
-    scanned = lora(tokens, scan_layers=True)[0]
+    scanned = logits(state, True)  # `hidden` logs while it is traced
     assert any("one by one" in m and "qwix rules" in m for m in infos), infos
-    np.testing.assert_allclose(np.asarray(scanned), np.asarray(lora(tokens)[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(logits(state, False)), rtol=1e-6, atol=1e-6)
     # the plan found the rules: with one rule (the usual rl.apply_lora) the same model scans
     one_rule = ts.apply_lora(model, rank=2, alpha=4.0, module_path=".*q_proj")
     plan = transformer_lib.scan_plan(list(one_rule.layers), one_rule)
