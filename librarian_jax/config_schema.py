@@ -516,7 +516,7 @@ class RoleSection(Section):
 
     init: str = spec("policy", choices=("", *ROLE_INITS))
     path: str = spec("")
-    preset: str = spec("")
+    preset: str = spec("", choices=("", *MODEL_PRESETS))
     dtype: str = spec("", choices=DTYPES)
     slots: int = spec(0, lo=0)  # 0 = rollout.frozen_slots
     max_seq_len: int = spec(0, lo=0)  # 0 = rollout.max_seq_len
