@@ -22,6 +22,7 @@ from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.engine import make_mesh
 from librarian_jax.eval import restore
+from librarian_jax.models.placement import placed_copy
 from librarian_jax.rl import train_step
 
 TOK = types.SimpleNamespace(vocab_size=64)
@@ -79,12 +80,12 @@ def test_full_params_restore_onto_another_mesh_equals_the_trainer(tmp_path, capl
 
 def test_restoring_the_trained_builder_leaves_the_base_builder_as_it_was(tmp_path):
     """Eval restores the trained builder onto its base model (`restore_builder(..., base=models.base)`) and
-    then evaluates the base builder too: the restore must not write into the base. Red when
-    `restore.shard_model` shares the base's Variables (the base builder then scored as the trained one)."""
+    then evaluates the base builder too: the restore must not write into the base. Red when the restore's
+    placed copy shares the base's Variables (the base builder then scored as the trained one)."""
     run_cfg, trainer = _save_run(tmp_path, 0)
     _, step_dir = restore.select_step(str(tmp_path))
     mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
-    base = restore.shard_model(restore.base_model(run_cfg, mesh, TOK), mesh)
+    base = placed_copy(restore.base_model(run_cfg, mesh, TOK), mesh)
     before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(base, nnx.Param))]
     trained = restore.restore_builder(run_cfg, step_dir, mesh, TOK, base=base)
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(base, nnx.Param))]

@@ -52,6 +52,7 @@ from librarian_jax.config_schema import (
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
+from librarian_jax.models.placement import placed_copy
 from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
@@ -329,7 +330,7 @@ class Models:
                       "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
         self.roles = config_validation.resolve_roles(self.config)
         self.templates = cluster.role_templates(self.config, tokenizer, self.roles)
-        self.base = restore.shard_model(restore.base_model(run_cfg, mesh, tokenizer), mesh)
+        self.base = placed_copy(restore.base_model(run_cfg, mesh, tokenizer), mesh)
         self.policy_model: Any = None
         self._engines: dict[str, Any] = {}
 

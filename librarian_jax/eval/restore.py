@@ -241,13 +241,6 @@ def check_checkpoint(step_dir: str, run_cfg: RunConfig) -> None:
             )
 
 
-def shard_model(model: nnx.Module, mesh: Any) -> nnx.Module:
-    """A copy of `model` (new Variables and arrays) placed on `mesh` with the engine's logical-axis rules
-    (`models.placement.placed_copy`); `model` itself is left as it was, so restoring a checkpoint into the
-    copy never changes it (eval's base builder and the trained one share the base's values this way)."""
-    return placed_copy(model, mesh)
-
-
 def base_model(run_cfg: RunConfig, mesh: Any, tokenizer: Any) -> nnx.Module:
     """The run's initial weights (`model.init`/`model.path` of its config): the "base builder"."""
     return cluster.initial_model(run_cfg, mesh, tokenizer)
@@ -268,7 +261,9 @@ def restore_builder(
     model = base if base is not None else base_model(run_cfg, mesh, tokenizer)
     if m.lora_rank:
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=run_cfg.seed)
-    model = shard_model(model, mesh)
+    # a copy placed on `mesh` (`models.placement.placed_copy`: new Variables), so restoring into it never
+    # changes `base` (eval's base builder and the trained one share the base's values this way)
+    model = placed_copy(model, mesh)
     wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
     target = nnx.state(model, wrt)
     restored, step = checkpoint.restore_params_step(step_dir, target, fallback=fallback)
