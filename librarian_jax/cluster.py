@@ -1,9 +1,12 @@
 """The protocol as one object: which model plays which role, with which template, context and sampling.
 
-Every command takes its roles from here; none builds a model, engine or chat template of its own.
+Every command takes its roles from here; none builds a model, engine or chat template of its own. `config`
+is always the validated, typed config of a run (`config_schema.RunConfig`: GRPO's or SFT's; evaluation's is
+the run's recorded one with its overrides), never the raw ConfigDict: each function here raises TypeError on
+one.
 
-    mesh = run_mesh(config)                              # the trainer's: every device of every process
-    cluster = build_cluster(config, tokenizer, mesh=mesh, policy=policy)
+    mesh = run_mesh(config.mesh)                         # the trainer's: every device of every process
+    cluster = build_cluster(config, tokenizer, engine_mesh=engine_mesh(mesh), base=base, policy=policy)
     cluster.engines      # {"policy", "answerer", "executor", "compaction", "judge", "frozen"}: Engines
     cluster.templates    # a chat template per role ("policy" is the builder's)
     cluster.push_weights(trainer.policy_state())         # the trainer's weights to the builder's engine
@@ -36,7 +39,15 @@ from flax import nnx
 
 from librarian_jax import checkpoint, config_validation, distributed, models, storage
 from librarian_jax.agents.runtime import ANSWERER, COMPACTION, EXECUTOR, FROZEN, FROZEN_ROLES, JUDGE, POLICY
-from librarian_jax.config_schema import ConfigError
+from librarian_jax.config_schema import (
+    RUN_SCHEMAS,
+    ConfigError,
+    EmbeddingRoleSection,
+    MeshSection,
+    RerankerRoleSection,
+    RunConfig,
+    require_typed,
+)
 from librarian_jax.engine import Engine
 from librarian_jax.engine import make_mesh as engine_make_mesh
 from librarian_jax.tokenizers import ChatTemplate, chat_template, detect_style, load_tokenizer
@@ -51,23 +62,22 @@ PROTOCOL_FIELDS = ("weights", "architecture", "dtype", "template", "thinking", "
 # ------------------------------------------------------------------------------------------- meshes
 
 
-def _mesh_over(config: Any, devices: list[Any]) -> Any:
-    """`config.mesh.shape` (a ConfigDict's or a typed section's dict) over `devices`."""
-    shape = config.mesh.shape
-    shape = config_validation.validate_mesh(shape.to_dict() if hasattr(shape, "to_dict") else shape,
-                                            len(devices))
+def _mesh_over(mesh: MeshSection, devices: list[Any], what: str) -> Any:
+    """The `mesh` section's shape over `devices`."""
+    require_typed(mesh, MeshSection, what)
+    shape = config_validation.validate_mesh(mesh.shape, len(devices))
     return engine_make_mesh(shape, devices=devices[: int(np.prod(list(shape.values())))])
 
 
-def run_mesh(config: Any) -> Any:
-    """`config.mesh` over every device of every process: the trainer's mesh."""
-    return _mesh_over(config, jax.devices())
+def run_mesh(mesh: MeshSection) -> Any:
+    """A config's `mesh` section over every device of every process: the trainer's mesh."""
+    return _mesh_over(mesh, jax.devices(), "cluster.run_mesh")
 
 
-def local_mesh(config: Any) -> Any:
-    """`config.mesh` over this process's devices (evaluation and `build`, whose engines are process-local
-    and have no trainer): the same as `run_mesh` in a single-process run."""
-    return _mesh_over(config, jax.local_devices())
+def local_mesh(mesh: MeshSection) -> Any:
+    """A config's `mesh` section over this process's devices (evaluation and `build`, whose engines are
+    process-local and have no trainer): the same as `run_mesh` in a single-process run."""
+    return _mesh_over(mesh, jax.local_devices(), "cluster.local_mesh")
 
 
 def engine_mesh(mesh: Any) -> Any:
@@ -79,8 +89,9 @@ def engine_mesh(mesh: Any) -> Any:
 # ------------------------------------------------------------------------------------------- weights
 
 
-def policy_weights(config: Any) -> str:
+def policy_weights(config: RunConfig) -> str:
     """The builder's initial weights as the protocol names them."""
+    require_typed(config, RUN_SCHEMAS, "cluster.policy_weights")
     m = config.model
     if m.init == "hf":
         return m.path
@@ -95,9 +106,10 @@ def _check_vocab(model: Any, tokenizer: Any, key: str, what: str) -> None:
                           f"tokenizer's {tokenizer.vocab_size} (every role reads the builder's tokenizer)")
 
 
-def initial_model(config: Any, mesh: Any, tokenizer: Any) -> Any:
+def initial_model(config: RunConfig, mesh: Any, tokenizer: Any) -> Any:
     """The policy's initial weights: random (seeded by `config.seed`), Hugging Face safetensors, or an Orbax
     checkpoint."""
+    require_typed(config, RUN_SCHEMAS, "cluster.initial_model")
     m = config.model
     overrides = {"dtype": m.dtype, "param_dtype": m.dtype} if m.dtype else {}
     if m.init == "hf":
@@ -110,7 +122,7 @@ def initial_model(config: Any, mesh: Any, tokenizer: Any) -> Any:
     return model
 
 
-def role_model(config: Any, d: Mapping[str, Any], mesh: Any, base: Any, tokenizer: Any) -> Any:
+def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, tokenizer: Any) -> Any:
     """The weights of one frozen role (`d` from `config_validation.resolve_roles`)."""
     if d["init"] == "policy":
         return base
@@ -135,10 +147,11 @@ def _role_mesh(spec: str, role: str, default: Any) -> Any:
     return engine_make_mesh(shape, devices=jax.local_devices()[: int(np.prod(list(shape.values())))])
 
 
-def build_role_engines(config: Any, mesh: Any, base: Any, tokenizer: Any,
+def build_role_engines(config: RunConfig, mesh: Any, base: Any, tokenizer: Any,
                        roles: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """One Engine per distinct (weights, mesh) of the frozen roles: roles naming the same weights share one
     engine and one copy of the weights (slots and max_seq_len: the largest any of its roles asks for)."""
+    require_typed(config, RUN_SCHEMAS, "cluster.build_role_engines")
     groups: dict[tuple[str, str], list[str]] = {}
     for role, d in roles.items():
         groups.setdefault((d["weights"], d["mesh"]), []).append(role)
@@ -183,9 +196,11 @@ def _own_tokenizer(path: str) -> bool:
     return any(storage.isfile(storage.join(path, f)) for f in _TOKENIZER_FILES)
 
 
-def retrieval_model(role: str, section: Any, mesh: Any, tokenizer: Any) -> RetrievalModel:
-    """The `roles.<role>` model (`role` in RETRIEVAL_ROLES; `section` a `config_schema.EmbeddingRoleSection`
-    or `RerankerRoleSection`, typed or as a ConfigDict) loaded through our families onto `mesh`."""
+def retrieval_model(role: str, section: EmbeddingRoleSection | RerankerRoleSection, mesh: Any,
+                    tokenizer: Any) -> RetrievalModel:
+    """The `roles.<role>` model (`role` in RETRIEVAL_ROLES; `section` the eval config's typed
+    `EmbeddingRoleSection` or `RerankerRoleSection`) loaded through our families onto `mesh`."""
+    require_typed(section, (EmbeddingRoleSection, RerankerRoleSection), "cluster.retrieval_model")
     path = str(section.path)
     if not path:
         raise ConfigError(f"config.roles.{role}.path: required (a Hugging Face folder of the {role} model)")
@@ -212,11 +227,12 @@ def template_style(preset: str, tokenizer: Any, asked: str = "") -> str:
     return detect_style(tokenizer) if tokenizer is not None else "detected"
 
 
-def role_templates(config: Any, tokenizer: Any,
+def role_templates(config: RunConfig, tokenizer: Any,
                    roles: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ChatTemplate]:
     """A chat template for every role: "policy" (the builder: `model.template`, its thinking switch
     `builder_thinking`) and each frozen role (its `template`, `thinking`). GRPO, the warm start's
     demonstrations and SFT, periodic eval, eval and build all encode with these."""
+    require_typed(config, RUN_SCHEMAS, "cluster.role_templates")
     roles = roles if roles is not None else config_validation.resolve_roles(config)
     m = config.model
 
@@ -224,9 +240,9 @@ def role_templates(config: Any, tokenizer: Any,
         style = template_style(preset, tokenizer, asked)
         return chat_template(tokenizer, style, thinking=thinking if style == "qwen3_5" else None)
 
-    out = {POLICY: make(m.preset, m.get("template", ""), bool(config.get("builder_thinking", True)))}
+    out = {POLICY: make(m.preset, m.template, config.builder_thinking)}
     for role, d in roles.items():
-        out[role] = make(d["preset"], d.get("template", ""), bool(d["thinking"]))
+        out[role] = make(d["preset"], d["template"], bool(d["thinking"]))
     out[FROZEN] = out[ANSWERER]
     return out
 
@@ -259,18 +275,20 @@ def _weights_name(d: Mapping[str, Any], builder_initial: str, seed: int) -> str:
     return f"init:{d['preset']}:{seed + 1}"
 
 
-def protocol(config: Any, tokenizer: Any = None, *, roles: Mapping[str, Mapping[str, Any]] | None = None,
-             builder_weights: str | None = None, templates: Mapping[str, ChatTemplate] | None = None,
+def protocol(config: RunConfig, tokenizer: Any = None, *,
+             roles: Mapping[str, Mapping[str, Any]] | None = None, builder_weights: str | None = None,
+             templates: Mapping[str, ChatTemplate] | None = None,
              policy_engine: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """The protocol of `config` as data (module doc): one entry per role of `PROTOCOL_ROLES`.
 
     `builder_weights` names the builder under evaluation (default: the run's initial weights);
     `templates` (default: built from `tokenizer`) give each role's template style and thinking switch;
     `policy_engine` overrides the builder's `slots` / `max_seq_len` (eval's engine sizes)."""
+    require_typed(config, RUN_SCHEMAS, "cluster.protocol")
     roles = roles if roles is not None else config_validation.resolve_roles(config)
     if templates is None and tokenizer is not None:
         templates = role_templates(config, tokenizer, roles)
-    rc = config_validation.rollout_config(config)
+    rc = config.rollout.config
     b, a = rc.builder, rc.answerer
     m, r = config.model, config.rollout
     initial = policy_weights(config)
@@ -281,10 +299,10 @@ def protocol(config: Any, tokenizer: Any = None, *, roles: Mapping[str, Mapping[
             return t.style, bool(t.thinking)
         # no tokenizer (a dry run): the style as far as the config decides it
         if role == POLICY:
-            preset, asked, thinking = m.preset, m.get("template", ""), config.get("builder_thinking", True)
+            preset, asked, thinking = m.preset, m.template, config.builder_thinking
         else:
             d = roles[role]
-            preset, asked, thinking = d["preset"], d.get("template", ""), d["thinking"]
+            preset, asked, thinking = d["preset"], d["template"], d["thinking"]
         style = template_style(preset, None, asked)
         return style, bool(thinking) if style == "qwen3_5" else False
 
@@ -358,14 +376,15 @@ def protocol_table(used: Mapping[str, Mapping[str, Any]],
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
-def role_table(config: Any, roles: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+def role_table(config: RunConfig, roles: Mapping[str, Mapping[str, Any]] | None = None) -> str:
     """Which model serves which role, on which engine and mesh, with which budgets (logged at start, printed
     by --dry_run; docs/paper-settings.md shows the paper preset's)."""
+    require_typed(config, RUN_SCHEMAS, "cluster.role_table")
     roles = roles or config_validation.resolve_roles(config)
     m, r = config.model, config.rollout
-    b, a = r.builder, r.answerer
+    b, a = r.config.builder, r.config.answerer
     policy_w = {"random": f"random {m.preset}", "hf": f"HF {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
-    mesh = ",".join(f"{k}={v}" for k, v in config.mesh.shape.to_dict().items())
+    mesh = ",".join(f"{k}={v}" for k, v in config.mesh.shape.items())
     proto = protocol(config, roles=roles)
     engine_of: dict[tuple[str, str], int] = {}
     rows = [("role", "weights", "engine", "mesh", "slots", "max_seq_len", "template", "thinking", "budget"),
@@ -374,12 +393,12 @@ def role_table(config: Any, roles: Mapping[str, Mapping[str, Any]] | None = None
              proto[BUILDER]["template"], str(proto[BUILDER]["thinking"]),
              f"{b.max_new_tokens} new/turn, compaction {b.compaction} at {b.compaction_budget}")]
     budgets = {
-        ANSWERER: (f"{a.get('kind', 'model')}: context {a.context_budget}, {a.max_new_tokens} new/turn, "
+        ANSWERER: (f"{a.kind}: context {a.context_budget}, {a.max_new_tokens} new/turn, "
                    f"{a.max_turns} turns"),
-        EXECUTOR: (f"{b.executor}: {b.get('executor_max_new_tokens', 512)} new, excerpts <= "
-                   f"{b.get('excerpt_max_chars', 16000)} chars"),
-        COMPACTION: f"{b.compaction}: {b.get('compaction_summary_tokens', 256)} new",
-        JUDGE: f"{'model' if r.get('use_model_judge', True) else 'exact match only'}",
+        EXECUTOR: (f"{b.executor}: {b.executor_max_new_tokens} new, excerpts <= "
+                   f"{b.excerpt_max_chars} chars"),
+        COMPACTION: f"{b.compaction}: {b.compaction_summary_tokens} new",
+        JUDGE: f"{'model' if r.config.use_model_judge else 'exact match only'}",
     }
     for role, d in roles.items():
         key = (d["weights"], d["mesh"])
@@ -414,9 +433,10 @@ class Cluster:
 
     `engines` maps "policy" and each frozen role (and "frozen", the answerer's, for older callers) to its
     Engine; roles naming the same weights hold the same Engine object. `base` is the builder's initial
-    weights (frozen roles at init "policy" serve from it)."""
+    weights (frozen roles at init "policy" serve from it); `policy` the model the builder's engine was made
+    from (the trainer trains it)."""
 
-    config: Any
+    config: RunConfig
     tokenizer: Any
     roles: dict[str, dict[str, Any]]
     engines: dict[str, Any]
@@ -425,6 +445,7 @@ class Cluster:
     builder_weights: str
     policy_sizes: dict[str, int]
     localizer: Any = None  # multi-process: the trainer's global arrays -> this process's engine layout
+    policy: Any = None
 
     def push_weights(self, state: Any) -> None:
         """New policy weights (an nnx state, e.g. the trainer's) to the builder's engine, on device
@@ -470,7 +491,7 @@ def roles_on_engines(rollout: Any) -> set[str]:
     return used
 
 
-def build_cluster(config: Any, tokenizer: Any, *, engine_mesh: Any, base: Any, policy: Any,
+def build_cluster(config: RunConfig, tokenizer: Any, *, engine_mesh: Any, base: Any, policy: Any,
                   builder_weights: str | None = None, policy_slots: int = 0, policy_max_seq_len: int = 0,
                   roles: Mapping[str, Mapping[str, Any]] | None = None, localizer: Any = None) -> Cluster:
     """The cluster of `config` (validated): the builder's engine on `policy`, one engine per distinct frozen
@@ -478,6 +499,7 @@ def build_cluster(config: Any, tokenizer: Any, *, engine_mesh: Any, base: Any, p
 
     `policy_slots` / `policy_max_seq_len` (0: `rollout.policy_slots` / `rollout.max_seq_len`) size the
     builder's engine (evaluation may ask for others); `roles` defaults to `resolve_roles(config)`."""
+    require_typed(config, RUN_SCHEMAS, "cluster.build_cluster")
     roles = {k: dict(v) for k, v in (roles or config_validation.resolve_roles(config)).items()}
     r = config.rollout
     sizes = {"slots": int(policy_slots or r.policy_slots),
@@ -488,6 +510,6 @@ def build_cluster(config: Any, tokenizer: Any, *, engine_mesh: Any, base: Any, p
     engines[FROZEN] = engines[ANSWERER]
     templates = role_templates(config, tokenizer, roles)
     cluster = Cluster(config, tokenizer, roles, engines, templates, base,
-                      builder_weights or policy_weights(config), sizes, localizer)
+                      builder_weights or policy_weights(config), sizes, localizer, policy)
     logging.info("protocol:\n%s", protocol_table(cluster.protocol()))
     return cluster

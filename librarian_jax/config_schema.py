@@ -516,7 +516,7 @@ class RoleSection(Section):
 
     init: str = spec("policy", choices=("", *ROLE_INITS))
     path: str = spec("")
-    preset: str = spec("")
+    preset: str = spec("", choices=("", *MODEL_PRESETS))
     dtype: str = spec("", choices=DTYPES)
     slots: int = spec(0, lo=0)  # 0 = rollout.frozen_slots
     max_seq_len: int = spec(0, lo=0)  # 0 = rollout.max_seq_len
@@ -857,3 +857,19 @@ def schema_for(config: Any) -> type[Section]:
     if command not in SCHEMAS:
         raise config_error("command", f"must be one of {sorted(SCHEMAS)}, got {command!r}")
     return SCHEMAS[command]
+
+
+# The configs that describe a run (its model, data, rollout, roles, mesh and seed): GRPO's and SFT's.
+# `cluster` and `inputs` take one of them, validated and typed; a run's recorded config.json reads back as
+# one (`eval.restore.load_run_config`).
+RunConfig = GRPOConfig | SFTConfig
+RUN_SCHEMAS: tuple[type[Section], ...] = (GRPOConfig, SFTConfig)
+
+
+def require_typed(value: Any, types: type | tuple[type, ...], what: str) -> None:
+    """Raises TypeError unless `value` is one of the typed `types` (a schema, a section): the helpers below
+    the commands take the validated config, never the raw ConfigDict it was parsed from."""
+    if not isinstance(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise TypeError(f"{what} takes the validated, typed config ({names}, `config_schema`), not a "
+                        f"{type(value).__name__}: validate the ConfigDict first")

@@ -5,6 +5,9 @@ dataclass per section, each checking itself); this module adds what needs more t
 machine: the mesh against the device count, the frozen roles' defaults and budgets, the warm start's preset.
 `validate(config, num_devices=None)` raises `ConfigError("config.train.num_steps: must be >= 0, got -1")`
 style errors before anything heavy starts; `main` turns them into a one-line message and exit code 2.
+
+Only `validate` (and `validate_common`) read the raw ConfigDict: it returns the typed config, and the
+helpers here (`resolve_roles`, `validate_roles`) take that, as every module below the commands does.
 """
 
 from __future__ import annotations
@@ -19,20 +22,19 @@ from librarian_jax.agents.runtime import FROZEN_ROLES
 from librarian_jax.config_schema import (
     DTYPES,
     ROLE_INITS,
+    RUN_SCHEMAS,
     ConfigError,
     GRPOConfig,
-    RoleSection,
-    RolloutSection,
+    RunConfig,
     SFTConfig,
-    TrainSection,
     config_error,
+    require_typed,
     validate_mesh,
 )
 from librarian_jax.models import PRESETS as MODEL_PRESETS
-from librarian_jax.rollout import RolloutConfig
 
-__all__ = ["ConfigError", "parse_mesh_spec", "resolve_roles", "rollout_config", "validate", "validate_common",
-           "validate_mesh", "validate_roles", "validate_train"]
+__all__ = ["ConfigError", "parse_mesh_spec", "resolve_roles", "validate", "validate_common", "validate_mesh",
+           "validate_roles"]
 _err = config_error
 
 
@@ -42,7 +44,7 @@ def validate(config: Any, num_devices: int | None = None) -> GRPOConfig:
     parsed = GRPOConfig.parse(config)
     num_devices = jax.device_count() if num_devices is None else num_devices
     validate_mesh(parsed.mesh.shape, num_devices)
-    validate_roles(config, num_devices)
+    validate_roles(parsed, num_devices)
     if parsed.warm_start.enabled:
         from configs import sft as sft_configs  # the presets live in the config files (above this package)
 
@@ -65,16 +67,6 @@ def validate_common(config: Any, num_devices: int | None = None) -> None:
         validate_mesh(parsed["mesh"].shape, jax.device_count() if num_devices is None else num_devices)
 
 
-def validate_train(config: Any) -> TrainSection:
-    """The GRPO `train` section, typed."""
-    return TrainSection.parse(config["train"], "train")
-
-
-def rollout_config(config: Any) -> RolloutConfig:
-    """`rollout.RolloutConfig` from `config.rollout` minus the engine keys; errors name the key."""
-    return RolloutSection.parse(config["rollout"], "rollout").config
-
-
 # ------------------------------------------------------------------------------------------- roles
 # One model per frozen role (the paper: a Qwen3.5-35B-A3B executor, a separate compaction model, a fixed
 # answerer that may be another model again, a judge). `config.roles.<role>` names its weights; roles that
@@ -94,18 +86,18 @@ def parse_mesh_spec(spec: str, key: str) -> dict[str, int]:
     return out
 
 
-def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
+def resolve_roles(config: RunConfig) -> dict[str, dict[str, Any]]:
     """Each frozen role's settings with the defaults filled in: `init="policy"` (the builder's initial
     weights; `model.frozen_path`, when set, is an HF folder for every role left at "policy"), `preset` /
     `dtype` from `model`, `slots` from `rollout.frozen_slots`, `max_seq_len` from `rollout.max_seq_len`, the
     run's mesh. `init="executor"` (compaction, judge) takes the executor's weights, preset, dtype and mesh.
-    Adds `weights`: the key of the weights (roles with equal keys share one model and engine)."""
-    roles = config.get("roles") if hasattr(config, "get") else None
+    Adds `weights`: the key of the weights (roles with equal keys share one model and engine). `config` is
+    the typed config of a run (`config_schema.RunConfig`)."""
+    require_typed(config, RUN_SCHEMAS, "config_validation.resolve_roles")
     m, r = config.model, config.rollout
     out: dict[str, dict[str, Any]] = {}
     for role in FROZEN_ROLES:
-        src = roles[role] if roles is not None and role in roles else {}
-        d = RoleSection.parse(src, f"roles.{role}").to_dict()
+        d = getattr(config.roles, role).to_dict()
         d["init"] = d["init"] or "policy"
         if d["init"] == "executor":
             if role == "executor":
@@ -113,7 +105,7 @@ def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
             ex = out["executor"]
             d.update({k: ex[k] for k in ("init", "path", "preset", "dtype", "mesh")})
             d["template"] = d["template"] or ex["template"]
-        if d["init"] == "policy" and m.get("frozen_path", ""):
+        if d["init"] == "policy" and m.frozen_path:
             d["init"], d["path"] = "hf", m.frozen_path
         d["preset"] = d["preset"] or m.preset
         d["dtype"] = d["dtype"] or m.dtype
@@ -130,8 +122,8 @@ def resolve_roles(config: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def validate_roles(config: Any, num_devices: int | None = None) -> dict[str, dict[str, Any]]:
-    """The `roles` section (when the config has one) and every context budget a role must meet: a budget that
+def validate_roles(config: RunConfig, num_devices: int | None = None) -> dict[str, dict[str, Any]]:
+    """The `roles` section of a typed run config and every context budget a role must meet: a budget that
     cannot be met is an error naming its key, or a logged warning naming it where the run can go on."""
     roles = resolve_roles(config)
     for role, d in roles.items():
@@ -156,7 +148,7 @@ def validate_roles(config: Any, num_devices: int | None = None) -> dict[str, dic
             if num_devices is not None:
                 validate_mesh(shape, num_devices)
     # budgets
-    rs = RolloutSection.parse(config["rollout"], "rollout")
+    rs = config.rollout
     a, b = rs.config.answerer, rs.config.builder
     if a.kind == "model" and a.context_budget > roles["answerer"]["max_seq_len"]:
         raise _err("rollout.answerer.context_budget",

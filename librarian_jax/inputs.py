@@ -1,4 +1,5 @@
-"""A run's inputs, built from its validated config: the tasks and their train / held-out split, and the
+"""A run's inputs, built from its validated, typed config (`config_schema.RunConfig`, never the raw
+ConfigDict: each function raises TypeError on one): the tasks and their train / held-out split, and the
 tokenizer. Every command (GRPO, the warm start, eval, build) takes them from here.
 
     train, heldout = build_tasks(config)            # the synthetic world or a tasks file, split
@@ -21,7 +22,7 @@ from absl import logging
 from librarian_jax import data, storage, tokenizers
 from librarian_jax.agents import vocabulary
 from librarian_jax.agents.executor import extractive_text
-from librarian_jax.config_schema import ConfigError
+from librarian_jax.config_schema import RUN_SCHEMAS, ConfigError, DataSection, RunConfig, require_typed
 from librarian_jax.data.mutate import mutate_task
 from librarian_jax.workspace import UPDATE_META, Workspace, carry_over
 
@@ -31,30 +32,31 @@ SPLIT_FILE = "split.json"
 _DATA_LOADER_KEYS = {"max_docs": ("tasks", "browsecomp_plus"), "questions_per_domain": ("bright",)}
 
 
-def _loader_kwargs(d: Any, fmt: str) -> dict[str, Any]:
+def _loader_kwargs(d: DataSection, fmt: str) -> dict[str, Any]:
     """`data.load_tasks` options from the data config: the noisy variant's document cap (`max_docs`: support
     documents plus shuffled negatives, at most that many) and the BRIGHT question sample
     (`questions_per_domain`), both drawn with `sample_seed`. A key set for a format without it is logged."""
     kwargs: dict[str, Any] = {}
     for key, formats in _DATA_LOADER_KEYS.items():
-        value = int(d.get(key, 0))
+        value = int(getattr(d, key))
         if not value:
             continue
         if fmt not in formats:
             logging.warning("config.data.%s=%d does not apply to the %r format of %s (only %s)",
                             key, value, fmt, d.path, "/".join(formats))
             continue
-        kwargs.update({key: value, "seed": int(d.get("sample_seed", 0))})
+        kwargs.update({key: value, "seed": d.sample_seed})
         if key == "max_docs":
             kwargs["shuffle_docs"] = True
     return kwargs
 
 
-def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
+def build_tasks(config: RunConfig) -> tuple[list[Any], list[Any]]:
     """(train tasks, held-out tasks) from the synthetic world or a tasks file.
 
     `data.reuse_questions` (a file) sets the named corpora's reuse questions; `data.split_file` (a task-id
     file, `data.read_task_ids`) decides train / held-out, else `data.heldout_fraction` by task-id hash."""
+    require_typed(config, RUN_SCHEMAS, "inputs.build_tasks")
     d = config.data
     if d.source == "synthetic":
         tasks = data.generate_world(config.seed, d.num_tasks, docs_per_task=d.docs_per_task,
@@ -64,12 +66,12 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
     else:
         fmt = data.sniff_format(d.path) if d.format == "auto" else d.format
         tasks = data.load_tasks(d.path, format=fmt, **_loader_kwargs(d, fmt))
-    if d.get("reuse_questions", ""):
+    if d.reuse_questions:
         try:
             tasks = data.attach_reuse_questions(tasks, d.reuse_questions)
         except data.DataError as e:
             raise ConfigError(f"config.data.reuse_questions: {e}") from e
-    if d.get("exclude_file", ""):
+    if d.exclude_file:
         try:
             out = set(data.read_task_ids(d.exclude_file)[1])
         except data.DataError as e:
@@ -78,7 +80,7 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
         logging.info("data.exclude_file: %d of its %d ids excluded from %d tasks", len(tasks) - len(kept),
                      len(out), len(tasks))
         tasks = kept
-    if d.get("split_file", ""):
+    if d.split_file:
         try:
             train, heldout = data.split_by_ids(tasks, d.split_file)
         except data.DataError as e:
@@ -87,11 +89,11 @@ def build_tasks(config: Any) -> tuple[list[Any], list[Any]]:
             raise ConfigError(
                 f"config.data.split_file: {d.split_file} leaves no training task of {len(tasks)}")
         return train, heldout
-    if d.get("heldout_count", 0):
-        n = int(d.heldout_count)
+    if d.heldout_count:
+        n = d.heldout_count
         if n >= len(tasks):
             raise ConfigError(f"config.data.heldout_count: {n} leaves no training task of {len(tasks)}")
-        drawn = set(np.random.default_rng(int(d.get("split_seed", 0))).choice(len(tasks), n, replace=False)
+        drawn = set(np.random.default_rng(d.split_seed).choice(len(tasks), n, replace=False)
                     .tolist())
         return ([t for i, t in enumerate(tasks) if i not in drawn],
                 [t for i, t in enumerate(tasks) if i in drawn])
@@ -112,14 +114,15 @@ def starting_workspace(task: Any) -> Workspace:
     return ws
 
 
-def update_tasks(tasks: list[Any], config: Any) -> list[Any]:
+def update_tasks(tasks: list[Any], config: RunConfig) -> list[Any]:
     """`data.update_fraction` of `tasks` (chosen by task-id hash, salted with the seed) replaced by update
     tasks (issue 42): the task's corpus mutated (`data.mutate.mutate_task`, `data.update_changes`), its
     questions asked again from the new corpus, and in its meta (`workspace.UPDATE_META`) the old workspace
     (`starting_workspace`) carried over to it, with the builder's turn budget. The episode then starts from
     that workspace and the update prompt; probes and the terminal reward score the new questions."""
+    require_typed(config, RUN_SCHEMAS, "inputs.update_tasks")
     d = config.data
-    frac = float(d.get("update_fraction", 0.0))
+    frac = d.update_fraction
     if frac <= 0:
         return list(tasks)
     out = []
@@ -127,33 +130,33 @@ def update_tasks(tasks: list[Any], config: Any) -> list[Any]:
         if data.task_hash_fraction(t.task_id, salt=f"update:{config.seed}") >= frac:
             out.append(t)
             continue
-        m = mutate_task(t, config.seed, float(d.update_changes), len(t.questions))
-        start = carry_over(starting_workspace(t), m.task.documents, int(config.rollout.builder.max_turns))
+        m = mutate_task(t, config.seed, d.update_changes, len(t.questions))
+        start = carry_over(starting_workspace(t), m.task.documents, config.rollout.config.builder.max_turns)
         out.append(dataclasses.replace(m.task, meta={**m.task.meta, UPDATE_META: start}))
     logging.info("data: %d of %d training tasks are update tasks (data.update_fraction %.2f)",
                  sum(UPDATE_META in t.meta for t in out), len(out), frac)
     return out
 
 
-def split_rule(config: Any) -> dict[str, Any]:
+def split_rule(config: RunConfig) -> dict[str, Any]:
     """How `build_tasks` split the tasks, for split.json: `split_file`, a seeded draw of `heldout_count`
     (`split_seed`), the task-id hash (`heldout_fraction`) or none; and the ids `exclude_file` lists."""
+    require_typed(config, RUN_SCHEMAS, "inputs.split_rule")
     d = config.data
-    if d.get("split_file", ""):
+    if d.split_file:
         rule: dict[str, Any] = {"rule": "split_file", "split_file": d.split_file}
-    elif d.get("heldout_count", 0):
-        rule = {"rule": "seeded_draw", "heldout_count": int(d.heldout_count),
-                "split_seed": int(d.get("split_seed", 0))}
+    elif d.heldout_count:
+        rule = {"rule": "seeded_draw", "heldout_count": d.heldout_count, "split_seed": d.split_seed}
     elif d.heldout_fraction:
-        rule = {"rule": "task_id_hash", "heldout_fraction": float(d.heldout_fraction)}
+        rule = {"rule": "task_id_hash", "heldout_fraction": d.heldout_fraction}
     else:
         rule = {"rule": "none"}
-    if d.get("exclude_file", ""):
+    if d.exclude_file:
         rule.update(exclude_file=d.exclude_file, excluded=data.read_task_ids(d.exclude_file)[1])
     return rule
 
 
-def write_split(workdir: str, train: list[Any], heldout: list[Any], config: Any = None) -> str:
+def write_split(workdir: str, train: list[Any], heldout: list[Any], config: RunConfig | None = None) -> str:
     """Records the run's train / held-out task ids in `workdir/split.json` (and, given the run's `config`,
     how they were split: `split_rule`), so evaluation uses exactly the held-out tasks this run never trained
     on (never a re-derived split)."""
@@ -176,10 +179,11 @@ def local_file(path: str, purpose: str) -> str:
     return local
 
 
-def build_tokenizer(config: Any, tasks: list[Any], extra_texts: list[str] | None = None) -> Any:
-    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached) on the tasks
-    plus the agents' own prompts and tool descriptions (and `extra_texts`, e.g. the tool calls of the
-    warm start's demonstrations), so those encode compactly too."""
+def build_tokenizer(config: RunConfig, tasks: list[Any], extra_texts: list[str] | None = None) -> Any:
+    """The tokenizer: `model.tokenizer`, the HF folder's, or a SentencePiece trained (and cached in
+    `workdir/tokenizer`) on the tasks plus the agents' own prompts and tool descriptions (and `extra_texts`,
+    e.g. the tool calls of the warm start's demonstrations), so those encode compactly too."""
+    require_typed(config, RUN_SCHEMAS, "inputs.build_tokenizer")
     if config.model.tokenizer:
         return tokenizers.load_tokenizer(local_file(config.model.tokenizer, "tokenizer"))
     if config.model.init == "hf":

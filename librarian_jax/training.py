@@ -2,6 +2,10 @@
 
     summary = run(config)          # validate -> warm start -> build -> resume -> steps -> final evaluation
 
+`run` and `train_command` take the command's ConfigDict and validate it (`config_validation.validate`);
+everything after reads only the typed `config_schema.GRPOConfig` (`Run.settings`), which `prepare` / `build`
+/ `describe` / `compile_ahead` take.
+
 Per step: a batch of tasks (grain) -> G builder episodes per task on the policy engine, with probes and the
 final evaluation answered by the frozen roles (`rollout.run_batch`, every role from the run's `Cluster`) ->
 training rows -> one optimizer update -> the policy engine takes the new weights on device -> metrics to
@@ -13,7 +17,6 @@ one). The run's protocol (every role's weights, template, context and sampling) 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -37,7 +40,7 @@ from librarian_jax import (
     storage,
 )
 from librarian_jax import eval as eval_lib
-from librarian_jax.config_schema import GRPOConfig
+from librarian_jax.config_schema import GRPOConfig, require_typed
 from librarian_jax.data import TaskPipeline
 from librarian_jax.eval import pipeline, restore
 from librarian_jax.rl import rows as rows_lib
@@ -45,14 +48,12 @@ from librarian_jax.rl import train_step
 from librarian_jax.warm_start import sft as warm_start_sft
 
 
-def train_config(config: Any) -> Any:
+def train_config(settings: GRPOConfig) -> train_step.TrainConfig:
     """`rl.TrainConfig` from the typed `train` section (`config_schema.TrainSection.trainer_config`) of a
-    validated config (`GRPOConfig`; a raw ConfigDict is parsed first); the loss's temperature is the
-    builder's sampling temperature (0, greedy, counts as 1)."""
-    if not isinstance(config, GRPOConfig):
-        return config_validation.validate_train(config).trainer_config(
-            config_validation.rollout_config(config).builder.temperature or 1.0)
-    return config.train.trainer_config(config.rollout.config.builder.temperature or 1.0)
+    validated config; the loss's temperature is the builder's sampling temperature (0, greedy, counts as
+    1)."""
+    require_typed(settings, GRPOConfig, "training.train_config")
+    return settings.train.trainer_config(settings.rollout.config.builder.temperature or 1.0)
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -103,9 +104,9 @@ def progress_line(step: int, total: int, m: dict[str, float]) -> str:
 # ------------------------------------------------------------------------------------------- the run
 
 
-def describe(config: Any) -> str:
-    """What a run of `config` would do, in a few lines, with the role table (`cluster.role_table`)."""
-    c = GRPOConfig.parse(config)
+def describe(c: GRPOConfig) -> str:
+    """What a run of `c` would do, in a few lines, with the role table (`cluster.role_table`)."""
+    require_typed(c, GRPOConfig, "training.describe")
     m, d, r, t = c.model, c.data, c.rollout, c.train
     weights = {"random": "random init", "hf": f"HF safetensors {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
     data = f"a synthetic world of {d.num_tasks} tasks" if d.source == "synthetic" else f"tasks from {d.path}"
@@ -116,15 +117,26 @@ def describe(config: Any) -> str:
             f"{t.loss} loss ({t.aggregation}), "
             f"lr {t.learning_rate}; "
             f"mesh {c.mesh.shape}; workdir {c.workdir}\n"
-            f"roles (which model serves which role):\n{cluster.role_table(config)}")
+            f"roles (which model serves which role):\n{cluster.role_table(c)}")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a run rolls out with (`prepare`): its tasks, tokenizer, the trainer's mesh and the cluster (every
+    role's model, engine and template). No trainer: `--dry_run --compile` builds only this."""
+
+    train_tasks: list[Any]
+    heldout: list[Any]
+    tokenizer: Any
+    mesh: Any  # the trainer's: every device of every process
+    cluster: cluster.Cluster
 
 
 @dataclasses.dataclass
 class Run:
-    """Everything a training run holds between steps: `settings` is the validated, typed config (what the
-    loop reads); `config` the ConfigDict it was parsed from (what `cluster` and `inputs` take)."""
+    """Everything a training run holds between steps; `settings` is the validated, typed config (all the
+    loop and the modules below it read)."""
 
-    config: Any
     train_tasks: list[Any]
     heldout: list[Any]
     tokenizer: Any
@@ -150,32 +162,40 @@ class Run:
         self.cluster.push_weights(self.trainer.policy_state())
 
 
-def build(config: Any, settings: GRPOConfig | None = None) -> Run:
-    """Data, tokenizer, mesh, cluster (every role's model, engine and template) and trainer for `config`
-    (validated; `settings`: its typed config, parsed here when not given)."""
-    settings = settings or GRPOConfig.parse(config)
-    train_tasks, heldout = inputs.build_tasks(config)
+def prepare(settings: GRPOConfig) -> Prepared:
+    """Data, tokenizer, meshes and the cluster (every role's model, engine and template; the policy, LoRA
+    wrapped when `model.lora_rank`) for a validated config: all of a run but its trainer."""
+    require_typed(settings, GRPOConfig, "training.prepare")
+    train_tasks, heldout = inputs.build_tasks(settings)
     if distributed.is_multi():  # process 0 trains (and caches) the tokenizer; the others then read it
         if distributed.is_primary():
-            inputs.build_tokenizer(config, train_tasks + heldout)
+            inputs.build_tokenizer(settings, train_tasks + heldout)
         distributed.barrier("librarian_jax.training.tokenizer")
-    tokenizer = inputs.build_tokenizer(config, train_tasks + heldout)
+    tokenizer = inputs.build_tokenizer(settings, train_tasks + heldout)
     # data.update_fraction of the training tasks as incremental updates (after the tokenizer, which so does
     # not depend on it)
-    train_tasks = inputs.update_tasks(train_tasks, config)
-    mesh = cluster.run_mesh(config)  # the trainer's: every device of every process
+    train_tasks = inputs.update_tasks(train_tasks, settings)
+    mesh = cluster.run_mesh(settings.mesh)  # the trainer's: every device of every process
     emesh = cluster.engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
-    base = cluster.initial_model(config, emesh, tokenizer)
+    base = cluster.initial_model(settings, emesh, tokenizer)
     distributed.uncommit(base)  # several processes: weights the trainer can place on the global mesh
-    m, t = settings.model, settings.train
+    m = settings.model
     policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=settings.seed) \
         if m.lora_rank else base
-    roles = config_validation.resolve_roles(config)
-    logging.info("roles:\n%s", cluster.role_table(config, roles))
+    roles = config_validation.resolve_roles(settings)
+    logging.info("roles:\n%s", cluster.role_table(settings, roles))
     the_cluster = cluster.build_cluster(
-        config, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
+        settings, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
         localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
-    trainer = train_step.Trainer(policy, train_config(settings), mesh=mesh)
+    return Prepared(train_tasks, heldout, tokenizer, mesh, the_cluster)
+
+
+def build(settings: GRPOConfig) -> Run:
+    """A run of a validated config: `prepare` (data, tokenizer, meshes, cluster), then the trainer of the
+    cluster's policy, the rows config and the task pipeline."""
+    p = prepare(settings)
+    t = settings.train
+    trainer = train_step.Trainer(p.cluster.policy, train_config(settings), mesh=p.mesh)
     logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
                  "LoRA" if trainer.lora else "full")
     rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
@@ -185,10 +205,10 @@ def build(config: Any, settings: GRPOConfig | None = None) -> Run:
     # own contiguous share of each batch (`distributed.process_slice`): the global batch is the one a single
     # process would see, whatever the process count.
     # (Several processes drop an epoch's short last batch, which cannot be split evenly.)
-    pipeline_ = TaskPipeline(train_tasks, tasks_per_batch=settings.data.tasks_per_batch,
+    pipeline_ = TaskPipeline(p.train_tasks, tasks_per_batch=settings.data.tasks_per_batch,
                              seed=settings.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
                              drop_remainder=distributed.is_multi())
-    return Run(config, train_tasks, heldout, tokenizer, the_cluster, trainer, rows_config,
+    return Run(p.train_tasks, p.heldout, p.tokenizer, p.cluster, trainer, rows_config,
                settings.rollout.config, pipeline_.iterator(), jax.random.key(settings.seed), settings)
 
 
@@ -282,29 +302,29 @@ def _write_scalars(writer: Any, metrics: dict[str, float], step: int) -> None:
 
 
 def run(config: Any) -> dict[str, Any]:
-    """Trains per `config` (validated first). Returns a summary: steps run, times, the last metrics."""
+    """Trains per `config`: the command's ConfigDict (validated here) or a validated `GRPOConfig`. Returns a
+    summary: steps run, times, the last metrics."""
     t_start = time.perf_counter()
     compiled_before = compile_cache.CompileClock.get().totals()
-    settings = config_validation.validate(config)
-    logging.info("%s", describe(config))
+    settings = config if isinstance(config, GRPOConfig) else config_validation.validate(config)
+    logging.info("%s", describe(settings))
     workdir = storage.abspath(settings.workdir)  # a local directory or a URL (gs://...): launch/README.md
     restore.check_output_dir(workdir, "workdir")  # writable, with free disk: one line before any work
     storage.makedirs(workdir)
     primary = jax.process_index() == 0
     sft_summary: dict[str, Any] = {}
     if settings.warm_start.enabled:
-        config, sft_summary = warm_start_sft.warm_start(config)
-        settings = config_validation.validate(config)
-    if primary:
-        storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        settings, sft_summary = warm_start_sft.warm_start(settings)
+    if primary:  # the config the run trains with (after the warm start: from its checkpoint), every key
+        storage.write_text(storage.join(workdir, "config.json"), json.dumps(settings.to_dict(), indent=2))
 
-    state = build(config, settings)
+    state = build(settings)
     # every program of the engines the run decodes with, compiled on worker threads beside the run's own
     # work (a program the run calls meanwhile waits for its compile rather than compiling it twice)
     ahead = compile_cache.Ahead(state.cluster.programs_ahead(state.rollout_config), what="engines").start() \
         if settings.rollout.compile_ahead else None
     if primary:
-        inputs.write_split(workdir, state.train_tasks, state.heldout, config)
+        inputs.write_split(workdir, state.train_tasks, state.heldout, settings)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
     ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=settings.checkpoint.every,
                                  keep=settings.checkpoint.keep, async_save=settings.checkpoint.async_save)
@@ -465,37 +485,37 @@ def evaluate(run: Run, seed: int) -> dict[str, float]:
 
 def train_command(config: Any, dry_run: bool = False, compile_programs: bool = False) -> None:
     """`main --config=configs/grpo.py`: validate; with `dry_run` print what would run (the role table); with
-    `compile_programs` too (`--dry_run --compile`) build the run and compile its engines' programs into the
-    persistent compilation cache, then exit (`compile_ahead`)."""
-    config_validation.validate(config)
+    `compile_programs` too (`--dry_run --compile`) build the run's cluster and compile its engines' programs
+    into the persistent compilation cache, then exit (`compile_ahead`)."""
+    settings = config_validation.validate(config)
     if dry_run:
-        print(describe(config))  # noqa: T201 - the CLI's answer
+        print(describe(settings))  # noqa: T201 - the CLI's answer
         if compile_programs:
             before = compile_cache.CompileClock.get().totals()
-            report = compile_ahead(config)
+            report = compile_ahead(settings)
             spent = compile_cache.CompileClock.get().since(before)
             print(f"compiled ahead: {report.line()} (the engines' programs); this process: "  # noqa: T201
                   f"{spent.compiled} programs compiled, {spent.cache_hits} from the "
                   "persistent cache")
         return
-    run(config)
+    run(settings)
 
 
-def compile_ahead(config: Any) -> compile_cache.AheadReport:
-    """`--dry_run --compile`: builds `config`'s run (tasks, tokenizer, cluster, trainer; the warm start's
-    model as its preset's random weights, which give the same programs; a tokenizer, if one is trained, in a
-    temporary directory, not the workdir) and compiles every program of the engines it decodes with, on
-    every core, into the persistent compilation cache, so a later run (or another process on the
-    same cache) starts with them compiled. The train step's programs are not among them: each depends on a
-    step's rows (a sequence bucket and a loss-position bucket), known after a rollout."""
-    c = copy.deepcopy(config)
-    with c.unlocked(), tempfile.TemporaryDirectory(prefix="librarian_jax_compile_") as tmp:
-        if c.warm_start.enabled:
-            c.warm_start.enabled = False  # same architecture: the preset's
-        c.workdir = tmp
-        config_validation.validate(c)
-        state = build(c)
-        jobs = state.cluster.programs_ahead(state.rollout_config)
+def compile_ahead(settings: GRPOConfig) -> compile_cache.AheadReport:
+    """`--dry_run --compile`: prepares `settings`' run (tasks, tokenizer, meshes, cluster: `prepare`, no
+    trainer and no optimizer state, which the engines' programs do not need; the warm start's model as its
+    preset's random weights, which give the same programs; a tokenizer, if one is trained, in a temporary
+    directory, not the workdir) and compiles every program of the engines it decodes with, on every core,
+    into the persistent compilation cache, so a later run (or another process on the same cache) starts with
+    them compiled. The train step's programs are not among them: each depends on a step's rows (a sequence
+    bucket and a loss-position bucket), known after a rollout."""
+    require_typed(settings, GRPOConfig, "training.compile_ahead")
+    with tempfile.TemporaryDirectory(prefix="librarian_jax_compile_") as tmp:
+        # the warm start off: the same architecture, the preset's
+        c = dataclasses.replace(settings, workdir=tmp,
+                                warm_start=dataclasses.replace(settings.warm_start, enabled=False))
+        prepared = prepare(c)
+        jobs = prepared.cluster.programs_ahead(c.rollout.config)
         logging.info("compiling %d programs of the run's engines ahead", len(jobs))
         return compile_cache.Ahead(jobs, threads=os.cpu_count() or 1, what="engines, --dry_run --compile"
                                    ).run()

@@ -265,8 +265,10 @@ def test_every_baseline_end_to_end_through_configs_eval(run_dir, tiny_model):
         assert got == {want}
         if rr_tpl is None:
             from librarian_jax import cluster
+            from librarian_jax.config_schema import RerankerRoleSection
 
-            rr_tpl = cluster.retrieval_model("reranker", c.roles.reranker, None, tok).template
+            section = RerankerRoleSection.parse(c.roles.reranker, "roles.reranker")
+            rr_tpl = cluster.retrieval_model("reranker", section, None, tok).template
         rr = retrieval.Reranker(model, tok, rr_tpl, instruction=c.roles.reranker.instruction, max_tokens=256)
         bm = retrieval.BM25Index(chunks)
         want = sum(min(len(rr.prompt(q, chunks[j].text, 256 - len(rr.prompt(q, "", 0)))), 256)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from configs import grpo
 from librarian_jax import cluster, models
+from librarian_jax.config_schema import EvalConfig, GRPOConfig, SFTConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -86,7 +87,7 @@ def test_eval_runs_the_training_runs_protocol_with_three_frozen_models(tmp_path)
     # and the evaluation's engines serve those very models (not the answerer's engine for every role)
     plan = cli.plan_eval(e)
     tok = cli.restore.run_tokenizer(plan.run_cfg, run_dir, [])
-    m = cli.Models(plan.run_cfg, plan.config, cluster.local_mesh(plan.config), tok)
+    m = cli.Models(plan.run_cfg, plan.settings, cluster.local_mesh(plan.settings.mesh), tok)
     engines = m.engines()
     assert len({id(engines[r]) for r in ("answerer", "executor", "judge")}) == 3
     for role, layers, seq in (("answerer", 1, 1024), ("executor", 2, 1536), ("judge", 3, 512)):
@@ -109,7 +110,7 @@ def _eval_config(run_dir: str):
     return e
 
 
-def test_a_qwen3_5_warm_start_conversation_encodes_as_grpo_samples_it(qwen_tok):
+def test_a_qwen3_5_warm_start_conversation_encodes_as_grpo_samples_it(qwen_tok, tmp_path):
     """The SFT path's template (`warm_start.sft.builder_template`) is the one GRPO's policy engine samples
     with (`cluster.role_templates`, which `build_cluster` uses): a demonstration made through the real
     protocol with GRPO's template (its builder session's ids) encodes to exactly those ids for SFT. Red when
@@ -124,6 +125,10 @@ def test_a_qwen3_5_warm_start_conversation_encodes_as_grpo_samples_it(qwen_tok):
 
     grpo_cfg = grpo.get_config("qwen3_5_4b")
     sft_cfg = sft_configs.get_config("qwen3_5_4b")
+    (tmp_path / "convs.jsonl").touch()
+    grpo_cfg.model.path = sft_cfg.model.path = grpo_cfg.data.path = str(tmp_path)  # the user's folders
+    sft_cfg.data.path = str(tmp_path / "convs.jsonl")  # and conversations
+    grpo_cfg, sft_cfg = GRPOConfig.parse(grpo_cfg), SFTConfig.parse(sft_cfg)
     grpo_tpl = cluster.role_templates(grpo_cfg, qwen_tok)["policy"]
     sft_tpl = warm_start_sft.builder_template(sft_cfg, qwen_tok)
     assert (grpo_tpl.style, grpo_tpl.thinking) == ("qwen3_5", True) == (sft_tpl.style, sft_tpl.thinking)
@@ -200,18 +205,20 @@ def test_an_evals_override_is_reported_as_the_only_difference(tmp_path):
     from librarian_jax.eval import cli
 
     run = grpo.get_config("qwen3_5_4b")  # its judge is a model (the embedded one's is exact match)
+    run.model.path = run.data.path = str(tmp_path)  # the user's Hugging Face folder and data
+    run = GRPOConfig.parse(run)
     e = importlib.import_module("configs.eval").get_config()
     e.roles.judge.max_seq_len = 4096
-    e.builder_temperature = float(run.rollout.builder.temperature)
-    cfg, asked = cli.protocol_config(run, e)
+    e.builder_temperature = float(run.rollout.config.builder.temperature)
+    cfg, asked = cli.protocol_config(run, EvalConfig.parse(e))
     assert asked == ["roles.judge.max_seq_len"]
     diffs = cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg))
     assert diffs == [("judge", "max_seq_len", run.roles.judge.max_seq_len, 4096)], diffs
     e.roles.judge.max_seq_len = 0
     e.builder_temperature = 0.0  # the default: a greedy builder
-    cfg, asked = cli.protocol_config(run, e)
+    cfg, asked = cli.protocol_config(run, EvalConfig.parse(e))
     assert asked == []
-    t = float(run.rollout.builder.temperature)
+    t = float(run.rollout.config.builder.temperature)
     assert t > 0 and cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg)) == [
         ("builder", "temperature", t, 0.0)]
     table = cluster.protocol_table(cluster.protocol(cfg), cluster.protocol(run))

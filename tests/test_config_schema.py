@@ -81,6 +81,7 @@ def test_a_key_the_schema_does_not_declare_fails_in_the_config_file_and_at_start
     (S.GRPOConfig, "eval.final_methods", "trained,dense", r"config\.eval\.final_methods: unknown method"),
     (S.GRPOConfig, "workdir", "", r"config\.workdir: must not be empty"),
     (S.GRPOConfig, "mesh.shape.fsdp", 0, r"config\.mesh\.shape\.fsdp: must be a positive integer or -1"),
+    (S.GRPOConfig, "roles.executor.preset", "gpt5", r"config\.roles\.executor\.preset: must be one of"),
     (S.SFTConfig, "train.num_steps", 0, r"config\.train\.num_steps: must be >= 1, got 0"),
     (S.SFTConfig, "demos.mix.entities", -0.5, r"config\.demos\.mix\.entities: must be >= 0\.0"),
     (S.EvalConfig, "samples", 0, r"config\.samples: must be >= 1, got 0"),

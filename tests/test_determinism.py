@@ -30,10 +30,12 @@ clock = compile_cache.CompileClock.get()
 import jax
 from configs import grpo
 from librarian_jax import cluster, training
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import train_step as ts
 
 cfg = grpo.get_config()
 cfg.train.num_steps = 2
+cfg = GRPOConfig.parse(cfg)
 class Tok:
     vocab_size = 512
 trainer = ts.Trainer(cluster.initial_model(cfg, None, Tok()), training.train_config(cfg))

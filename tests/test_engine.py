@@ -398,17 +398,18 @@ def test_turn_results_and_training_rows_are_the_session_record(engine, qwen):
     assert sum(st.evictions for st in engine.stats) > evictions
     rec = s.record()
     for t, res in enumerate(results):
-        idx = np.nonzero(rec.tags == t)[0]
+        idx = np.nonzero(rec.turn_index == t)[0]
         assert res.status == "length" and len(res.tokens) == 4 + t
         assert rec.tokens[idx].tolist() == res.tokens
         np.testing.assert_array_equal(rec.logprobs[idx], res.logprobs)
-    np.testing.assert_array_equal(rec.loss_mask, rec.tags >= 0)
+    np.testing.assert_array_equal(rec.loss_mask, rec.turn_index >= 0)
     # the log-probs are the model's at exactly these ids (one forward pass over the whole record)
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(_full_logits(qwen, rec.tokens)), axis=-1))
     idx = np.nonzero(rec.loss_mask)[0]
     np.testing.assert_allclose(rec.logprobs[idx], logp[idx - 1, rec.tokens[idx]], atol=2e-4)
 
-    seg = Segment(rec.tokens, rec.logprobs, rec.loss_mask, rec.tags)
+    seg = rec.for_training()  # the session's record is the training segment, as it stands
+    assert isinstance(seg, Segment)
     ep = EpisodeRecord("t", 0, 0, [seg], turn_rewards=[0.0, 1.0, 0.0], terminal_reward=0.0, total_reward=1.0,
                        num_turns=3, tool_calls=[[]] * 3, tool_errors=[[]] * 3, replies=[""] * 3)
     other = dataclasses.replace(ep, episode_index=1, turn_rewards=[0.0] * 3, total_reward=0.0)
@@ -421,8 +422,9 @@ def test_turn_results_and_training_rows_are_the_session_record(engine, qwen):
     assert not batch.valid[0, n:].any() and batch.valid[0, :n].all()
     # per-step credit: turns 0 and 1 (reward-to-go 1) get more than turn 2 (0), each on its own tokens only
     adv = batch.advantages[0, :n]
-    assert len(set(adv[rec.tags == 0])) == len(set(adv[rec.tags == 1])) == 1
-    assert adv[rec.tags == 1][0] > adv[rec.tags == 2][0] > 0 and np.all(adv[rec.tags < 0] == 0)
+    ti = rec.turn_index
+    assert len(set(adv[ti == 0])) == len(set(adv[ti == 1])) == 1
+    assert adv[ti == 1][0] > adv[ti == 2][0] > 0 and np.all(adv[ti < 0] == 0)
     s.close()
     for o in others:
         o.close()

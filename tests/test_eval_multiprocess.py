@@ -215,6 +215,7 @@ def _run_dir(path: str) -> str:
     it, checkpoints/1/params linked to the fixture, split.json holding every corpus of a small world)."""
     from configs import grpo
     from librarian_jax import inputs
+    from librarian_jax.config_schema import GRPOConfig
 
     cfg = grpo.get_config()
     cfg.workdir = path
@@ -231,7 +232,7 @@ def _run_dir(path: str) -> str:
     open(os.path.join(step, "commit_success.txt"), "w").close()
     with open(os.path.join(path, "config.json"), "w") as f:
         f.write(cfg.to_json_best_effort(indent=2))
-    train, held = inputs.build_tasks(cfg)
+    train, held = inputs.build_tasks(GRPOConfig.parse(cfg))
     with open(os.path.join(path, "split.json"), "w") as f:
         json.dump({"train": [], "heldout": [t.task_id for t in train + held]}, f)
     return path

@@ -3,6 +3,7 @@ the trained model's logits; bad checkpoints are one-line errors naming the path,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,9 +18,11 @@ from flax import nnx
 
 from configs import grpo
 from librarian_jax import checkpoint, cluster, models, training
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.engine import make_mesh
 from librarian_jax.eval import restore
+from librarian_jax.models.placement import placed_copy
 from librarian_jax.rl import train_step
 
 TOK = types.SimpleNamespace(vocab_size=64)
@@ -33,6 +36,7 @@ def _save_run(tmp_path, lora_rank: int):
     cfg.model.lora_rank = lora_rank
     with open(tmp_path / "config.json", "w") as f:
         f.write(cfg.to_json_best_effort())
+    cfg = GRPOConfig.parse(cfg)
     mesh = make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
     base = cluster.initial_model(cfg, mesh, TOK)
     model = (
@@ -76,12 +80,12 @@ def test_full_params_restore_onto_another_mesh_equals_the_trainer(tmp_path, capl
 
 def test_restoring_the_trained_builder_leaves_the_base_builder_as_it_was(tmp_path):
     """Eval restores the trained builder onto its base model (`restore_builder(..., base=models.base)`) and
-    then evaluates the base builder too: the restore must not write into the base. Red when
-    `restore.shard_model` shares the base's Variables (the base builder then scored as the trained one)."""
+    then evaluates the base builder too: the restore must not write into the base. Red when the restore's
+    placed copy shares the base's Variables (the base builder then scored as the trained one)."""
     run_cfg, trainer = _save_run(tmp_path, 0)
     _, step_dir = restore.select_step(str(tmp_path))
     mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
-    base = restore.shard_model(restore.base_model(run_cfg, mesh, TOK), mesh)
+    base = placed_copy(restore.base_model(run_cfg, mesh, TOK), mesh)
     before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(base, nnx.Param))]
     trained = restore.restore_builder(run_cfg, step_dir, mesh, TOK, base=base)
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(base, nnx.Param))]
@@ -113,16 +117,15 @@ def test_lora_restore_gives_the_trained_models_logits(lora_run):
 def test_bad_checkpoints_are_one_line_errors_naming_the_path(lora_run):
     tmp_path, run_cfg, _ = lora_run
     _, step_dir = restore.select_step(str(tmp_path))
-    other = run_cfg.copy_and_resolve_references()
-    other.model.lora_rank = 8
+    def other(**model):
+        return dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, **model))
+
     with pytest.raises(ConfigError, match=r"config\.run: checkpoint .*/checkpoints/3' does not match .*lora"):
-        restore.check_checkpoint(step_dir, other)
-    other.model.lora_rank = 0
+        restore.check_checkpoint(step_dir, other(lora_rank=8))
     with pytest.raises(ConfigError, match=r"holds LoRA params; the run's config \(tiny(_8k)?\) expects full"):
-        restore.check_checkpoint(step_dir, other)
-    other.model.update(lora_rank=4, preset="decode_bench")
+        restore.check_checkpoint(step_dir, other(lora_rank=0))
     with pytest.raises(ConfigError, match=r"does not match model decode_bench"):
-        restore.check_checkpoint(step_dir, other)
+        restore.check_checkpoint(step_dir, other(lora_rank=4, preset="decode_bench"))
     # a half-written newer step is skipped; asked for by number it is an error naming it
     os.makedirs(tmp_path / "checkpoints" / "5" / "params", exist_ok=True)
     assert restore.select_step(str(tmp_path))[0] == 3

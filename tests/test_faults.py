@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from librarian_jax import checkpoint, models
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import losses
 from librarian_jax.rl import train_step as ts
 
@@ -398,6 +399,7 @@ def eval_run(tmp_path_factory):
     cfg = grpo.get_config()
     cfg.workdir = str(run_dir)
     (run_dir / "config.json").write_text(cfg.to_json_best_effort())
+    cfg = GRPOConfig.parse(cfg)
     trainer = ts.Trainer(cluster.initial_model(cfg, None, _Tok()), training.train_config(cfg))
     ck = checkpoint.Checkpointer(str(run_dir / "checkpoints"), async_save=False, keep=3)
     saved = {}

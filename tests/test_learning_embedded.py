@@ -49,11 +49,11 @@ def _optimised_programs():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from librarian_jax import training
+    from librarian_jax import config_validation, training
 
     if not os.path.isdir(os.path.join(FIXTURE, "params")):
         pytest.fail(f"missing fixture {FIXTURE}: run tests/make_warm_start_fixture.py")
-    return training.build(_config(str(tmp_path_factory.mktemp("learn"))))
+    return training.build(config_validation.validate(_config(str(tmp_path_factory.mktemp("learn")))))
 
 
 def _batch(run, tasks, temperature: float, seed: int):

@@ -50,7 +50,7 @@ def test_train_keys_reach_the_trainer_config():
     c = grpo().get_config()
     c.train.logits_chunk, c.train.remat, c.train.micro_batches = 256, "layer", 2
     c.train.moe_aux_loss_coef, c.train.micro_batch_rows = 0.01, 3
-    t = training.train_config(c)
+    t = training.train_config(cv.validate(c, num_devices=1))
     assert (t.logits_chunk, t.remat, t.micro_batches, t.moe_aux_loss_coef) == (256, "layer", 2, 0.01)
     assert t.micro_batch_rows == 3
     c.train.moe_aux_loss_coef = -1.0

@@ -11,6 +11,7 @@ import pytest
 
 from configs import grpo
 from librarian_jax import config_validation, data, inputs
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.config_validation import ConfigError
 
 
@@ -26,6 +27,10 @@ def _task_rows(n: int) -> list[dict]:
          "docs": [{"doc_id": f"d{i}-{j}", "text": f"doc {j} of {i}", "is_gold": j == 0} for j in range(3)]}
         for i in range(n)
     ]
+
+
+def _build_tasks(config):
+    return inputs.build_tasks(GRPOConfig.parse(config))
 
 
 def _file_config(path: str, **data_keys) -> object:
@@ -46,7 +51,7 @@ def test_split_file_decides_the_split_and_write_split_records_it(tmp_path):
     # the paper's shape: train, held-out, and tasks in neither (excluded); the file's order is kept
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"train": ["q5", "q0", "q1", "q2"], "heldout": ["q7", "q3"]}))
-    train, held = inputs.build_tasks(_file_config(path, split_file=str(split)))
+    train, held = _build_tasks(_file_config(path, split_file=str(split)))
     assert [t.task_id for t in train] == ["q5", "q0", "q1", "q2"]
     assert [t.task_id for t in held] == ["q7", "q3"]
     out = tmp_path / "run"
@@ -56,7 +61,7 @@ def test_split_file_decides_the_split_and_write_split_records_it(tmp_path):
     # held-out ids only, one a line: every other task trains
     ids = tmp_path / "heldout.txt"
     ids.write_text("q6\n\nq1\n")
-    train, held = inputs.build_tasks(_file_config(path, split_file=str(ids)))
+    train, held = _build_tasks(_file_config(path, split_file=str(ids)))
     assert [t.task_id for t in held] == ["q6", "q1"]
     assert [t.task_id for t in train] == ["q0", "q2", "q3", "q4", "q5", "q7"]
 
@@ -69,22 +74,22 @@ def test_without_a_split_file_a_seeded_draw_holds_out_n_and_excluded_ids_are_in_
     excl = tmp_path / "excluded.txt"
     excl.write_text("q3\nq4\nq99\n")  # an id not in the data is only counted in the log
     cfg = _file_config(path, heldout_fraction=0.0, heldout_count=5, split_seed=7, exclude_file=str(excl))
-    train, held = inputs.build_tasks(cfg)
+    train, held = _build_tasks(cfg)
     ids = [t.task_id for t in train + held]
     assert len(held) == 5 and len(train) == 13 and "q3" not in ids and "q4" not in ids
-    assert [t.task_id for t in inputs.build_tasks(cfg)[1]] == [t.task_id for t in held]  # recorded seed
+    assert [t.task_id for t in _build_tasks(cfg)[1]] == [t.task_id for t in held]  # recorded seed
     cfg.data.split_seed = 8
-    assert [t.task_id for t in inputs.build_tasks(cfg)[1]] != [t.task_id for t in held]
+    assert [t.task_id for t in _build_tasks(cfg)[1]] != [t.task_id for t in held]
     cfg.data.split_seed = 7
     out = tmp_path / "run"
     out.mkdir()
-    with open(inputs.write_split(str(out), train, held, cfg)) as f:
+    with open(inputs.write_split(str(out), train, held, GRPOConfig.parse(cfg))) as f:
         rec = json.load(f)
     assert rec["heldout"] == [t.task_id for t in held]
     assert rec["split"] == {"rule": "seeded_draw", "heldout_count": 5, "split_seed": 7,
                             "exclude_file": str(excl), "excluded": ["q3", "q4", "q99"]}
     with pytest.raises(ConfigError, match=r"config\.data\.heldout_count: 18 leaves no training task"):
-        inputs.build_tasks(_file_config(path, heldout_fraction=0.0, heldout_count=18, exclude_file=str(excl)))
+        _build_tasks(_file_config(path, heldout_fraction=0.0, heldout_count=18, exclude_file=str(excl)))
     paper = grpo.get_config("qwen3_5_4b").data
     assert (paper.heldout_count, paper.split_seed, paper.exclude_file) == (50, 0, "")
 
@@ -94,7 +99,7 @@ def test_split_file_id_not_in_the_data_names_file_and_id(tmp_path):
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"heldout": ["q1", "q99"]}))
     with pytest.raises(ConfigError, match=rf"config\.data\.split_file: {split}: task id 'q99' is not in"):
-        inputs.build_tasks(_file_config(path, split_file=str(split)))
+        _build_tasks(_file_config(path, split_file=str(split)))
     # the eval side reads task-id files with the same reader
     assert data.read_task_ids(split) == (None, ["q1", "q99"])
 
@@ -106,13 +111,13 @@ def test_max_docs_caps_the_browsecomp_plus_corpora(tmp_path):
              "negative_docs": [{"docid": f"n{i}-{k}", "text": f"neg {k}"} for k in range(70)]}
             for i in range(3)]
     path = _write_jsonl(tmp_path / "bcp.jsonl", rows)
-    full, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0))
+    full, _ = _build_tasks(_file_config(path, heldout_fraction=0.0))
     assert [len(t.documents) for t in full] == [73, 73, 73]
-    capped, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    capped, _ = _build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
     assert [len(t.documents) for t in capped] == [50, 50, 50]
     for i, t in enumerate(capped):  # every support document kept
         assert {f"g{i}", f"e{i}-0", f"e{i}-1"} <= {d.doc_id for d in t.documents}
-    again, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
+    again, _ = _build_tasks(_file_config(path, heldout_fraction=0.0, max_docs=50))
     assert [[d.doc_id for d in t.documents] for t in again] == [
         [d.doc_id for d in t.documents] for t in capped]
 
@@ -127,7 +132,7 @@ def test_reuse_questions_load_per_corpus(tmp_path):
         {"task_id": "q2",
          "reuse_questions": [{"question_id": "q2/r0", "question": "c?", "gold_answer": "C"}]},
     ])
-    tasks, _ = inputs.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=reuse))
+    tasks, _ = _build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=reuse))
     by_id = {t.task_id: t for t in tasks}
     assert [q.question_id for q in by_id["q0"].reuse_questions] == ["q0/r0", "q0/r1"]
     assert by_id["q0"].reuse_questions[0].meta["estimated_difficulty"] == 2
@@ -137,7 +142,7 @@ def test_reuse_questions_load_per_corpus(tmp_path):
     bad = _write_jsonl(tmp_path / "bad.jsonl", [
         {"task_id": "q7", "reuse_questions": [{"question_id": "r", "question": "?", "gold_answer": "x"}]}])
     with pytest.raises(ConfigError, match=rf"config\.data\.reuse_questions: {bad}:1: task id 'q7' is not"):
-        inputs.build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=bad))
+        _build_tasks(_file_config(path, heldout_fraction=0.0, reuse_questions=bad))
 
 
 def _bright(root: pathlib.Path, domains: dict[str, int]) -> str:
@@ -153,11 +158,11 @@ def _bright(root: pathlib.Path, domains: dict[str, int]) -> str:
 
 def test_bright_samples_n_questions_per_domain_deterministically(tmp_path):
     root = _bright(tmp_path / "bright", {"aops": 80, "biology": 120, "stackoverflow": 30})
-    everything, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0))
+    everything, _ = _build_tasks(_file_config(root, heldout_fraction=0.0))
     assert [len(t.questions) for t in everything] == [80, 120, 30]
 
     def sample(seed: int) -> dict[str, list[str]]:
-        tasks, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50,
+        tasks, _ = _build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50,
                                                  sample_seed=seed))
         return {t.task_id: [q.question_id for q in t.questions] for t in tasks}
 
@@ -182,7 +187,7 @@ def test_eval_bright_preset_samples_the_same_questions(tmp_path):
     c.tasks = root
     plan = types.SimpleNamespace(config=c, settings=cli.EvalConfig.parse(c), run_dir="", run_cfg=None)
     tasks, _ = cli.heldout_tasks(plan)
-    train, _ = inputs.build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
+    train, _ = _build_tasks(_file_config(root, heldout_fraction=0.0, questions_per_domain=50))
     assert [len(t.questions) for t in tasks] == [50, 50]
     assert [[q.question_id for q in t.questions] for t in tasks] == [
         [q.question_id for q in t.questions] for t in train]

@@ -15,6 +15,7 @@ from flax import nnx
 from configs import grpo
 from librarian_jax import cluster, models, training
 from librarian_jax import config_validation as cv
+from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import train_step
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3_5_tokenizer_config.json"
@@ -33,12 +34,12 @@ def paper_config(tmp_path):
 
 def test_paper_preset_roles_budgets_and_reward(tmp_path):
     c = paper_config(tmp_path)
-    cv.validate(c, 8)
-    roles = cv.resolve_roles(c)
+    settings = cv.validate(c, 8)
+    roles = cv.resolve_roles(settings)
     assert roles["answerer"]["weights"] == "policy" and roles["answerer"]["max_seq_len"] >= 32768
     assert len({roles[r]["weights"] for r in ("executor", "compaction", "judge")}) == 1  # one shared engine
     assert not any(d["thinking"] for d in roles.values())
-    table = training.describe(c)
+    table = training.describe(settings)
     assert "roles (which model serves which role)" in table
     for role in ("builder", "answerer", "executor", "compaction", "judge"):
         assert re.search(rf"^{role}\s", table, re.M), role
@@ -60,13 +61,14 @@ def test_roles_naming_the_same_weights_share_one_engine():
     c = grpo.get_config()
     c.rollout.update(frozen_slots=2, max_seq_len=256)
     c.roles.executor.update(init="random", preset="tiny", slots=3)
-    roles = cv.resolve_roles(c)
+    settings = GRPOConfig.parse(c)
+    roles = cv.resolve_roles(settings)
     base = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0))
 
     class Tok:
         vocab_size = 100
 
-    engines = cluster.build_role_engines(c, None, base, Tok(), roles)
+    engines = cluster.build_role_engines(settings, None, base, Tok(), roles)
     assert engines["answerer"] is engines["compaction"] is engines["judge"]
     assert engines["executor"] is not engines["answerer"] and engines["executor"].num_slots == 3
 

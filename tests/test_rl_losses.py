@@ -214,24 +214,36 @@ def test_optimizer_direction_times_host_lr_equals_optax_adamw_schedule():
     assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1e-2)
 
 
-def test_a_segment_derives_from_a_builder_sessions_record_only():
-    """`Segment.from_record`: a builder session's record (sampled ids tagged with their turn) becomes a
-    segment array for array; an answerer's (sampled ids tagged -1, as the engine records any role's turn)
-    is refused, naming the invariant."""
+def test_a_sessions_record_is_a_segment_and_trains_only_as_a_builders():
+    """One session-array type: any session's record is a `Segment`; `for_training` passes a builder's (every
+    sampled id tagged with its turn) as it is and refuses an answerer's (sampled ids tagged -1, as the engine
+    records any role's turn), naming the invariant, as do the episode records and the rows that rl reads."""
     from librarian_jax.engine.session import TokenRecord
+    from librarian_jax.rollout import EpisodeRecord
     from librarian_jax.segment import Segment
 
     builder = TokenRecord([5, 6])
     builder.extend([7, 8], [-0.5, -0.25], tag=0)
-    builder.extend([9])  # an observation
+    builder.extend([9], tag=3)  # an observation: never tagged
     builder.extend([10], [-1.0], tag=1)
-    rec = builder.record()
-    seg = Segment.from_record(rec)
-    np.testing.assert_array_equal(seg.tokens, rec.tokens)
-    np.testing.assert_array_equal(seg.logprobs, rec.logprobs)
-    np.testing.assert_array_equal(seg.loss_mask, rec.loss_mask)
+    seg = builder.record()
+    assert isinstance(seg, Segment) and seg.for_training() is seg
+    np.testing.assert_array_equal(seg.tokens, [5, 6, 7, 8, 9, 10])
+    np.testing.assert_array_equal(seg.logprobs, [0, 0, -0.5, -0.25, 0, -1.0])
+    np.testing.assert_array_equal(seg.loss_mask, [0, 0, 1, 1, 0, 1])
     np.testing.assert_array_equal(seg.turn_index, [-1, -1, 0, 0, -1, 1])
+    np.testing.assert_array_equal(builder.record(2).tokens, [7, 8, 9, 10])  # a turn's slice, same type
     answerer = TokenRecord([5, 6])
     answerer.extend([7], [-0.5])  # untagged: -1
-    with pytest.raises(ValueError, match="turn_index must be >= 0 exactly where loss_mask is 1"):
-        Segment.from_record(answerer.record())
+    rec = answerer.record()  # a valid record of any role
+    invariant = "turn_index must be >= 0 exactly where loss_mask is 1"
+    with pytest.raises(ValueError, match=invariant):
+        rec.for_training()
+    ep = EpisodeRecord("t", 0, 0, [rec], turn_rewards=[1.0], terminal_reward=0.0, total_reward=1.0,
+                       num_turns=1, tool_calls=[[]], tool_errors=[[]], replies=[""])
+    with pytest.raises(ValueError, match=invariant):
+        EpisodeRecord.from_dict(ep.to_dict())
+    with pytest.raises(ValueError, match=rf"episode 0 \(task t\) segment 0: .*{invariant}"):
+        rows_lib.build_rows([ep, dataclasses.replace(ep, episode_index=1)], rows_lib.RowsConfig())
+    with pytest.raises(ValueError, match="turn_index must be -1 on tokens that were not sampled"):
+        Segment(seg.tokens, seg.logprobs, seg.loss_mask, np.zeros(6, np.int32))

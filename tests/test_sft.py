@@ -177,7 +177,7 @@ def test_sft_learns_resumes_and_is_a_grpo_start(tmp_path):
     c.model.update(init="orbax", path=os.path.join(work, "checkpoints"))
     tok_dir = os.path.join(work, "tokenizer")
     tok = load_tokenizer(os.path.join(tok_dir, sorted(os.listdir(tok_dir))[0]))
-    restored = nnx.state(cluster.initial_model(c, None, tok), nnx.Param)
+    restored = nnx.state(cluster.initial_model(supervised.validate(c), None, tok), nnx.Param)
     init = nnx.state(models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0)), nnx.Param)
     diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(init), strict=True)]
@@ -191,7 +191,7 @@ def test_warm_start_tokenizer_and_demonstrations_do_not_depend_on_the_runs_tasks
     for i, (num_tasks, heldout) in enumerate(((4, 0.25), (9, 0.5))):
         c = _sft_config(str(tmp_path / f"w{i}"), 1)
         c.data.update(num_tasks=num_tasks, heldout_fraction=heldout)
-        convs, tok = supervised.embedded_demonstrations(c)
+        convs, tok = supervised.embedded_demonstrations(supervised.validate(c))
         out.append((os.path.basename(tok.path), [cv["messages"] for cv in convs]))
     assert out[0] == out[1]
 

@@ -347,18 +347,20 @@ def test_bench_update_scripted_measures_stale_rebuild_and_updated(tmp_path):
 def test_update_tasks_mix_into_training_and_run_as_update_episodes():
     from configs import grpo
     from librarian_jax import inputs
+    from librarian_jax.config_schema import GRPOConfig
     from librarian_jax.data.pipeline import TaskPipeline
 
     cfg = grpo.get_config()
     cfg.data.update(num_tasks=16, update_fraction=0.5)
-    train, _ = inputs.build_tasks(cfg)
-    mixed = inputs.update_tasks(train, cfg)
+    settings = GRPOConfig.parse(cfg)
+    train, _ = inputs.build_tasks(settings)
+    mixed = inputs.update_tasks(train, settings)
     ups = [t for t in mixed if UPDATE_META in t.meta]
     assert 0 < len(ups) < len(mixed) and all(t.task_id.endswith("~m0") for t in ups)
     assert [t.task_id for t in mixed if UPDATE_META not in t.meta] == [
         t.task_id for t in train if t.task_id + "~m0" not in {u.task_id for u in ups}]
     cfg.data.update_fraction = 0.0
-    assert inputs.update_tasks(train, cfg) == train
+    assert inputs.update_tasks(train, GRPOConfig.parse(cfg)) == train
     start = ups[0].meta[UPDATE_META]
     assert start.stale and start.max_turns == cfg.rollout.builder.max_turns
     assert sorted(d.doc_id for d in start.workspace.raw_docs) == sorted(d.doc_id for d in ups[0].documents)

@@ -15,8 +15,9 @@ shares the engines' decode loops. A test double engine with the same session API
 the real path always uses `librarian_jax.engine.Engine`.
 
 `SessionLog` is an agent's handle on one engine session. It keeps no copy of the tokens: the session's record
-(`engine.session.TokenRecord`: ids, sampler log-probs, loss mask, a tag per token) is the only one, the turn
-index rides in as the tag of each sampled id, and a training `Segment` is that record as it stands.
+(`engine.session.TokenRecord`: ids, sampler log-probs, loss mask, a turn index per token) is the only one, the
+builder's turn index rides in as the tag of each sampled id, and a training `Segment` is that record as it
+stands (`session.record()` is a `Segment`, checked as a builder's by `Segment.for_training`).
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class SessionLog:
         return close
 
     def segment(self) -> Segment:
-        """The session's record as a training segment (turn index = the tag of each sampled id)."""
-        return Segment.from_record(self.session.record())
+        """A builder session's record as a training segment (turn index = the tag of each sampled id); a
+        sampled id without a turn raises ValueError (`Segment.for_training`)."""
+        return self.session.record().for_training()
 
     def close(self) -> None:
         if not self.closed:

@@ -169,10 +169,11 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
         cfg.rollout.builder.max_turns = build_max_turns
     if answerer_max_turns:
         cfg.rollout.answerer.max_turns = answerer_max_turns
-    train, held = inputs.build_tasks(cfg)
-    tok = inputs.build_tokenizer(cfg, train + held)
+    settings = config_validation.validate(cfg)
+    train, held = inputs.build_tasks(settings)
+    tok = inputs.build_tokenizer(settings, train + held)
     template = tokenizers.chat_template(tok)
-    rollout = eval_config(config_validation.rollout_config(cfg))
+    rollout = eval_config(settings.rollout.config)
     rollout = dataclasses.replace(rollout, terminal_questions="hidden")
     engine = ScriptedEngine(tok, scripted_policy(style, rollout.builder.max_turns),
                             end_id=template.stop_ids[0])
@@ -188,8 +189,8 @@ def run_setup(run: str, step: int = -1) -> Setup:
     eval_cfg.run, eval_cfg.step, eval_cfg.methods = run, step, "trained"
     plan = cli.plan_eval(eval_cfg)
     held, _ = cli.heldout_tasks(plan)
-    c = plan.config
-    mesh = cluster.local_mesh(c)
+    c = plan.settings
+    mesh = cluster.local_mesh(c.mesh)
     from_run = restore.run_tokenizer(plan.run_cfg, plan.run_dir, held)
     models = cli.Models(plan.run_cfg, c, mesh, from_run)
     models.set_policy(models.builder("trained", plan))

@@ -9,7 +9,7 @@ multi-turn ``Session``s), ``SamplingParams``, ``make_mesh``.
 from librarian_jax.engine.engine import DEFAULT_PREFILL_BUCKETS, Engine, StepStats, generate
 from librarian_jax.engine.mesh import MESH_AXES, make_mesh, resolve_mesh_shape
 from librarian_jax.engine.sampling import GREEDY, SamplingParams, sample
-from librarian_jax.engine.session import Request, Session, SessionRecord, TurnResult
+from librarian_jax.engine.session import Request, Session, TurnResult
 
 __all__ = [
     "DEFAULT_PREFILL_BUCKETS",
@@ -19,7 +19,6 @@ __all__ = [
     "Request",
     "SamplingParams",
     "Session",
-    "SessionRecord",
     "StepStats",
     "TurnResult",
     "generate",

@@ -1,12 +1,13 @@
 """Sessions: one multi-turn token record per conversation; the engine that serves it owns everything else.
 
 A session's record is every token it has seen, in order: the prompt, then for each turn the sampled tokens
-(loss mask 1, with their log-probs) and any appended observation tokens (loss mask 0), each with an optional
-integer *tag* (e.g. the builder turn that sampled it; -1 when untagged). It is the single copy of a session's
-tokens: turn results are slices of it, a session evicted from its slot is re-prefilled from exactly these ids,
-and training segments are built from it. The engine keeps the slot, the cached length and the turn in flight
-(``Engine`` bookkeeping); ``Session`` holds only the record and forwards ``append``/``submit``/``close`` to
-its engine's public methods.
+(loss mask 1, with their log-probs) and any appended observation tokens (loss mask 0), each sampled token with
+the turn index its turn was submitted with (`tag`: the builder's turn; -1 when untagged, and on every
+observation). It is the single copy of a session's tokens: turn results are slices of it, a session evicted
+from its slot is re-prefilled from exactly these ids, and a builder's training segments are it as it stands
+(`record()` returns a `segment.Segment`, the one session-array type). The engine keeps the slot, the cached
+length and the turn in flight (``Engine`` bookkeeping); ``Session`` holds only the record and forwards
+``append``/``submit``/``close`` to its engine's public methods.
 """
 
 from __future__ import annotations
@@ -18,31 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
+from librarian_jax.segment import Segment
 
 if TYPE_CHECKING:
     from librarian_jax.engine.engine import Engine
 
 
-@dataclasses.dataclass(frozen=True)
-class SessionRecord:
-    """A session's record (or its tail from some position), as arrays.
-
-    Attributes:
-      tokens: int32 ``[L]``, every token in order.
-      logprobs: float32 ``[L]``, log-prob of each sampled token under ``log_softmax(logits / T)`` over the
-        full vocabulary (``T = 1`` for greedy turns); 0 on prompt/observation tokens.
-      loss_mask: float32 ``[L]``, 1 exactly on sampled tokens.
-      tags: int32 ``[L]``, the tag each token was written with (-1 when untagged).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    loss_mask: np.ndarray
-    tags: np.ndarray
-
-
 class TokenRecord:
-    """Every token of one conversation in order, with log-prob, sampled flag and tag per token.
+    """Every token of one conversation in order, with log-prob, sampled flag and turn index per token.
 
     The one implementation of a session's record, shared by ``Session`` and test/scripted doubles.
     """
@@ -77,14 +61,15 @@ class TokenRecord:
         return sum(self._sampled)
 
     def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, tag: int = -1) -> None:
-        """Adds tokens at the end: sampled ones (``logprobs`` given, loss mask 1) or host-written ones (loss
-        mask 0, log-prob 0). Only the owner of the session's lifecycle (its engine) calls this; agents use
-        ``append``, which checks that no turn is in flight."""
+        """Adds tokens at the end: sampled ones (``logprobs`` given, loss mask 1, turn index ``tag``) or
+        host-written ones (loss mask 0, log-prob 0, turn index -1). Only the owner of the session's lifecycle
+        (its engine) calls this; agents use ``append``, which checks that no turn is in flight."""
         new = [int(t) for t in ids]
         self._tokens.extend(new)
         if logprobs is None:
             self._logprobs.extend([0.0] * len(new))
             self._sampled.extend([False] * len(new))
+            tag = -1
         else:
             lps = [float(x) for x in logprobs]
             if len(lps) != len(new):
@@ -93,13 +78,15 @@ class TokenRecord:
             self._sampled.extend([True] * len(new))
         self._tags.extend([int(tag)] * len(new))
 
-    def record(self, start: int = 0) -> SessionRecord:
-        """The record from position ``start`` on (the whole session by default) as arrays."""
-        return SessionRecord(
+    def record(self, start: int = 0) -> Segment:
+        """The record from position ``start`` on (the whole session by default) as a ``Segment``: tokens;
+        log-probs of sampled tokens under ``log_softmax(logits / T)`` over the full vocabulary (``T = 1`` for
+        greedy turns), 0 elsewhere; loss mask 1 exactly on sampled tokens; each token's turn index."""
+        return Segment(
             tokens=np.asarray(self._tokens[start:], np.int32),
             logprobs=np.asarray(self._logprobs[start:], np.float32),
             loss_mask=np.asarray(self._sampled[start:], np.float32),
-            tags=np.asarray(self._tags[start:], np.int32),
+            turn_index=np.asarray(self._tags[start:], np.int32),
         )
 
 
@@ -111,7 +98,7 @@ class TurnResult:
       session: the session it belongs to.
       tokens: the sampled ids of this turn, the stop token included when ``status == "stop"`` (a slice of
         the session's record).
-      logprobs: float32 ``[len(tokens)]`` full-distribution log-probs (see ``SessionRecord``).
+      logprobs: float32 ``[len(tokens)]`` full-distribution log-probs (see ``TokenRecord.record``).
       status: ``"stop"`` (a stop id was sampled), ``"length"`` (the turn's ``max_new_tokens`` were used up) or
         ``"cache_full"`` (the session reached the engine's ``max_seq_len``; it cannot continue).
       processed_logprobs: float32 ``[len(tokens)]`` log-probs under the truncated (top-k / top-p) distribution

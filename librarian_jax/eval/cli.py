@@ -5,7 +5,9 @@
     run_build(config)      one workspace over a user's folder, exported as a plain directory tree
 
 Every check of the config, the run directory and its checkpoints happens before any model is loaded; each
-bad input is one `ConfigError("config.<key>: ...")` naming the key and the path.
+bad input is one `ConfigError("config.<key>: ...")` naming the key and the path. After `plan_eval` /
+`plan_build` only typed configs are read: the evaluation's own (`Plan.settings`) and the run's recorded one
+(`Plan.run_cfg`, read through its schema), with this evaluation's overrides (`protocol_config`).
 
 Multi-process: `run_eval`/`evaluate_run` split the held-out corpora over the processes and gather the records
 (`execute`); `run_build` builds its one workspace on every process (`run_build`).
@@ -28,7 +30,6 @@ from flax import nnx
 
 from librarian_jax import (
     cluster,
-    config_schema,
     config_validation,
     data,
     distributed,
@@ -38,10 +39,20 @@ from librarian_jax import (
     tokenizers,
 )
 from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
-from librarian_jax.config_schema import EVAL_METHODS, BuildConfig, ConfigError, EvalConfig
+from librarian_jax.config_schema import (
+    EVAL_METHODS,
+    RUN_SCHEMAS,
+    BuildConfig,
+    ConfigError,
+    EvalConfig,
+    GRPOConfig,
+    RunConfig,
+    require_typed,
+)
 from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
+from librarian_jax.models.placement import placed_copy
 from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
@@ -94,15 +105,14 @@ def method_label(method: str) -> str:
 @dataclasses.dataclass
 class Plan:
     """What a validated eval config will do (no model loaded yet): `settings` is the validated, typed config
-    (`config_schema.EvalConfig`, what evaluation reads); `config` the ConfigDict it was parsed from."""
+    (`config_schema.EvalConfig`, all evaluation reads of it); `run_cfg` the run's recorded config, typed."""
 
-    config: Any
     run_dir: str
-    run_cfg: Any
+    run_cfg: RunConfig
     step: int
     step_dir: str
     methods: list[str]
-    extra_runs: dict[str, tuple[Any, str, int]]  # label -> (run config, step dir, step)
+    extra_runs: dict[str, tuple[RunConfig, str, int]]  # label -> (run config, step dir, step)
     out_dir: str
     pass_k: list[int]
     cost_qs: list[int]
@@ -117,14 +127,18 @@ def _check_builder(c: Any) -> None:
         raise _err("builder", f"{b[3:]!r} is not a Hugging Face model folder (no config.json)")
 
 
-def _no_run_config(c: Any) -> Any:
+def _no_run_config(c: EvalConfig) -> GRPOConfig:
+    """Without a run: the `train_preset` of configs/grpo.py with the `builder=hf:` model as its policy."""
     grpo = importlib.import_module("configs.grpo")
     try:
         cfg = grpo.get_config(c.train_preset)
     except ValueError as e:
         raise _err("train_preset", str(e)) from None
     cfg.model.update(init="hf", path=c.builder[3:], lora_rank=0)
-    return cfg
+    try:
+        return GRPOConfig.parse(cfg)
+    except ConfigError as e:
+        raise _err("train_preset", str(e)) from None
 
 
 def plan_eval(config: Any) -> Plan:
@@ -188,7 +202,6 @@ def plan_eval(config: Any) -> Plan:
         raise _err("out", "required without config.run")
     restore.check_output_dir(out_dir, "out" if c.out else "run")  # writable, with free space: before any work
     return Plan(
-        config,
         run_dir,
         run_cfg,
         step,
@@ -261,37 +274,45 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
 _ROLE_OVERRIDES = ("init", "path", "preset", "dtype", "slots", "max_seq_len", "mesh", "template")
 
 
-def protocol_config(run_cfg: Any, eval_cfg: Any) -> tuple[Any, list[str]]:
+def protocol_config(run_cfg: RunConfig, eval_cfg: EvalConfig) -> tuple[RunConfig, list[str]]:
     """The run's config with this evaluation's explicit protocol overrides applied (`roles.<role>.<key>`,
     `answerer.kind` / `answerer.temperature`, `engine.frozen_slots` / `round_steps`), and the overridden keys.
-    Every role is the run's own unless asked for here; the report marks each difference."""
-    cfg = ml_collections.ConfigDict(run_cfg.to_dict())
+    Every role is the run's own unless asked for here; the report marks each difference. Both typed (a run
+    from before roles reads back with every frozen role on the run's initial weights)."""
+    require_typed(run_cfg, RUN_SCHEMAS, "eval.cli.protocol_config")
+    require_typed(eval_cfg, EvalConfig, "eval.cli.protocol_config")
     asked: list[str] = []
-    if "roles" not in cfg:  # a run from before roles: every frozen role on the run's initial weights
-        cfg.roles = config_schema.RolesSection().to_config_dict()
+    roles = {}
     for role in FROZEN_ROLES:
         over = getattr(eval_cfg.roles, role)
+        changes: dict[str, Any] = {}
         for key in _ROLE_OVERRIDES:
             value = getattr(over, key)
             if value not in ("", 0):
-                cfg.roles[role][key] = value
+                changes[key] = value
                 asked.append(f"roles.{role}.{key}")
         if over.thinking >= 0:
-            cfg.roles[role].thinking = bool(over.thinking)
+            changes["thinking"] = bool(over.thinking)
             asked.append(f"roles.{role}.thinking")
-    a = eval_cfg.answerer
+        roles[role] = dataclasses.replace(getattr(run_cfg.roles, role), **changes)
+    rc = run_cfg.rollout.config
+    a, answerer = eval_cfg.answerer, {}
     if a.kind:
-        cfg.rollout.answerer.kind = a.kind
+        answerer["kind"] = a.kind
         asked.append("answerer.kind")
     if a.temperature >= 0:
-        cfg.rollout.answerer.temperature = float(a.temperature)
+        answerer["temperature"] = float(a.temperature)
         asked.append("answerer.temperature")
-    e = eval_cfg.engine
-    for key, target in (("frozen_slots", "frozen_slots"), ("round_steps", "round_steps")):
-        if getattr(e, key):
-            cfg.rollout[target] = int(getattr(e, key))
+    engine = {}
+    for key in ("frozen_slots", "round_steps"):
+        if getattr(eval_cfg.engine, key):
+            engine[key] = int(getattr(eval_cfg.engine, key))
             asked.append(f"engine.{key}")
-    cfg.rollout.builder.temperature = float(eval_cfg.builder_temperature)
+    rc = dataclasses.replace(rc, answerer=dataclasses.replace(rc.answerer, **answerer),
+                             builder=dataclasses.replace(rc.builder,
+                                                         temperature=float(eval_cfg.builder_temperature)))
+    rollout = dataclasses.replace(run_cfg.rollout, config=rc, **engine)
+    cfg = dataclasses.replace(run_cfg, roles=dataclasses.replace(run_cfg.roles, **roles), rollout=rollout)
     return cfg, asked
 
 
@@ -301,7 +322,7 @@ class Models:
     `cluster.role_templates`), with this evaluation's explicit overrides (`protocol_config`). The builder's
     engine swaps weights per method (full params share one engine, their weights `update_params`)."""
 
-    def __init__(self, run_cfg: Any, eval_cfg: Any, mesh: Any, tokenizer: Any):
+    def __init__(self, run_cfg: RunConfig, eval_cfg: EvalConfig, mesh: Any, tokenizer: Any):
         self.run_cfg, self.mesh, self.tokenizer = run_cfg, mesh, tokenizer
         self.config, self.overrides = protocol_config(run_cfg, eval_cfg)
         e, r = eval_cfg.engine, self.config.rollout
@@ -309,7 +330,7 @@ class Models:
                       "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
         self.roles = config_validation.resolve_roles(self.config)
         self.templates = cluster.role_templates(self.config, tokenizer, self.roles)
-        self.base = restore.shard_model(restore.base_model(run_cfg, mesh, tokenizer), mesh)
+        self.base = placed_copy(restore.base_model(run_cfg, mesh, tokenizer), mesh)
         self.policy_model: Any = None
         self._engines: dict[str, Any] = {}
 
@@ -330,7 +351,7 @@ class Models:
         r = self.config.rollout
         self._engines[POLICY] = Engine(model, self.sizes["slots"], self.sizes["max_seq_len"], self.mesh,
                                        round_steps=r.round_steps,
-                                       scan_layers=bool(r.get("scan_layers", False)))
+                                       scan_layers=r.scan_layers)
 
     def engines(self) -> dict[str, Any]:
         """Every role's engine (the frozen roles' built on first use; roles of the same weights share one)."""
@@ -400,7 +421,7 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 
 def _rollout_config(plan: Plan, models_: Models) -> Any:
     """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
-    return rjobs.eval_config(config_validation.rollout_config(models_.config),
+    return rjobs.eval_config(models_.config.rollout.config,
                                         builder_temperature=plan.settings.builder_temperature,
                                         answer_temperature=plan.settings.answer_temperature)
 
@@ -428,7 +449,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         part.stop,
         len(tasks),
     )
-    mesh = cluster.local_mesh(c)  # multi-process: this process's devices (engines are local)
+    mesh = cluster.local_mesh(c.mesh)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
         if plan.run_dir
@@ -642,11 +663,11 @@ def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------- build
 
 
-def plan_build(config: Any) -> tuple[Plan, Any]:
+def plan_build(config: Any) -> tuple[Plan, Any, BuildConfig]:
     """Validates a build config (every key: `config_schema.BuildConfig`; folder, output, run, checkpoint);
-    returns (plan, the folder's task). The plan's config is an eval config of the build's shared keys."""
-    c = config
-    BuildConfig.parse(c)
+    returns (plan, the folder's task, the build config typed). The plan's settings are an eval config of the
+    build's shared keys."""
+    c = BuildConfig.parse(config)
     path = c.data.path
     if not path:
         raise _err("data.path", "required: a folder of .txt/.md files")
@@ -672,9 +693,9 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
             load_export(c.update_from)
         except ExportError as e:
             raise _err("update_from", str(e)) from None
-    e = EvalConfig().to_config_dict()
-    for k in sorted((set(e) & set(c)) - {"command"}):  # run, step, builder, out, seed, engine, mesh, ...
-        e[k] = c[k]
+    e = EvalConfig().to_dict()
+    b = c.to_dict()
+    e.update({k: b[k] for k in sorted((set(e) & set(b)) - {"command"})})  # run, step, builder, out, seed, ...
     e.update(
         methods="trained",
         name="build",
@@ -685,7 +706,7 @@ def plan_build(config: Any) -> tuple[Plan, Any]:
         pass_k="1",
         cost_qs="1",
     )
-    return plan_eval(e), task
+    return plan_eval(e), task, c
 
 
 def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
@@ -701,8 +722,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
-    plan, task = plan_build(config)
-    b = BuildConfig.parse(config)  # the build's own keys, typed (`plan.settings`: the eval keys it shares)
+    plan, task, b = plan_build(config)  # `b`: the build's own keys; `plan.settings`: the eval keys it shares
     c = plan.settings
     folder = b.data.path
     if dry_run:
@@ -713,7 +733,7 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         )
         return None
     t0 = time.perf_counter()
-    mesh = cluster.local_mesh(c)  # multi-process: this process's devices (engines are local)
+    mesh = cluster.local_mesh(c.mesh)  # multi-process: this process's devices (engines are local)
     tokenizer = (
         restore.run_tokenizer(plan.run_cfg, plan.run_dir, [task])
         if plan.run_dir

@@ -1,6 +1,6 @@
 """A training run's builder, restored from its Orbax checkpoints onto the mesh of *this* process.
 
-    run_cfg = load_run_config(run_dir)                       # the run's own config.json
+    run_cfg = load_run_config(run_dir)                       # the run's own config.json, typed
     step, step_dir = select_step(run_dir, step=None)         # newest committed step (or the one asked for)
     check_checkpoint(step_dir, run_cfg)                      # shapes vs the run's preset / LoRA rank
     model = restore_builder(run_cfg, step_dir, mesh, tok)    # full params, or LoRA params on the base
@@ -15,6 +15,7 @@ no gather to one host), so a run trained on a (8, 1, 1) mesh restores onto (2, 4
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,11 +23,11 @@ import tempfile
 from typing import Any
 
 import jax
-import ml_collections
 from absl import logging
 from flax import nnx
 
 from librarian_jax import checkpoint, cluster, inputs, models, storage, tokenizers
+from librarian_jax.config_schema import RUN_SCHEMAS, RunConfig, require_typed, schema_for
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.models.placement import placed_copy
 from librarian_jax.rl.train_step import apply_lora
@@ -38,17 +39,28 @@ def _err(key: str, msg: str) -> ConfigError:
     return ConfigError(f"config.{key}: {msg}")
 
 
-def load_run_config(run_dir: str, key: str = "run") -> ml_collections.ConfigDict:
-    """The config a training run recorded in `run_dir/config.json`."""
+def load_run_config(run_dir: str, key: str = "run") -> RunConfig:
+    """The config a training run recorded in `run_dir/config.json`, read through its schema (`GRPOConfig`,
+    or `SFTConfig` for an SFT run; keys it leaves out take their defaults): typed and checked, or a
+    ConfigError naming the file and the bad key."""
     path = storage.join(run_dir, "config.json")
     if not storage.isdir(run_dir):
         raise _err(key, f"training workdir {run_dir!r} does not exist")
     if not storage.isfile(path):
         raise _err(key, f"{path!r} is missing: not a training workdir (main writes config.json at start)")
     try:
-        return ml_collections.ConfigDict(json.loads(storage.read_text(path)))
+        recorded = json.loads(storage.read_text(path))
     except (OSError, ValueError) as e:
         raise _err(key, f"{path!r} is not a readable config ({e})") from None
+    if not isinstance(recorded, dict):
+        raise _err(key, f"{path!r} is not a readable config (a JSON object expected)")
+    try:
+        schema = schema_for(recorded)
+        if schema not in RUN_SCHEMAS:
+            raise ConfigError(f"config.command: {recorded.get('command')!r} is not a training command")
+        return schema.parse(recorded)
+    except ConfigError as e:
+        raise _err(key, f"{path!r}: {e}") from None
 
 
 def committed_steps(ckpt_dir: str) -> list[int]:
@@ -133,7 +145,7 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _base_model_config(run_cfg: Any) -> Any:
+def _base_model_config(run_cfg: RunConfig) -> Any:
 
     m = run_cfg.model
     if m.init == "hf":
@@ -145,9 +157,9 @@ def _base_model_config(run_cfg: Any) -> Any:
     return models.get_preset(m.preset)
 
 
-def expected_params(run_cfg: Any) -> tuple[dict[str, tuple[int, ...]], bool]:
+def expected_params(run_cfg: RunConfig) -> tuple[dict[str, tuple[int, ...]], bool]:
     """(shape of every trainable param by path, is_lora) of the run's policy, from abstract shapes only."""
-
+    require_typed(run_cfg, RUN_SCHEMAS, "eval.restore.expected_params")
     m = run_cfg.model
     cfg = _base_model_config(run_cfg)
 
@@ -206,7 +218,7 @@ def check_output_dir(out_dir: str, key: str = "out", min_free_bytes: int | None 
                         f"({min_free_bytes / 1024**2:.0f} MiB needed)")
 
 
-def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
+def check_checkpoint(step_dir: str, run_cfg: RunConfig) -> None:
     """Raises ConfigError naming `step_dir` when its params are not the run's policy (another model preset,
     full params where LoRA was expected or the other way round, another LoRA rank)."""
     want, lora = expected_params(run_cfg)
@@ -229,20 +241,13 @@ def check_checkpoint(step_dir: str, run_cfg: Any) -> None:
             )
 
 
-def shard_model(model: nnx.Module, mesh: Any) -> nnx.Module:
-    """A copy of `model` (new Variables and arrays) placed on `mesh` with the engine's logical-axis rules
-    (`models.placement.placed_copy`); `model` itself is left as it was, so restoring a checkpoint into the
-    copy never changes it (eval's base builder and the trained one share the base's values this way)."""
-    return placed_copy(model, mesh)
-
-
-def base_model(run_cfg: Any, mesh: Any, tokenizer: Any) -> nnx.Module:
+def base_model(run_cfg: RunConfig, mesh: Any, tokenizer: Any) -> nnx.Module:
     """The run's initial weights (`model.init`/`model.path` of its config): the "base builder"."""
     return cluster.initial_model(run_cfg, mesh, tokenizer)
 
 
 def restore_builder(
-    run_cfg: Any, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None,
+    run_cfg: RunConfig, step_dir: str, mesh: Any, tokenizer: Any, base: nnx.Module | None = None,
     *, fallback: bool = True,
 ) -> nnx.Module:
     """The policy of `run_cfg` at `step_dir`, on `mesh`: the base model with the checkpoint's params (full),
@@ -251,12 +256,14 @@ def restore_builder(
     digests (`checkpoint.restore_step`, the one restore of training, SFT, eval and build): a damaged step
     falls back to the newest good older one with a warning naming both (`fallback`; a step the user asked for
     by number should pass False) or raises `checkpoint.CheckpointError` naming the step, array and reason."""
-
+    require_typed(run_cfg, RUN_SCHEMAS, "eval.restore.restore_builder")
     m = run_cfg.model
     model = base if base is not None else base_model(run_cfg, mesh, tokenizer)
     if m.lora_rank:
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=run_cfg.seed)
-    model = shard_model(model, mesh)
+    # a copy placed on `mesh` (`models.placement.placed_copy`: new Variables), so restoring into it never
+    # changes `base` (eval's base builder and the trained one share the base's values this way)
+    model = placed_copy(model, mesh)
     wrt = nnx.LoRAParam if m.lora_rank else nnx.Param
     target = nnx.state(model, wrt)
     restored, step = checkpoint.restore_params_step(step_dir, target, fallback=fallback)
@@ -271,11 +278,10 @@ def restore_builder(
     return model
 
 
-def run_tokenizer(run_cfg: Any, run_dir: str, tasks: list[Any]) -> Any:
+def run_tokenizer(run_cfg: RunConfig, run_dir: str, tasks: list[Any]) -> Any:
     """The run's tokenizer: its recorded file (`run_dir/tokenizer/*.model` when exactly one), else the one
     `inputs.build_tokenizer` gives for the run's config (HF folder / `model.tokenizer`)."""
-    cfg = ml_collections.ConfigDict(run_cfg.to_dict())
-    cfg.workdir = run_dir
+    cfg = dataclasses.replace(run_cfg, workdir=run_dir)
     if not cfg.model.tokenizer and cfg.model.init != "hf":
         tok_dir = storage.join(run_dir, "tokenizer")
         files = [storage.join(tok_dir, n) for n in storage.listdir(tok_dir) if n.endswith(".model")]

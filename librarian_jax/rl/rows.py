@@ -133,12 +133,13 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
     rows: list[tuple[int, Segment]] = []
     for i, rec in enumerate(records):
         for j, seg in enumerate(rec.segments):
-            if not isinstance(seg, Segment):
-                try:
+            try:  # a training segment: every sampled id names its builder turn (per-turn advantages)
+                if not isinstance(seg, Segment):
                     seg = Segment(seg.tokens, seg.logprobs, seg.loss_mask, seg.turn_index)
-                except ValueError as e:
-                    where = f"episode {i} (task {getattr(rec, 'task_id', '?')}) segment {j}"
-                    raise ValueError(f"{where}: {e}") from None
+                seg = seg.for_training()
+            except ValueError as e:
+                where = f"episode {i} (task {getattr(rec, 'task_id', '?')}) segment {j}"
+                raise ValueError(f"{where}: {e}") from None
             if seg.num_sampled:
                 rows.append((i, seg))
     if not rows:

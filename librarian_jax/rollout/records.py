@@ -1,8 +1,9 @@
 """Episode records: what a builder episode produced, for training (`rl/`) and for inspection (JSONL).
 
-`Segment` (the training-row contract, docs/contracts.md) lives in `librarian_jax/segment.py`, which both this
-layer and `rl/` import; it is validated once, when made. History compaction starts a new segment whose prompt
-is exactly the ids the model then saw.
+`Segment` (the training-row contract, docs/contracts.md) lives in `librarian_jax/segment.py`, which the
+engine, this layer and `rl/` import; it is validated when made, and an episode's are builder segments
+(`Segment.for_training`: every sampled id names its turn). History compaction starts a new segment whose
+prompt is exactly the ids the model then saw.
 
 `EpisodeRecord`: one builder episode: its segments, per-turn rewards (`turn_rewards[t]` for turn t: probe
 delta + malformed-call penalties, and the turn-limit penalty on the last turn), the terminal reward, the total
@@ -80,7 +81,7 @@ class EpisodeRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpisodeRecord:
         d = dict(d)
-        segs = [Segment.from_dict(s) for s in d.pop("segments", [])]
+        segs = [Segment.from_dict(s).for_training() for s in d.pop("segments", [])]
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

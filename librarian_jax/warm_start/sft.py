@@ -15,6 +15,9 @@ share (`distributed.process_slice`), which the trainer assembles into one global
 process; process 0 alone writes the config, the summary and TensorBoard. The demonstrations and the tokenizer
 are made by process 0 first, then read by the others (one shared workdir). The workdir may be `gs://...`
 (`librarian_jax.storage`).
+
+`main` validates the command's ConfigDict; everything after (`run`, `train`, the demonstrations, the warm
+start) reads only the typed `config_schema.SFTConfig` / `GRPOConfig`.
 """
 
 from __future__ import annotations
@@ -26,43 +29,41 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 from absl import logging
 
 from librarian_jax import (
     checkpoint,
     cluster,
     compile_cache,
-    config_schema,
     config_validation,
     data,
     distributed,
     inputs,
     storage,
 )
+from librarian_jax.config_schema import GRPOConfig, RunConfig, SFTConfig, require_typed
 from librarian_jax.rl import sft, train_step
 from librarian_jax.warm_start import demos
 
 
-def builder_template(config: Any, tokenizer: Any) -> Any:
+def builder_template(config: RunConfig, tokenizer: Any) -> Any:
     """The builder's chat template of the run's protocol (`cluster.role_templates`): the warm start's
     demonstrations and SFT encode with the template GRPO's policy engine samples with."""
     return cluster.role_templates(config, tokenizer)["policy"]
 
 
-def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], config: Any, *,
-          workdir: str, mesh: Any = None, template: Any = None,
-          settings: config_schema.SFTConfig | None = None) -> dict[str, Any]:
-    """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `config` (the
-    `configs/sft.py` ConfigDict; what the loop reads, `train`, `data.packing`, `checkpoint` and `seed`, from
-    its validated, typed form `settings`, parsed here when not given), each encoded with `template`
-    (default: the builder's, `cluster.role_templates`: the template GRPO samples with). Checkpoints go to
-    `workdir/checkpoints`; resumes from the newest good one. Returns a summary (losses, times, steps)."""
+def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]], settings: SFTConfig, *,
+          workdir: str, mesh: Any = None, template: Any = None) -> dict[str, Any]:
+    """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `settings` (the
+    validated `configs/sft.py` config: the loop reads `train`, `data.packing`, `checkpoint` and `seed`), each
+    encoded with `template` (default: the builder's, `cluster.role_templates`: the template GRPO samples
+    with). Checkpoints go to `workdir/checkpoints`; resumes from the newest good one. Returns a summary
+    (losses, times, steps)."""
+    require_typed(settings, SFTConfig, "warm_start.sft.train")
     t_start = time.perf_counter()
     compiled_before = compile_cache.CompileClock.get().totals()
-    settings = settings or config_schema.SFTConfig.parse(config)
     t, c = settings.train, settings.checkpoint
-    template = template or builder_template(config, tokenizer)
+    template = template or builder_template(settings, tokenizer)
     examples = [sft.encode_conversation(c_["messages"], template, tokenizer) for c_ in conversations]
     tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, settings.data.packing)
     logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
@@ -139,41 +140,51 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     return summary
 
 
-def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
-    """The `configs/sft.py` command: validate, build data / tokenizer / mesh / model, train."""
-    settings = validate(config)
+def describe(settings: SFTConfig) -> str:
     m, t = settings.model, settings.train
-    desc = (f"SFT: model {m.preset} ({m.init}) on {settings.data.path or 'embedded demonstrations'}; "
+    return (f"SFT: model {m.preset} ({m.init}) on {settings.data.path or 'embedded demonstrations'}; "
             f"{t.num_steps} steps of {t.batch_rows} rows, lr {t.learning_rate}; workdir {settings.workdir}")
+
+
+def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
+    """The `configs/sft.py` command: validate, then `run` (or with `dry_run` say what would run)."""
+    settings = validate(config)
     if dry_run:
-        print(desc)  # noqa: T201 - the CLI's answer
+        print(describe(settings))  # noqa: T201 - the CLI's answer
         return None
-    logging.info("%s", desc)
+    return run(settings)
+
+
+def run(settings: SFTConfig) -> dict[str, Any]:
+    """SFT per a validated config: data / tokenizer / mesh / model, then `train`. Returns its summary."""
+    require_typed(settings, SFTConfig, "warm_start.sft.run")
+    m = settings.model
+    logging.info("%s", describe(settings))
     workdir = storage.abspath(settings.workdir)
     storage.makedirs(workdir)
     if distributed.is_primary():
-        storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        storage.write_text(storage.join(workdir, "config.json"), json.dumps(settings.to_dict(), indent=2))
 
     def data() -> tuple[list[dict[str, Any]], Any]:
         if settings.data.path:
             return (sft.load_conversations(inputs.local_file(settings.data.path, "sft_data")),
-                    inputs.build_tokenizer(config, []))
-        return embedded_demonstrations(config)
+                    inputs.build_tokenizer(settings, []))
+        return embedded_demonstrations(settings)
 
     if distributed.is_multi():  # process 0 makes (and caches) the demonstrations and tokenizer; then the rest
         if distributed.is_primary():
             data()
         distributed.barrier("librarian_jax.warm_start.data")
     convs, tokenizer = data()
-    mesh = cluster.run_mesh(config)  # the trainer's: every device of every process
+    mesh = cluster.run_mesh(settings.mesh)  # the trainer's: every device of every process
     # weights loaded onto this process's devices, then made placeable on the global mesh (as GRPO's)
-    model = cluster.initial_model(config, cluster.engine_mesh(mesh), tokenizer)
+    model = cluster.initial_model(settings, cluster.engine_mesh(mesh), tokenizer)
     distributed.uncommit(model)
     if m.lora_rank:
         model = train_step.apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_module_path,
                                       seed=settings.seed)
     try:
-        return train(model, tokenizer, convs, config, workdir=workdir, mesh=mesh, settings=settings)
+        return train(model, tokenizer, convs, settings, workdir=workdir, mesh=mesh)
     except sft.ConversationError as e:
         raise config_validation.ConfigError(f"config.data.path: {e}") from None
 
@@ -181,9 +192,10 @@ def main(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
 DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the run's train and held-out tasks
 
 
-def demo_tasks(config: Any) -> list[Any]:
+def demo_tasks(config: SFTConfig) -> list[Any]:
     """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world sizes,
     seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever shown."""
+    require_typed(config, SFTConfig, "warm_start.sft.demo_tasks")
     d = config.data
     return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks,
                                docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
@@ -191,7 +203,7 @@ def demo_tasks(config: Any) -> list[Any]:
                                reuse_questions_per_task=d.reuse_questions_per_task)
 
 
-def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
+def embedded_demonstrations(config: SFTConfig) -> tuple[list[dict[str, Any]], Any]:
     """The embedded world's demonstrations (`demos`, cached as `workdir/demos.jsonl`) and the tokenizer
     (GRPO and eval then load that file). Each is scored with the `config.rollout` answerer.
 
@@ -200,24 +212,24 @@ def embedded_demonstrations(config: Any) -> tuple[list[dict[str, Any]], Any]:
     differ only in `data.num_tasks` / `data.heldout_fraction` start from the same policy)."""
     pool = demo_tasks(config)
     tokenizer = inputs.build_tokenizer(config, pool, demos.tokenizer_texts(pool))
-    rollout_cfg = config_validation.rollout_config(config)
+    rollout_cfg = config.rollout.config
     d = config.demos
     key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),
            "rollout": rollout_cfg.to_dict(), "demos": d.to_dict(), "vocab": tokenizer.vocab_size}
     # the cache is a local file (`demos` reads it with open()): the workdir, or a local stand-in for gs://
     path = demos.cached_demonstrations(
         os.path.join(storage.local_cache_dir(config.workdir, "demos"), "demos.jsonl"), key,
-        lambda: demos.make_demonstrations(pool, tokenizer, rollout_cfg, mix=d.mix.to_dict(),
+        lambda: demos.make_demonstrations(pool, tokenizer, rollout_cfg, mix=dict(d.mix),
                                           per_task=d.per_task, calls_per_turn=d.calls_per_turn,
                                           seed=config.seed,
                                           template=builder_template(config, tokenizer)))
     return sft.load_conversations(path), tokenizer
 
 
-def validate(config: Any, num_devices: int | None = None) -> config_schema.SFTConfig:
+def validate(config: Any, num_devices: int | None = None) -> SFTConfig:
     """Checks every key of the SFT config (`config_schema.SFTConfig`, the mesh against the devices); returns
-    it typed. Raises ConfigError naming the first bad key."""
-    parsed = config_schema.SFTConfig.parse(config)
+    it typed. Raises ConfigError naming the first bad key. `config`: a ConfigDict or a plain nested dict."""
+    parsed = SFTConfig.parse(config)
     config_validation.validate_mesh(parsed.mesh.shape,
                                     jax.device_count() if num_devices is None else num_devices)
     return parsed
@@ -228,44 +240,40 @@ def validate(config: Any, num_devices: int | None = None) -> config_schema.SFTCo
 WARM_START_DIR = "warm_start"
 
 
-def warm_start(config: Any) -> tuple[Any, dict[str, Any]]:
+def warm_start(settings: GRPOConfig) -> tuple[GRPOConfig, dict[str, Any]]:
     """Runs the supervised warm start (`configs/sft.py:<warm_start.sft_preset>` on this run's model, data,
     rollout, roles and mesh, in `workdir/warm_start`; resumed or skipped when done) and returns (the GRPO
-    config starting from its checkpoint, the SFT summary). The demonstrations and SFT encode with the
-    builder's template of the run's protocol (`cluster.role_templates`), as GRPO samples."""
+    config starting from its checkpoint, validated, and the SFT summary). The demonstrations and SFT encode
+    with the builder's template of the run's protocol (`cluster.role_templates`), as GRPO samples."""
     from configs import sft as sft_configs  # the presets live in the config files (above this package)
 
-    sft_config = sft_configs.get_config(config.warm_start.sft_preset)
-    with sft_config.unlocked():
-        for key in ("seed", "preset", "builder_thinking"):
-            sft_config[key] = config[key]
-        for section in ("model", "data", "rollout", "roles", "mesh"):
-            packing = sft_config.data.packing if section == "data" else None
-            sft_config[section] = ml_collections.ConfigDict(config[section].to_dict())
-            if packing is not None:
-                sft_config.data.packing = packing
-                sft_config.data.path = ""
-        sft_config.workdir = storage.join(config.workdir, WARM_START_DIR)
-    done = storage.join(sft_config.workdir, "sft_summary.json")
+    require_typed(settings, GRPOConfig, "warm_start.sft.warm_start")
+    grpo = settings.to_dict()
+    preset = SFTConfig.parse(sft_configs.get_config(settings.warm_start.sft_preset)).to_dict()
+    shared = {k: grpo[k] for k in ("seed", "preset", "builder_thinking", "model", "rollout", "roles", "mesh")}
+    # the run's world, the preset's packing; the demonstrations, not a conversations file
+    data = {**grpo["data"], "packing": preset["data"]["packing"], "path": ""}
+    sft_settings = validate({**preset, **shared, "data": data,
+                             "workdir": storage.join(settings.workdir, WARM_START_DIR)})
+    done = storage.join(sft_settings.workdir, "sft_summary.json")
     summary: dict[str, Any] | None = None
     if storage.isfile(done):
         summary = json.loads(storage.read_text(done))
-        if summary.get("last_step") != sft_config.train.num_steps:
+        if summary.get("last_step") != sft_settings.train.num_steps:
             summary = None
     t0 = time.perf_counter()
     if summary is None:
         logging.info("warm start: supervised fine-tuning on the embedded demonstrations in %s",
-                     sft_config.workdir)
-        summary = main(sft_config) or {}
+                     sft_settings.workdir)
+        summary = run(sft_settings)
     else:
         logging.info("warm start: done earlier (%s); GRPO starts from its checkpoint", done)
     summary = {**summary, "this_run_s": time.perf_counter() - t0}
-    tokenizers_dir = storage.join(sft_config.workdir, "tokenizer")
+    tokenizers_dir = storage.join(sft_settings.workdir, "tokenizer")
     models = [n for n in storage.listdir(tokenizers_dir) if n.endswith(".model")]
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.model.init = "orbax"
-    config.model.path = storage.join(sft_config.workdir, "checkpoints")
-    if models and not config.model.tokenizer:
-        config.model.tokenizer = storage.join(tokenizers_dir, models[-1])
-    config.warm_start.enabled = False
-    return config, summary
+    model = {**grpo["model"], "init": "orbax", "path": storage.join(sft_settings.workdir, "checkpoints")}
+    if models and not model["tokenizer"]:
+        model["tokenizer"] = storage.join(tokenizers_dir, models[-1])
+    after = config_validation.validate({**grpo, "model": model,
+                                        "warm_start": {**grpo["warm_start"], "enabled": False}})
+    return after, summary
