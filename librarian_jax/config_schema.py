@@ -213,7 +213,8 @@ class DataSection(Section):
     source: str = spec("synthetic", choices=DATA_SOURCES)
     path: str = spec("")  # tasks file/folder for source="file" (data.load_tasks)
     format: str = spec("auto", choices=DATA_FORMATS)
-    # the synthetic world (source="synthetic")
+    # the synthetic world (source="synthetic"): a named world (`data.WORLDS`: docs/world.md), its sizes below
+    world: str = spec("classic", choices=tuple(data_lib.WORLDS))
     num_tasks: int = spec(48)
     docs_per_task: int = spec(6)
     min_words: int = spec(40)

@@ -59,7 +59,8 @@ def build_tasks(config: RunConfig) -> tuple[list[Any], list[Any]]:
     require_typed(config, RUN_SCHEMAS, "inputs.build_tasks")
     d = config.data
     if d.source == "synthetic":
-        tasks = data.generate_world(config.seed, d.num_tasks, docs_per_task=d.docs_per_task,
+        tasks = data.generate_world(config.seed, d.num_tasks, data.WORLDS[d.world],
+                                    docs_per_task=d.docs_per_task,
                                     min_words=d.min_words, max_words=d.max_words,
                                     questions_per_task=d.questions_per_task,
                                     reuse_questions_per_task=d.reuse_questions_per_task)

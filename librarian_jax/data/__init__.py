@@ -31,7 +31,7 @@ from librarian_jax.data.loaders import (
 )
 from librarian_jax.data.schema import CorpusTask, Document, Question, content_hash
 from librarian_jax.data.splits import read_task_ids, split_by_ids
-from librarian_jax.data.synthetic import WorldConfig, generate_task, generate_world, world_texts
+from librarian_jax.data.synthetic import WORLDS, WorldConfig, generate_task, generate_world, world_texts
 
 _LAZY = {
     "TaskPipeline": "librarian_jax.data.pipeline",
@@ -50,7 +50,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "FORMATS", "NOISY_VARIANT", "CorpusTask", "DataError", "Document", "Question", "WorldConfig",
+    "FORMATS", "NOISY_VARIANT", "WORLDS", "CorpusTask", "DataError", "Document", "Question", "WorldConfig",
     "attach_reuse_questions", "content_hash", "generate_task", "generate_world", "iter_browsecomp_plus",
     "iter_corpus_jsonl", "iter_task_jsonl", "iter_tasks", "load_bright", "load_bright_domain",
     "load_browsecomp_plus", "load_corpus_jsonl", "load_folder", "load_reuse_questions", "load_task_jsonl",

@@ -169,6 +169,13 @@ _QUESTIONS: dict[str, str] = {
     "launch_year": "In which year was {S} launched?",
     "funded_by": "Which organisation funds {S}?",
 }
+# Counting questions over one relation's facts whose object is the named entity (the subject kind's plural).
+_AGGREGATES: dict[str, str] = {
+    "works_at": "How many people does {S} employ?",
+    "funded_by": "How many projects does {S} fund?",
+}
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                 "eleven", "twelve")
 # Noun phrases naming a relation's object through its subject (only relations whose object has relations).
 _DESCRIBE: dict[str, str] = {
     "works_at": "the organisation that employs {S}",
@@ -201,6 +208,18 @@ _FILLER: tuple[str, ...] = (
     "{X} wants to compare the findings with older records on {T}.",
     "No decision was taken on the budget for {T}.",
     "The next review is expected before the end of the year.",
+)
+# Filler that names organisations and projects without stating a fact about them (`mention_noise`): a search
+# for an organisation's or a project's name finds these passages too.
+_MENTION_FILLER: tuple[str, ...] = (
+    "{O} hosted a seminar on {T} last spring.",
+    "A team from {O} toured {C} to look at {T}.",
+    "{X} visited {O} to talk about {T}.",
+    "{J} came up briefly during a talk on {T}.",
+    "The newsletter of {O} printed a note on {T}.",
+    "Someone compared {J} with older work on {T}.",
+    "{X} asked how {J} handles {T}.",
+    "The archive of {O} holds old records on {T}.",
 )
 _MEETING_FILLER: tuple[str, ...] = (
     "The minutes of the previous meeting were approved without changes.",
@@ -304,6 +323,30 @@ def _article(word: str) -> str:
 # Generation.
 
 
+TITLE_STYLES = ("labelled", "plain")
+_LABELS = {"person": ("Profile: {}", "This profile describes {}."),
+           "org": ("About the {}", "This page introduces the {}."),
+           "project": ("Report: {}", "This report covers {}.")}
+_LABELLED = re.compile(r"^(?P<label>Profile: |About the |Report: )(?P<name>.+)$")
+_LABEL_KINDS = {"Profile: ": "person", "About the ": "org", "Report: ": "project"}
+
+
+def entity_of_title(title: str) -> tuple[str, str]:
+    """(entity name, kind) of a synthetic document's title, in either title style; ("", "") for a page that
+    is no entity's own (meeting notes). Plain titles are read by the name's shape: "Project ..." is a
+    project, a name ending in an organisation kind ("... Institute") an organisation, the rest people."""
+    m = _LABELLED.match(title)
+    if m:
+        return m.group("name"), _LABEL_KINDS[m.group("label")]
+    if not title or title.startswith("Meeting notes"):
+        return "", ""
+    if title.startswith("Project "):
+        return title, "project"
+    if title.rsplit(" ", 1)[-1] in _ORG_KINDS:
+        return title, "org"
+    return title, "person"
+
+
 @dataclasses.dataclass(frozen=True)
 class WorldConfig:
     """Sizes of each synthetic task. The defaults suit a tiny CPU model (8 documents of 60-120 words)."""
@@ -318,6 +361,19 @@ class WorldConfig:
     distractor_fraction: float = 0.125
     spread_probability: float = 0.5
     task_prefix: str = "synth"
+    # Counting questions over facts spread across the corpus ("How many people does the Kestrel Institute
+    # employ?"): this fraction of each task's questions, where the world has such facts.
+    aggregate_fraction: float = 0.0
+    # Chance that a filler sentence names an organisation or a project (look-alikes included) instead of
+    # stating nothing about them: lexical noise for retrieval.
+    mention_noise: float = 0.0
+    # Shares of the non-distractor documents that are person / organisation / project pages (the rest:
+    # meeting notes). Fewer organisations than people means more people per organisation.
+    layout: tuple[float, float, float] = (0.35, 0.25, 0.2)
+    # How an entity's own page is titled: "labelled" ("Profile: Orlen Vask", "About the Kestrel Institute",
+    # "Report: Project Kestrel") or "plain" (the entity's name: what a builder titles the entity's file, so a
+    # small model copies it from the listing token for token; `entity_of_title` reads either back).
+    titles: str = "labelled"
 
     def validate(self) -> None:
         checks = [
@@ -330,10 +386,29 @@ class WorldConfig:
             ("max_hops", self.max_hops >= 1, ">= 1"),
             ("distractor_fraction", 0.0 <= self.distractor_fraction < 1.0, "in [0, 1)"),
             ("spread_probability", 0.0 <= self.spread_probability <= 1.0, "in [0, 1]"),
+            ("aggregate_fraction", 0.0 <= self.aggregate_fraction <= 1.0, "in [0, 1]"),
+            ("titles", self.titles in TITLE_STYLES, f"one of {TITLE_STYLES}"),
+            ("mention_noise", 0.0 <= self.mention_noise <= 1.0, "in [0, 1]"),
+            ("layout", len(self.layout) == 3 and all(x >= 0 for x in self.layout) and sum(self.layout) <= 1,
+             "three non-negative shares summing to <= 1"),
         ]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"WorldConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
+
+# Named worlds (`data.world`); a task's sizes (`docs_per_task`, words, questions) are set on top.
+# - "classic": a handful of documents, single- and multi-hop questions; retrieval of one or two passages
+#   finds most answers (the embedded default until 2026-12-05).
+# - "noisy": docs/world.md. Tens of documents, a quarter of them near-duplicate look-alikes; most facts stated
+#   away from their entity's page; filler that names organisations and projects; multi-hop questions whose
+#   later hops the question does not name, and counting questions over facts spread across the corpus.
+WORLDS: dict[str, WorldConfig] = {
+    "classic": WorldConfig(),
+    "noisy": WorldConfig(docs_per_task=20, min_words=50, max_words=100, multi_hop_fraction=0.7, max_hops=3,
+                         distractor_fraction=0.15, spread_probability=0.7, aggregate_fraction=0.25,
+                         mention_noise=0.3, layout=(0.2, 0.1, 0.1), titles="plain"),
+}
 
 
 class _World:
@@ -427,6 +502,11 @@ class _World:
             self._filler = (people, [e.name for e in self.of_kind("city")])
         return self._filler
 
+    def mention_names(self) -> tuple[list[str], list[str]]:
+        """(organisation names, project names), look-alikes included: what noisy filler names."""
+        return ([e.name for e in self.of_kind("org") + self.of_kind("org", real=False)],
+                [e.name for e in self.of_kind("project") + self.of_kind("project", real=False)])
+
     def surface(self, value: str) -> str:
         e = self.entities.get(value)
         return e.name if e is not None else value
@@ -459,13 +539,14 @@ class _World:
         return facts
 
 
-def _layout(k: int, distractor_fraction: float) -> tuple[int, int, int, int, int]:
+def _layout(k: int, distractor_fraction: float,
+            shares: tuple[float, float, float] = (0.35, 0.25, 0.2)) -> tuple[int, int, int, int, int]:
     """(people, orgs, projects, meetings, distractors) documents for a corpus of `k` documents."""
     n_dis = 0 if k < 4 else max(1, int(k * distractor_fraction + 0.5)) if distractor_fraction > 0 else 0
     r = k - n_dis
-    people = max(1, math.ceil(0.35 * r))
-    orgs = int(0.25 * r + 0.5)
-    projects = int(0.2 * r + 0.5)
+    people = max(1, math.ceil(shares[0] * r))
+    orgs = int(shares[1] * r + 0.5)
+    projects = int(shares[2] * r + 0.5)
     while people + orgs + projects > r:
         if projects > 0:
             projects -= 1
@@ -482,7 +563,8 @@ def _date(rng: random.Random) -> str:
 
 def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
     w = _World(rng, cfg)
-    n_people, n_orgs, n_projects, n_meetings, n_dis = _layout(cfg.docs_per_task, cfg.distractor_fraction)
+    n_people, n_orgs, n_projects, n_meetings, n_dis = _layout(cfg.docs_per_task, cfg.distractor_fraction,
+                                                               tuple(cfg.layout))
     people = [w.new_person() for _ in range(n_people)]
     orgs = [w.new_org() for _ in range(n_orgs)]
     projects = [w.new_project() for _ in range(n_projects)]
@@ -491,17 +573,19 @@ def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
 
     # One primary document per real entity, then meeting notes.
     primary: dict[str, int] = {}
+    def page(e: _Entity) -> tuple[str, str]:
+        title, lead = _LABELS[e.kind]
+        return (title.format(e.name) if cfg.titles == "labelled" else e.name), lead.format(e.name)
+
     for e in people:
         primary[e.key] = len(w.docs)
-        w.docs.append(_Doc("profile", e.key, f"Profile: {e.name}", f"This profile describes {e.name}."))
+        w.docs.append(_Doc("profile", e.key, *page(e)))
     for e in orgs:
         primary[e.key] = len(w.docs)
-        w.docs.append(
-            _Doc("org_profile", e.key, f"About the {e.name}", f"This page introduces the {e.name}.")
-        )
+        w.docs.append(_Doc("org_profile", e.key, *page(e)))
     for e in projects:
         primary[e.key] = len(w.docs)
-        w.docs.append(_Doc("report", e.key, f"Report: {e.name}", f"This report covers {e.name}."))
+        w.docs.append(_Doc("report", e.key, *page(e)))
     meetings = []
     for _ in range(n_meetings):
         date = _date(rng)
@@ -534,14 +618,8 @@ def _build_world(rng: random.Random, cfg: WorldConfig) -> _World:
         rng.choice(real) for _ in range(n_dis - len(real))
     ]:
         twin = w.look_alike(target)
-        title = {"person": "Profile: {}", "org": "About the {}", "project": "Report: {}"}[twin.kind]
-        lead = {
-            "person": "This profile describes {}.",
-            "org": "This page introduces the {}.",
-            "project": "This report covers {}.",
-        }[twin.kind]
         doc = len(w.docs)
-        w.docs.append(_Doc("distractor", twin.key, title.format(twin.name), lead.format(twin.name)))
+        w.docs.append(_Doc("distractor", twin.key, *page(twin)))
         original = {f.relation: f.obj for f in facts_of.get(target.key, ())}
         for fact in w.attributes(twin):
             for _ in range(20):  # keep the look-alike's facts different from its original's (where possible)
@@ -587,7 +665,16 @@ def _render(w: _World, doc: _Doc, target_words: int) -> str:
         if doc.subject is not None and w.entities[doc.subject].kind == "person" and rng.random() < 0.5:
             x = w.entities[doc.subject].name
         t, t2 = rng.sample(_TOPICS, 2)
-        s = unused.pop().format(X=x, Y=y, T=t, T2=t2, C=rng.choice(cities))
+        template = unused.pop()
+        if w.cfg.mention_noise > 0 and rng.random() < w.cfg.mention_noise:
+            orgs, projects = w.mention_names()
+            template = rng.choice(_MENTION_FILLER)
+            if not projects:
+                template = template.replace("{J}", "{O}")
+            s = template.format(X=x, O=rng.choice(orgs) if orgs else x, J=rng.choice(projects) if projects
+                                else x, T=t, C=rng.choice(cities))
+        else:
+            s = template.format(X=x, Y=y, T=t, T2=t2, C=rng.choice(cities))
         body.insert(rng.randint(0, len(body)), s)
         words += len(s.split())
     return " ".join(head + body)
@@ -647,17 +734,50 @@ def _candidates(w: _World, doc_ids: list[str]) -> tuple[list[dict[str, Any]], li
     return singles, multis
 
 
+def _aggregates(w: _World, doc_ids: list[str]) -> list[dict[str, Any]]:
+    """Counting candidates: for each real entity that is the object of an `_AGGREGATES` relation at least
+    twice, the facts (of any subject, look-alikes included: they are in the corpus too) that the count rests
+    on. Each needs every one of those facts, stated over several documents."""
+    by_object: dict[tuple[str, str], list[int]] = {}
+    for i, f in enumerate(w.facts):
+        if f.relation in _AGGREGATES and f.obj in w.entities:
+            by_object.setdefault((f.obj, f.relation), []).append(i)
+    out = []
+    for (obj, relation), facts in by_object.items():
+        e = w.entities[obj]
+        subjects = {w.facts[i].subject for i in facts}
+        if e.distractor_of is not None or len(subjects) < 2:
+            continue
+        name = f"the {e.name}" if e.kind == "org" else e.name
+        out.append({"chain": facts, "text": _AGGREGATES[relation].format(S=name), "count": len(subjects),
+                    "object": e.name, "relation": relation,
+                    "support": list(dict.fromkeys(doc_ids[w.facts[i].home] for i in facts))})
+    return out
+
+
 def _make_questions(
-    w: _World, cands: tuple[list[dict[str, Any]], list[dict[str, Any]]], n: int, prefix: str
+    w: _World, cands: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]], n: int,
+    prefix: str,
 ) -> list[Question]:
-    singles, multis = cands
-    n_multi = min(len(multis), int(n * w.cfg.multi_hop_fraction + 0.5))
-    n_single = min(len(singles), n - n_multi)
-    n_multi = min(len(multis), n - n_single)  # top up with multi-hop if single-hop ran out
-    chosen = [multis.pop() for _ in range(n_multi)] + [singles.pop() for _ in range(n_single)]
+    singles, multis, aggregates = cands
+    n_agg = min(len(aggregates), int(n * w.cfg.aggregate_fraction + 0.5))
+    n_multi = min(len(multis), int((n - n_agg) * w.cfg.multi_hop_fraction + 0.5))
+    n_single = min(len(singles), n - n_agg - n_multi)
+    n_multi = min(len(multis), n - n_agg - n_single)  # top up with multi-hop if single-hop ran out
+    chosen = ([multis.pop() for _ in range(n_multi)] + [singles.pop() for _ in range(n_single)]
+              + [aggregates.pop() for _ in range(n_agg)])
     w.rng.shuffle(chosen)
     out = []
     for j, c in enumerate(chosen):
+        if "count" in c:
+            count = int(c["count"])
+            words = (_NUMBER_WORDS[count],) if count < len(_NUMBER_WORDS) else ()
+            out.append(Question(
+                question_id=f"{prefix}{j}", question=c["text"], gold_answer=str(count), aliases=words,
+                question_type="aggregate",
+                meta={"hops": 1, "support_doc_ids": c["support"], "relations": [c["relation"]],
+                      "subject": c["object"], "count": count}))
+            continue
         last = w.facts[c["chain"][-1]]
         gold, aliases = _answer(w, last.obj)
         hops = len(c["chain"])
@@ -716,7 +836,9 @@ def generate_task(seed: int, index: int, config: WorldConfig | None = None) -> C
     singles, multis = _candidates(w, doc_ids)
     rng.shuffle(singles)
     rng.shuffle(multis)
-    cands = (singles, multis)
+    aggregates = _aggregates(w, doc_ids) if cfg.aggregate_fraction > 0 else []
+    rng.shuffle(aggregates)
+    cands = (singles, multis, aggregates)
     hidden = _make_questions(w, cands, cfg.questions_per_task, f"{task_id}/q")
     reuse = _make_questions(w, cands, cfg.reuse_questions_per_task, f"{task_id}/r")
     if len(hidden) < cfg.questions_per_task or len(reuse) < cfg.reuse_questions_per_task:
@@ -825,6 +947,25 @@ def _template_regex(template: str) -> re.Pattern[str]:
 
 _QUESTION_RES = tuple((rel, _template_regex(t)) for rel, t in _QUESTIONS.items())
 _DESCRIBE_RES = tuple((rel, _template_regex(t)) for rel, t in _DESCRIBE.items())
+
+
+_AGGREGATE_RES = tuple((rel, _template_regex(t)) for rel, t in _AGGREGATES.items())
+AGGREGATE_FORMS = _AGGREGATES
+
+
+def parse_aggregate(text: str) -> tuple[str, str] | None:
+    """A counting question as `(object name, relation)`: "How many people does the Kestrel Institute
+    employ?" -> ("Kestrel Institute", "works_at"); its answer is the number of distinct subjects S with
+    `(S, relation, object)`. None for any other question."""
+    text = " ".join(text.split())
+    for rel, rx in _AGGREGATE_RES:
+        m = rx.match(text)
+        if m is not None:
+            name = m.group("S")
+            name = name[4:] if name.startswith("the ") else name
+            if re.fullmatch(_NAME, name):
+                return name, rel
+    return None
 
 
 def parse_question(text: str) -> tuple[str, list[str]] | None:
