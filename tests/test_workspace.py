@@ -296,9 +296,9 @@ def test_delete_twice_and_history_targets() -> None:
         (dict(title="T", input_paths=["../secret"]), "path_escape", "climbs above the workspace root"),
         (dict(title="T", input_paths=["a\x00b"]), "invalid_path", "NUL or control character"),
         (
-            dict(title="T", input_paths=["raw_docs"]),
+            dict(title="T", input_paths=["."]),  # raw_docs is every raw document; the root is no source
             "is_a_directory",
-            "source 'raw_docs' is a plain directory",
+            "source '.' is a plain directory",
         ),
         (dict(title="T", input_paths=["README.md"]), "invalid_argument", "is the generated README.md"),
         (
@@ -457,6 +457,8 @@ def test_forgiving_lookup_rules() -> None:
         ("cluster_0001", "handle"),
         ("cluster_0001__bridges.txt", "unique_basename"),
         ("CLUSTER_0001__BRIDGES", "unique_basename"),
+        ("Bridges", "unique_basename"),  # the file's title: the name part after its short id
+        ("merge_0001__infrastructure/bridges", "unique_basename"),
         ("cluster_0001__bridge.txt", "fuzzy"),  # similarity 0.98 >= 0.92 (the authors' rule)
         ("merge_0001__infrastructure/cluster_01__bridges.txt", "fuzzy"),
         ("./merge_0001__infrastructure//cluster_0001__bridges.txt/", "exact"),
@@ -551,7 +553,10 @@ def test_readme_index() -> None:
         "This workspace holds 6 raw documents (under raw_docs/) and 3 synthetic files in 1 synthetic "
         "directories" in r.text
     )
-    assert 'merge_0001__infrastructure/  "Infrastructure"\n  cluster_0001__bridges.txt  "Bridges"' in r.text
+    # the top level only: a directory says how many entries it holds, its files are one list_files away
+    assert 'merge_0001__infrastructure/  "Infrastructure" (2 entries)\ncluster_0003__tides.txt' in r.text
+    assert "bridges" not in r.text.split("## Synthetic files", 1)[1]
+    assert 'merge_0001__infrastructure/  "Infrastructure"\n  cluster_0001__bridges.txt  "Bridges"' in w.tree()
     assert "follow SOURCES_RAW" in r.text
     empty = Workspace.from_documents(corpus()).readme().text
     assert "holds 6 raw documents under raw_docs/. No synthetic files have been written yet" in empty

@@ -18,7 +18,9 @@ documented ways, tried in order:
   3. the same path with `.txt` or `.md` added (exact, then case-insensitive);
   4. a handle: the last segment (extension dropped) equals a short id (`raw_0001`, `cluster_0003`,
      `merge_0002`) or a raw document's doc_id, case-insensitive;
-  5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere;
+  5. a basename (with or without extension, case-insensitive) that names exactly one entry anywhere, or
+     the name part of one synthetic entry: `Orlen Vask` or `orlen_vask` for `cluster_0003__orlen_vask.txt`
+     (`slugify` of the name equals what follows the short id's `__`; a file's title names it so);
   6. a fuzzy match, as the authors' lookup has: the one path whose lowercase full path or basename has a
      normalised similarity of at least `FUZZY_MIN` (0.92; `rapidfuzz.fuzz.ratio`, the Indel distance) to the
      name's, a tie at the best score being no match.
@@ -52,6 +54,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:", re.IGNORECASE)
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
+_SHORT_ID_NAME = re.compile(r"^(?:cluster|merge)_\d{4,}__(.+)$")  # synthetic names, lowercase, no extension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +274,9 @@ class NameIndex:
     @staticmethod
     def _base_keys(low: str) -> tuple[str, ...]:
         b = low.rsplit("/", 1)[-1]
-        return (b, b.rsplit(".", 1)[0]) if b.endswith(FORGIVEN_EXTENSIONS) else (b,)
+        keys = (b, b.rsplit(".", 1)[0]) if b.endswith(FORGIVEN_EXTENSIONS) else (b,)
+        m = _SHORT_ID_NAME.match(keys[-1])
+        return (*keys, "\0" + m.group(1)) if m else keys  # the name part, in its own key space
 
     @property
     def paths(self) -> list[str]:
@@ -310,7 +315,8 @@ class NameIndex:
         hit = self._get_handle(stem)
         if hit is not None:
             return Match(hit, "handle")
-        cands = sorted(set(self._get_base(basename(low)) or self._get_base(stem)))
+        cands = sorted(set(self._get_base(basename(low)) or self._get_base(stem)
+                           or self._get_base("\0" + slugify(stem, fallback=""))))
         if len(cands) == 1:
             return Match(cands[0], "unique_basename")
         if cands:

@@ -81,6 +81,14 @@ class Resolving(WorkspaceState):
             f"{self._index.file_path(node)!r} but is no longer part of the workspace"
         )
 
+    def _directory_sources(self, arg: object) -> list[tuple[str, str]] | None:
+        """A create source naming the raw documents' directory (`raw_docs`) stands for every raw document of
+        the corpus. None for any other source (`_source` resolves it, or says why not)."""
+        r = self._resolve(arg, UNKNOWN_SOURCE, "source")
+        if isinstance(r, ActionResult) or r.entry.kind != E_RAW_DIR:
+            return None
+        return [("raw", d.handle) for d in self._raw]
+
     def _source(self, arg: object, *, as_child: bool) -> tuple[str, str] | ActionResult:
         """Resolve one create source / merge child to ("raw", handle) or ("node", node id)."""
         what = "child" if as_child else "source"
@@ -132,11 +140,16 @@ class Resolving(WorkspaceState):
         out: list[tuple[str, str]] = []
         errors: list[ActionResult] = []
         for a in lst:
-            s = self._source(a, as_child=as_child)
-            if isinstance(s, ActionResult):
-                errors.append(s)
-            elif s not in out:
-                out.append(s)
+            expanded = None if as_child else self._directory_sources(a)
+            for s in expanded if expanded is not None else [self._source(a, as_child=as_child)]:
+                if isinstance(s, ActionResult):
+                    errors.append(s)
+                elif s not in out:
+                    out.append(s)
+        if len(out) > MAX_SOURCES:
+            return ActionResult.error(
+                INVALID_ARGUMENT, f"{name} names {len(out)} files; the limit is {MAX_SOURCES}"
+            )
         if errors:
             first = errors[0]
             if len(errors) == 1:

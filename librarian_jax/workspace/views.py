@@ -4,6 +4,8 @@ given) and `stats`."""
 
 from __future__ import annotations
 
+import hashlib
+
 from librarian_jax.workspace import paths as P
 from librarian_jax.workspace import render as R
 from librarian_jax.workspace.arguments import as_int, short_repr
@@ -72,7 +74,13 @@ class Views(Provenance):
                 f"STATUS: deleted at turn {node.deleted_turn}"
                 + (f": {node.delete_reason}" if node.delete_reason else "")
             )
-        if node.raw_sources:
+        if len(node.raw_sources) > 2 and set(node.raw_sources) == {d.handle for d in self._raw}:
+            # written from the whole corpus (create_file from raw_docs): one line, with a digest of every
+            # document's hash, so the header still changes when any of them does
+            digest = hashlib.sha256(" ".join(sorted(d.sha for d in self._raw)).encode()).hexdigest()[:16]
+            lines.append(f"SOURCES_RAW: all {len(self._raw)} raw documents under {RAW_DIR}/ "
+                         f"(their sha256s: sha256:{digest})")
+        elif node.raw_sources:
             lines.append("SOURCES_RAW:")
             for h in node.raw_sources:
                 d = self._raw_by_handle[h]
@@ -336,14 +344,23 @@ class Views(Provenance):
             f"excerpts of {len(items)} sources ({R.fmt_int(len(text))} chars)", text, sources=info
         )
 
-    def tree(self, max_lines: int = README_TREE_LINES) -> str:
-        """The active synthetic hierarchy, one indented line per node (directories with a trailing `/`)."""
+    def tree(self, max_lines: int = README_TREE_LINES, max_depth: int = 0) -> str:
+        """The active synthetic hierarchy, one indented line per node (directories with a trailing `/` and,
+        where their children are not shown, how many they hold); `max_depth` > 0 shows only that many levels
+        (1: the root's entries)."""
         idx = self._index
         out: list[str] = []
         table = dict(self._nodes.items())  # one pass over the node map
         total = sum(1 for n in table.values() if n.active)
 
+        collapsed = 0  # active nodes inside directories shown without their children
+
+        def descendants(nid: str) -> int:
+            kids = [table[c] for c in idx.children.get(nid, [])]
+            return len(kids) + sum(descendants(k.node_id) for k in kids if k.kind == DIRECTORY)
+
         def walk(parent: str | None, depth: int) -> None:
+            nonlocal collapsed
             nodes = sorted(
                 (table[c] for c in idx.children.get(parent, [])),
                 key=lambda n: (n.kind != DIRECTORY, n.name),
@@ -352,13 +369,18 @@ class Views(Provenance):
                 if len(out) >= max_lines:
                     return
                 slash = "/" if n.kind == DIRECTORY else ""
-                out.append(f'{"  " * depth}{n.name}{slash}  "{R.clip(n.title, 90)}"')
-                if n.kind == DIRECTORY:
+                deeper = n.kind == DIRECTORY and (not max_depth or depth + 1 < max_depth)
+                count = ""
+                if n.kind == DIRECTORY and not deeper:
+                    count = f" ({len(idx.children.get(n.node_id, []))} entries)"
+                    collapsed += descendants(n.node_id)
+                out.append(f'{"  " * depth}{n.name}{slash}  "{R.clip(n.title, 90)}"{count}')
+                if deeper:
                     walk(n.node_id, depth + 1)
 
         walk(None, 0)
-        if len(out) < total:
-            out.append(f"... ({total - len(out)} more synthetic nodes; use list_files)")
+        if len(out) + collapsed < total:
+            out.append(f"... ({total - len(out) - collapsed} more synthetic nodes; use list_files)")
         return "\n".join(out) if out else "(no synthetic files yet)"
 
     def readme_text(self) -> str:
@@ -384,8 +406,8 @@ class Views(Provenance):
             f"{MAX_READ_LINES} lines and {R.fmt_int(MAX_READ_CHARS)} characters at a time and says how to "
             f"continue.",
             "- Every synthetic file starts with a header: TITLE, KIND, PATH, SOURCES_RAW (the original "
-            "documents it was written from, with content hashes) and SOURCES_SYNTHETIC (other synthetic "
-            "files it builds on), then `---` and its text.",
+            "documents it was written from, with content hashes; one line when it is every document) and "
+            "SOURCES_SYNTHETIC (other synthetic files it builds on), then `---` and its text.",
             "- Synthetic files summarise; when a detail is missing, follow SOURCES_RAW to the original "
             f"document under {RAW_DIR}/.",
             "",
@@ -399,7 +421,8 @@ class Views(Provenance):
                 f"- {HISTORY_DIR}/: {st['deleted']} synthetic nodes the builder deleted (kept for "
                 f"reference; may be outdated)."
             )
-        lines += ["", "## Synthetic files", self.tree()]
+        lines += ["", "## Synthetic files (the top level; list_files shows what a directory holds)",
+                  self.tree(max_depth=1)]
         return "\n".join(lines) + "\n"
 
     def readme(self) -> ActionResult:
