@@ -77,7 +77,8 @@ BUILDER_TOOLS: tuple[ToolSpec, ...] = (
             Param("instructions", "str", False, ""),
             Param("parent_path", "str", False, None),
         ),
-        "write a new synthetic file from these sources (raw or synthetic), optionally inside a directory",
+        "write a new synthetic file from these sources (raw or synthetic; raw_docs names every raw "
+        "document), optionally inside a directory",
     ),
     ToolSpec(
         "merge_files",
@@ -220,7 +221,16 @@ def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | No
         return prompt_text.render("builder_update", num_docs=num_docs, **update)
     return prompt_text.render("builder_user", num_docs=num_docs,
                               listing=render_result(workspace.list_dir(".")),
-                              raw_listing=render_result(workspace.list_dir(RAW_DIR)))
+                              raw_listing=raw_listing(workspace))
+
+
+def raw_listing(workspace: Any) -> str:
+    """The raw documents as the builder's first message lists them: one `doc_id "title" (N chars)` line
+    each, in listing order. A source is named by its doc_id (or all of them as `raw_docs`), so the file
+    names `list_files("raw_docs")` shows are left out: a corpus of 50 documents costs the builder's context
+    a third of the tokens its listing would."""
+    return "\n".join(f'{d.doc_id}  "{d.title or d.doc_id}" ({len(d.text):,} chars)'
+                     for d in workspace.raw_docs)
 
 
 class BuilderAgent:

@@ -59,12 +59,30 @@ def split_sentences(text: str) -> list[str]:
 def extractive_text(
     title: str, instructions: str, sources: Sequence[tuple[str, str]], *, max_words: int = 360
 ) -> str:
-    """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`."""
+    """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`.
+
+    When some sentence of the sources holds every content word of the title (the title names something
+    they mention: "Orlen Vask", "Kestrel Institute"), the text is *focused*: every such sentence, over all
+    sources, in source order, each source that has one a block, under `max_words` in all ("Orlen Vask" keeps
+    the sentences naming Orlen Vask, not those naming a look-alike "Orlen Vasko"). Otherwise (a title like
+    "Notes, part 1" that names nothing in them) each source gets an even share of the budget: its lead
+    sentence, then the sentences sharing most content words with the title and instructions."""
     query = content_words(title + " " + (instructions or ""))
     lines = [title.strip() or "Untitled"]
     sources = [(p, t) for p, t in sources if t and t.strip()]
     if not sources:
         return lines[0]
+    named = content_words(title)
+    focus = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)]) for p, t in sources]
+    if any(keep for _, keep in focus):
+        words = 0
+        for path, keep in focus:
+            if not keep or words >= max_words:
+                continue
+            body = " ".join(keep).split()[: max_words - words]
+            words += len(body)
+            lines.append(f"From {path}: {' '.join(body)}{' ...' if words >= max_words else ''}")
+        return "\n".join(lines)
     budget = max(12, max_words // len(sources))
     for path, text in sources:
         sents = split_sentences(text)

@@ -46,7 +46,7 @@ from librarian_jax.agents.answer_start import (
 )
 from librarian_jax.agents.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_response
 from librarian_jax.agents.runtime import ANSWERER, AgentContext, AgentGen
-from librarian_jax.data.synthetic import extract_facts, parse_question
+from librarian_jax.data.synthetic import RELATIONS, extract_facts, parse_aggregate, parse_question
 
 _ENTRY = re.compile(r'^(?P<name>[^\s]+?)(?P<dir>/?)\s+\[(?P<kind>[a-z ]+)\]\s+"(?P<title>[^"]*)"', re.M)
 _DIR_HEAD = re.compile(r"^Directory (?P<path>\S+?)/?: \d+ entries", re.M)
@@ -55,6 +55,19 @@ _DIR_HEAD = re.compile(r"^Directory (?P<path>\S+?)/?: \d+ entries", re.M)
 def _names(text: str, name: str) -> bool:
     """Whether `text` names the entity `name` (whole words, case-insensitive)."""
     return re.search(r"(?<![A-Za-z])" + re.escape(name.lower()) + r"(?![A-Za-z])", text.lower()) is not None
+
+
+# Words a directory title may use for a kind of entity (a builder's "People/", "Organisations/", ...).
+KIND_WORDS: dict[str, tuple[str, ...]] = {
+    "person": ("people", "persons", "person", "profiles"),
+    "org": ("organisations", "organizations", "organisation", "organization", "institutions"),
+    "project": ("projects", "project", "reports"),
+}
+
+
+def _names_kind(title: str, kind: str) -> bool:
+    """Whether a directory's `title` names the entity kind `kind` (one of its `KIND_WORDS`)."""
+    return any(_names(title, w) for w in KIND_WORDS.get(kind, ()))
 
 
 class _Reader:
@@ -73,6 +86,7 @@ class _Reader:
         self.listed: set[str] = set()
         self.read: list[str] = []
         self.facts: dict[tuple[str, str], str] = {}  # (subject lower, relation) -> object
+        self.triples: set[tuple[str, str, str]] = set()  # (subject lower, relation, object lower)
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.turns = 0
@@ -82,6 +96,7 @@ class _Reader:
     def see(self, text: str) -> None:
         for s, rel, o in extract_facts(text):
             self.facts.setdefault((s.lower(), rel), o)
+            self.triples.add((s.lower(), rel, o.lower()))
         head = _DIR_HEAD.search(text)
         base = ""
         if head is not None and not head.group("path").startswith("."):
@@ -142,8 +157,9 @@ class _Reader:
         self.see(text)
         return text
 
-    def next_action(self, entity: str) -> tuple[str, str] | None:
-        """(tool, path) of the most promising unread file or unlisted directory for `entity`."""
+    def next_action(self, entity: str, kind: str = "") -> tuple[str, str] | None:
+        """(tool, path) of the most promising unread file or unlisted directory for `entity` (of `kind`:
+        person / org / project, "" when unknown)."""
         e = self.entries
         for p in self.priority:  # the documents a search for this hop returned, best first
             if p not in self.read and p not in self.failed:
@@ -154,6 +170,9 @@ class _Reader:
                 fresh = tool == "read_file" or p not in self.listed
                 if e[p][0] in kinds and _names(e[p][1], entity) and fresh:
                     return tool, p
+        for p in unread:  # a directory whose title names the entity's kind ("People" for a person)
+            if e[p][0] == "directory" and p not in self.listed and _names_kind(e[p][1], kind):
+                return "list_files", p
         for p in unread:  # then any other synthetic file: a summary before the originals
             if e[p][0] == "file":
                 return "read_file", p
@@ -162,6 +181,31 @@ class _Reader:
         raw = [p for p in unread if e[p][0] == "raw"]
         named = [p for p in raw if _names(e[p][1], entity)]
         return ("read_file", (named or raw)[0]) if raw else None
+
+
+# The words a counting question's search adds to the entity's name (the verb of the question's form).
+_AGGREGATE_QUERY = {"works_at": "employ staff works at", "funded_by": "funds pays for"}
+
+
+def _count(reader: _Reader, entity: str, relation: str, *, search: Search | None, search_k: int) -> str:
+    """A counting question ("How many people does the X Institute employ?"): reads what names the entity
+    (a search first, when it has the tool) until it has read a synthetic file whose title names the entity
+    (a workspace file about it is taken as complete) or its budget runs out; answers the number of distinct
+    subjects it saw stated with `(subject, relation, entity)` ("" when none)."""
+    key = entity.lower()
+    if search is not None and reader.room(0):
+        reader.call(SEARCH_TOOL.name, query=f"{entity} {_AGGREGATE_QUERY.get(relation, '')}".strip(),
+                    k=int(search_k))
+    while reader.room(len(reader.read)):
+        if any(reader.entries.get(p, ("", ""))[0] in ("file", "summary")
+               and _names(reader.entries[p][1], entity) for p in reader.read):
+            break
+        action = reader.next_action(entity, RELATIONS[relation][1])
+        if action is None:
+            break
+        reader.call(action[0], path=action[1])
+    n = len({s for s, rel, o in reader.triples if rel == relation and o == key})
+    return str(n) if n else ""
 
 
 def navigate(
@@ -179,7 +223,10 @@ def navigate(
     reader.count_prompt(system, user)
     reader.see(user)
     parsed = parse_question(question)
+    aggregate = parse_aggregate(question) if parsed is None else None
     answer = ""
+    if aggregate is not None:
+        answer = _count(reader, *aggregate, search=search, search_k=search_k)
     if parsed is not None:
         entity, chain = parsed
         for relation in chain:
@@ -191,7 +238,7 @@ def navigate(
                 reader.searched.add(query)
                 reader.call(SEARCH_TOOL.name, query=query, k=int(search_k))
             while (entity.lower(), relation) not in reader.facts and reader.room(reads):
-                action = reader.next_action(entity)
+                action = reader.next_action(entity, RELATIONS[relation][0])
                 if action is None:
                     break
                 reader.call(action[0], path=action[1])
