@@ -20,7 +20,7 @@ import ml_collections
 from librarian_jax import config_schema
 from librarian_jax.rl.train_step import LORA_ALL_LINEAR
 
-PRESETS = ("embedded", "qwen3_5_4b", "gemma3_4b")
+PRESETS = ("embedded", "noisy", "qwen3_5_4b", "gemma3_4b")
 
 
 def _base() -> ml_collections.ConfigDict:
@@ -47,6 +47,8 @@ def _base() -> ml_collections.ConfigDict:
         source="synthetic",     # a generated world ("file": data.path)
         path="",                # tasks file/folder for source="file" (data.load_tasks)
         format="auto",
+        world="classic",        # data.WORLDS: "classic" (this 6-document world) or "noisy" (docs/world.md,
+                                # the `noisy` preset)
         num_tasks=64,           # synthetic world size: at seed 0, 33 training tasks and 31 held-out corpora
                                 # (15 held-out corpora left the warm start's lead over raw inside its CI)
         docs_per_task=6,        # more than the answerer can read in its turns
@@ -208,13 +210,27 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     return c
 
 
+def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The embedded run on the noisy world (docs/world.md): 20 near-duplicate documents per corpus, facts away
+    from their pages, unnamed later hops and counting questions, read by an answerer with 6 tool calls in a
+    3,072-token context. Its warm start demonstrates a directory per entity kind (configs/sft.py:noisy)."""
+    c.data.update(world="noisy", docs_per_task=20, min_words=50, max_words=100, questions_per_task=8)
+    c.rollout.builder.update(max_turns=4)
+    c.rollout.answerer.update(max_turns=6, context_budget=3072)
+    c.warm_start.sft_preset = "noisy"
+    c.workdir = "/tmp/librarian_jax/grpo_noisy"
+    return c
+
+
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO config for `preset` (None = "embedded"); see the module doc."""
     preset = preset or "embedded"
     if preset not in PRESETS:
         raise ValueError(f"configs/grpo.py: unknown preset {preset!r}; known: {list(PRESETS)}")
     c = _base()
-    if preset != "embedded":
+    if preset == "noisy":
+        c = _noisy(c)
+    elif preset != "embedded":
         c = _paper(c, preset)
     c.preset = preset
     c.unlock()

@@ -59,11 +59,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.demos.update(dict(
         num_tasks=256,          # worlds to demonstrate on (seeded apart from the run's train/held-out tasks)
         per_task=1,             # demonstrations per world
-        calls_per_turn=2,       # tool calls per scripted reply (must fit rollout.builder.max_new_tokens)
+        calls_per_turn=2,       # calls per scripted reply (0: as many as fit rollout.builder.max_new_tokens)
         mix=dict(entities=0.25, own_doc=0.4, generic=0.1, early_stop=0.25),  # the mode is a poor style
     ))
+    if c.preset == "noisy":  # the good styles: entity files in a directory per kind (by_kind), or flat
+        c.demos.update(calls_per_turn=0, mix=dict(by_kind=0.15, entities=0.1, own_doc=0.4, generic=0.1,
+                                                  early_stop=0.25))
     c.checkpoint.update(every=50, keep=1)
-    if c.preset != "embedded":
+    if c.preset not in ("embedded", "noisy"):
         c.train.update(num_steps=500, batch_rows=32, learning_rate=1e-5, warmup_steps=20, micro_batches=8,
                        remat="full", logits_chunk=1024, log_every=10)
     c.unlock()

@@ -582,7 +582,7 @@ class CheckpointSection(Section):
 class DemosSection(Section):
     num_tasks: int = spec(256, lo=1)  # worlds to demonstrate on (seeded apart from the run's tasks)
     per_task: int = spec(1, lo=1)  # demonstrations per world
-    calls_per_turn: int = spec(2, lo=1)  # tool calls per scripted reply
+    calls_per_turn: int = spec(0, lo=0)  # tool calls per scripted reply (0: as many as its tokens allow)
     mix: dict[str, float] = spec(factory=lambda: dict(DEMO_MIX))  # share of each demos.STYLES style
 
     def check(self, key: str) -> None:

@@ -10,12 +10,16 @@ Styles (`STYLES`); with the embedded answerer (`agents.navigator`, which reads f
 entity first, then other summaries, then originals) the first two organise well, the last two poorly:
 - `entities`: one file per entity named in the listing (people, organisations, projects), each written from
   every document, so the file gathers the entity's facts scattered over the corpus; then stop.
+- `by_kind`: the same entity files (from `raw_docs`, every document), then one directory per kind of entity
+  ("People", "Organisations", "Projects", `KIND_DIRS`) merging them: a two-level hierarchy (the noisy world's
+  good style, docs/world.md).
 - `generic`: files over runs of documents with titles that name no entity ("Notes, part 1"): fewer, denser
   files, one read covers several documents.
 - `own_doc`: entity titles, each written from the entity's own page only (a wrong grouping: facts stated
   elsewhere are missing, and the file's title promises them, so a read is wasted).
 - `early_stop`: stop at once (raw navigation).
-The default mixture (`DEFAULT_MIX`) makes the warm-started policy a mixture of these that GRPO can sharpen.
+The default mixture (`DEFAULT_MIX`, the classic world's; the noisy preset adds `by_kind`) makes the
+warm-started policy a mixture of these that GRPO can sharpen.
 """
 
 from __future__ import annotations
@@ -25,21 +29,28 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 
-from librarian_jax.agents.builder import first_observation
+from librarian_jax.agents.builder import RAW_DIR, first_observation, render_result
+from librarian_jax.agents.protocol import render_response
+from librarian_jax.data.synthetic import entity_of_title
 from librarian_jax.rollout import run_batch
 from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
-STYLES = ("entities", "own_doc", "generic", "early_stop")
+STYLES = ("entities", "by_kind", "own_doc", "generic", "early_stop")
 DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "own_doc": 0.4, "generic": 0.1, "early_stop": 0.25}
-_RAW_LINE = re.compile(r'^\S+\s+\[raw\]\s+"(?P<title>[^"]*)"\s+\(doc_id=(?P<doc>[^,]+),', re.M)
-_ENTITY_TITLE = re.compile(r"^(?:Profile: |About the |Report: )(?P<name>.+)$")
+# a raw document's line in the builder's first message (`agents.builder.raw_listing`) or in a listing of
+# raw_docs/ (the update prompt's new documents)
+_RAW_LINE = re.compile(r'^(?:(?P<id>[^\s"]+)\s+"(?P<title1>[^"]*)"\s+\([\d,]+ chars\)$'
+                       r'|\S+\s+\[raw\]\s+"(?P<title>[^"]*)"\s+\(doc_id=(?P<doc>[^,]+),)', re.M)
+# the directory a `by_kind` builder gathers each kind of entity file in (the navigator lists a directory whose
+# title names the kind it looks for: `agents.navigator.KIND_WORDS`)
+KIND_DIRS = {"person": "People", "org": "Organisations", "project": "Projects"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +58,17 @@ class ListedDoc:
     doc_id: str
     title: str
     entity: str  # the entity the title names ("" for e.g. meeting notes)
+    group: str = ""  # the directory a `by_kind` builder puts its file in (`KIND_DIRS`)
 
 
 def listed_docs(prompt_text: str) -> list[ListedDoc]:
     """The raw documents as the builder's prompt lists them (title, doc id, the entity the title names)."""
     out = []
     for m in _RAW_LINE.finditer(prompt_text):
-        t = _ENTITY_TITLE.match(m.group("title"))
-        out.append(ListedDoc(m.group("doc"), m.group("title"), t.group("name") if t else ""))
+        doc, title = ((m.group("id"), m.group("title1")) if m.group("id")
+                      else (m.group("doc"), m.group("title")))
+        name, kind = entity_of_title(title)
+        out.append(ListedDoc(doc, title, name, KIND_DIRS.get(kind, "")))
     return out
 
 
@@ -66,7 +80,14 @@ def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
     """Every tool call (rendered) a builder of `style` makes over `docs`, stop included."""
     ids = [d.doc_id for d in docs]
     if style == "entities":
-        calls = [_call("create_file", title=d.entity, input_paths=ids) for d in docs if d.entity]
+        calls = [_call("create_file", title=d.entity, input_paths=[RAW_DIR]) for d in docs if d.entity]
+    elif style == "by_kind":  # the entity files, then one directory per kind of entity holding them
+        entities = [d for d in docs if d.entity]
+        calls = [_call("create_file", title=d.entity, input_paths=[RAW_DIR]) for d in entities]
+        for group in dict.fromkeys(d.group for d in entities):
+            # a child named by its file's title ("Orlen Vask" finds cluster_0003__orlen_vask.txt)
+            calls.append(_call("merge_files", title=group,
+                               child_paths=[d.entity for d in entities if d.group == group]))
     elif style == "own_doc":
         calls = [_call("create_file", title=d.entity, input_paths=[d.doc_id]) for d in docs if d.entity]
     elif style == "generic":
@@ -79,29 +100,49 @@ def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
     return [*calls, _call("stop")]
 
 
-def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max_turns: int) -> list[str]:
-    """The replies of a builder of `style`: `calls_per_turn` calls each, the last one ending with stop (calls
-    that do not fit in `max_turns` replies are dropped, stop kept)."""
+def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max_turns: int,
+                 max_tokens: int = 0, count: Callable[[str], int] | None = None) -> list[str]:
+    """The replies of a builder of `style`, in order: each holds at most `calls_per_turn` calls (0: any
+    number) and, given `count` (text -> tokens), at most `max_tokens` tokens (so a reply is never cut off);
+    the last one ends with stop. Calls that do not fit in `max_turns` replies are dropped, stop kept."""
     calls = style_calls(style, docs)
     body, stop = calls[:-1], calls[-1]
-    per = max(1, calls_per_turn)
-    replies = [body[i : i + per] for i in range(0, len(body), per)][: max(0, max_turns - 1)] or [[]]
-    if len(replies[-1]) < per or len(replies) == max_turns:
-        replies[-1] = [*replies[-1], stop]
-    else:
+    per = calls_per_turn if calls_per_turn > 0 else len(calls)
+
+    def fits(reply: list[str]) -> bool:
+        return len(reply) <= per and (count is None or not max_tokens
+                                      or count("\n".join(reply)) + 1 <= max_tokens)
+
+    replies: list[list[str]] = [[]]
+    for c in body:
+        if not fits([*replies[-1], c]) and replies[-1]:
+            replies.append([])
+        replies[-1].append(c)
+    turns = max(1, max_turns)
+    replies = replies[:turns]
+    if fits([*replies[-1], stop]) or not replies[-1]:
+        replies[-1].append(stop)
+    elif len(replies) < turns:
         replies.append([stop])
+    else:  # the last reply gives up calls until stop fits
+        while replies[-1] and not fits([*replies[-1], stop]):
+            replies[-1].pop()
+        replies[-1].append(stop)
     return ["\n".join(r) for r in replies]
 
 
-def scripted_builder(style: str, calls_per_turn: int, max_turns: int) -> Any:
-    """A `ScriptedEngine` policy: reply k of the episode whose prompt the session holds, for `style`."""
+def scripted_builder(style: str, calls_per_turn: int, max_turns: int, max_tokens: int = 0) -> Any:
+    """A `ScriptedEngine` policy: reply k of the episode whose prompt the session holds, for `style`
+    (`plan_replies`, replies of at most `max_tokens` tokens of the engine's tokenizer when > 0)."""
 
     plans: dict[int, list[str]] = {}
 
     def policy(session: FakeSession) -> str:
         key = id(session)
         if key not in plans:
-            plans[key] = plan_replies(style, listed_docs(session.text()), calls_per_turn, max_turns)
+            count = (lambda text: len(session.engine.tok.encode(text))) if max_tokens else None
+            plans[key] = plan_replies(style, listed_docs(session.text()), calls_per_turn, max_turns,
+                                      max_tokens, count)
         k = min(session.turns, len(plans[key]) - 1)
         return plans[key][k]
 
@@ -115,8 +156,8 @@ def tool_call_texts(tasks: Sequence[Any]) -> list[str]:
     for t in tasks:
         docs = []
         for d in t.documents:
-            m = _ENTITY_TITLE.match(d.title or "")
-            docs.append(ListedDoc(d.doc_id, d.title or "", m.group("name") if m else ""))
+            name, kind = entity_of_title(d.title or "")
+            docs.append(ListedDoc(d.doc_id, d.title or "", name, KIND_DIRS.get(kind, "")))
         out += ["\n".join(style_calls(s, docs)) for s in STYLES]
     return out
 
@@ -129,7 +170,27 @@ def tokenizer_texts(tasks: Sequence[Any]) -> list[str]:
 
     out = tool_call_texts(tasks)
     for t in tasks:
-        out.append(first_observation(Workspace.from_documents(list(t.documents)), len(t.documents)))
+        ws = Workspace.from_documents(list(t.documents))
+        out.append(first_observation(ws, len(t.documents)))
+        out.append(render_result(ws.list_dir(RAW_DIR)))  # what raw navigation lists
+        out += _answerer_views(ws, listed_docs(out[-2]))
+    return out
+
+
+def _answerer_views(ws: Workspace, docs: Sequence[ListedDoc]) -> list[str]:
+    """What an answerer reads of a `by_kind` workspace of these documents (files with empty bodies: only the
+    listings, the README and the headers matter here): the README, the root and each directory's listing."""
+    entities = [d for d in docs if d.entity]
+    results = []
+    for d in entities:
+        r = ws.create_file(d.entity, [RAW_DIR], "-")
+        results.append(render_response("create_file", r.ok, render_result(r), r.code))
+    out = [ws.readme_text(), render_result(ws.list_dir(".")), "\n".join(results)]
+    for group in dict.fromkeys(d.group for d in entities):
+        r = ws.merge_files(group, [d.entity for d in entities if d.group == group], "-")
+        out.append(render_response("merge_files", r.ok, render_result(r), r.code))
+        if r.ok:
+            out.append(render_result(ws.list_dir(r.data["path"])))
     return out
 
 
@@ -178,7 +239,8 @@ def make_demonstrations(
     out: list[dict[str, Any]] = []
     for style, style_tasks in jobs.items():
         engine = ScriptedEngine(
-            tokenizer, scripted_builder(style, calls_per_turn, cfg.builder.max_turns),
+            tokenizer,
+            scripted_builder(style, calls_per_turn, cfg.builder.max_turns, cfg.builder.max_new_tokens),
             end_id=template.stop_ids[0],
         )
         records = run_batch(style_tasks, 1, {"policy": engine, "frozen": engine}, tokenizer, cfg, rng=seed,

@@ -192,15 +192,24 @@ def run(settings: SFTConfig) -> dict[str, Any]:
 DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the run's train and held-out tasks
 
 
-def demo_tasks(config: SFTConfig) -> list[Any]:
-    """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world sizes,
-    seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever shown."""
+def demo_tasks(config: SFTConfig, num_tasks: int | None = None) -> list[Any]:
+    """The worlds the demonstrations are made on: `demos.num_tasks` (or `num_tasks`) synthetic tasks of the
+    run's world and sizes, seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out
+    corpus is ever shown."""
     require_typed(config, SFTConfig, "warm_start.sft.demo_tasks")
     d = config.data
-    return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks,
+    n = config.demos.num_tasks if num_tasks is None else num_tasks
+    return data.generate_world(config.seed + DEMO_SEED_OFFSET, n, data.WORLDS[d.world],
                                docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
                                questions_per_task=d.questions_per_task,
                                reuse_questions_per_task=d.reuse_questions_per_task)
+
+
+def demo_tokenizer(config: SFTConfig, pool: Sequence[Any]) -> Any:
+    """The warm start's tokenizer: trained (and cached under the workdir) on the demonstration worlds `pool`,
+    the agents' texts, and what the builder and the answerer read and write there
+    (`demos.tokenizer_texts`)."""
+    return inputs.build_tokenizer(config, list(pool), demos.tokenizer_texts(pool))
 
 
 def embedded_demonstrations(config: SFTConfig) -> tuple[list[dict[str, Any]], Any]:
@@ -211,7 +220,7 @@ def embedded_demonstrations(config: SFTConfig) -> tuple[list[dict[str, Any]], An
     reaches the warm start, and the warm start does not depend on the run's world size or split (runs that
     differ only in `data.num_tasks` / `data.heldout_fraction` start from the same policy)."""
     pool = demo_tasks(config)
-    tokenizer = inputs.build_tokenizer(config, pool, demos.tokenizer_texts(pool))
+    tokenizer = demo_tokenizer(config, pool)
     rollout_cfg = config.rollout.config
     d = config.demos
     key = {"tasks": [t.task_id for t in pool], "data": config.data.to_dict(),
@@ -240,21 +249,29 @@ def validate(config: Any, num_devices: int | None = None) -> SFTConfig:
 WARM_START_DIR = "warm_start"
 
 
-def warm_start(settings: GRPOConfig) -> tuple[GRPOConfig, dict[str, Any]]:
-    """Runs the supervised warm start (`configs/sft.py:<warm_start.sft_preset>` on this run's model, data,
-    rollout, roles and mesh, in `workdir/warm_start`; resumed or skipped when done) and returns (the GRPO
-    config starting from its checkpoint, validated, and the SFT summary). The demonstrations and SFT encode
-    with the builder's template of the run's protocol (`cluster.role_templates`), as GRPO samples."""
+def warm_start_config(settings: GRPOConfig) -> SFTConfig:
+    """The SFT config of `settings`' warm start: `configs/sft.py:<warm_start.sft_preset>` on the run's model,
+    world, rollout, roles and mesh, in `workdir/warm_start`, validated."""
     from configs import sft as sft_configs  # the presets live in the config files (above this package)
 
-    require_typed(settings, GRPOConfig, "warm_start.sft.warm_start")
+    require_typed(settings, GRPOConfig, "warm_start.sft.warm_start_config")
     grpo = settings.to_dict()
     preset = SFTConfig.parse(sft_configs.get_config(settings.warm_start.sft_preset)).to_dict()
     shared = {k: grpo[k] for k in ("seed", "preset", "builder_thinking", "model", "rollout", "roles", "mesh")}
     # the run's world, the preset's packing; the demonstrations, not a conversations file
     data = {**grpo["data"], "packing": preset["data"]["packing"], "path": ""}
-    sft_settings = validate({**preset, **shared, "data": data,
-                             "workdir": storage.join(settings.workdir, WARM_START_DIR)})
+    return validate({**preset, **shared, "data": data,
+                     "workdir": storage.join(settings.workdir, WARM_START_DIR)})
+
+
+def warm_start(settings: GRPOConfig) -> tuple[GRPOConfig, dict[str, Any]]:
+    """Runs the supervised warm start (`configs/sft.py:<warm_start.sft_preset>` on this run's model, data,
+    rollout, roles and mesh, in `workdir/warm_start`; resumed or skipped when done) and returns (the GRPO
+    config starting from its checkpoint, validated, and the SFT summary). The demonstrations and SFT encode
+    with the builder's template of the run's protocol (`cluster.role_templates`), as GRPO samples."""
+    require_typed(settings, GRPOConfig, "warm_start.sft.warm_start")
+    grpo = settings.to_dict()
+    sft_settings = warm_start_config(settings)
     done = storage.join(sft_settings.workdir, "sft_summary.json")
     summary: dict[str, Any] | None = None
     if storage.isfile(done):
