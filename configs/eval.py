@@ -56,6 +56,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.bm25.update(top_k=3, passage_words=120)  # every retrieval method's passages and top-k budget
     c.rerank.update(candidates=20, first_stage="bm25")
     c.agentic.update(index="bm25", k=3)  # k: the scripted navigator's searches (an LLM picks its own)
+    # every retrieval method reads what the trained builder's workspaces cost the answerer, its k tuned on the
+    # run's training corpora (docs/eval.md, "Retrieval budget"); "fixed": bm25.top_k and agentic.k
+    c.retrieval_budget.update(mode="matched", ks="1,2,3,5,8,12,16,20", corpora=16, against="trained")
     c.graphrag.update(seed=0, resolution=1.0, extract_max_tokens=2048, extract_max_new_tokens=512,
                       summary_words=200, summary_max_new_tokens=512)
     # an embedded corpus (6 documents of 40-80 words) fits 2,000 tokens whole (96.0% on the embedded world's
@@ -78,6 +81,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         # embedding top 20 (Qwen3-Reranker), agentic search over the embedding index. AutoCompaction's step
         # (notes + piece + its reply, 2 * budget + chunk + ~150 tokens) fits the executor's 8,192 context
         c.methods = paper_methods
+        c.retrieval_budget.mode = "fixed"  # the paper's k (tuning would answer 16 corpora x 8 k per method)
         c.rerank.update(candidates=20, first_stage="embedding")
         c.agentic.index = "embedding"
         c.roles.embedding.update(dtype="bfloat16", batch_size=64)

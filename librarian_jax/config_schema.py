@@ -688,6 +688,32 @@ class AgenticSection(Section):
     k: int = spec(3, lo=1, hi=20)
 
 
+BUDGET_MODES = ("fixed", "matched")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalBudgetSection(Section):
+    """How many passages the retrieval methods get: their k (the passages in the first prompt of `bm25`,
+    `embedding` and `rerank`, each `agentic` search's). `fixed`: `bm25.top_k` and `agentic.k`. `matched`
+    (docs/eval.md, "Retrieval budget"): each method's k is tuned on up to `corpora` of the run's training
+    corpora (never a held-out one) to its best accuracy among the candidates `ks` whose tokens read per
+    question there stay within the tokens the answerer read per question on the `against` method's
+    workspaces (held-out mean): the same reading budget as the workspace method it is compared with."""
+
+    mode: str = spec("fixed", choices=BUDGET_MODES)
+    ks: str = spec("1,2,3,5,8,12,16,20")
+    corpora: int = spec(16, lo=1)
+    against: str = spec("trained")
+
+    def check(self, key: str) -> None:
+        try:
+            ks = [int(x) for x in self.ks.split(",") if x.strip()]
+        except ValueError:
+            ks = []
+        if not ks or min(ks) < 1 or max(ks) > 20:
+            raise config_error(f"{key}.ks", f"must list k values in 1..20, got {self.ks!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphRAGSection(Section):
     """The `graphrag` method (eval.constructions): extraction and community summaries by the executor,
@@ -803,6 +829,7 @@ class EvalConfig(Section):
     bm25: BM25Section = _section(BM25Section)  # passages (every retrieval method) and the top-k budget
     rerank: RerankSection = _section(RerankSection)
     agentic: AgenticSection = _section(AgenticSection)
+    retrieval_budget: RetrievalBudgetSection = _section(RetrievalBudgetSection)
     graphrag: GraphRAGSection = _section(GraphRAGSection)
     autocompaction: AutoCompactionSection = _section(AutoCompactionSection)
     ablation: AblationSection = _section(AblationSection)

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 
-from librarian_jax import cluster
+from librarian_jax import cluster, distributed
 from librarian_jax.agents.runtime import EXECUTOR, AgentContext
 from librarian_jax.config_schema import RETRIEVAL_INDEXES
-from librarian_jax.eval import constructions, retrieval
+from librarian_jax.eval import constructions, pipeline, retrieval
 from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import Workspace
 
@@ -117,13 +117,23 @@ def _index(kind: str, chunks: Sequence[retrieval.Passage], models: RetrievalMode
     return meter.run([emb], lambda: retrieval.EmbeddingIndex(chunks, emb)), [emb]
 
 
+RETRIEVAL_METHODS = ("bm25", "embedding", "rerank", "agentic")  # the methods with a passage budget k
+
+
+def method_k(method: str, c: Any, ks: Mapping[str, int] | None = None) -> int:
+    """A retrieval method's k: `ks[method]` when given (a tuned budget), else the config's (`bm25.top_k`
+    for the passages in the first prompt, `agentic.k` for each search)."""
+    if ks and method in ks:
+        return int(ks[method])
+    return int(c.agentic.k if method == "agentic" else c.bm25.top_k)
+
+
 def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], c: Any, samples: int,
-                   models: RetrievalModels) -> list[rjobs.Job]:
+                   models: RetrievalModels, ks: Mapping[str, int] | None = None) -> list[rjobs.Job]:
     """The jobs of the methods without construction (`raw`, `bm25`, `embedding`, `rerank`, `agentic`) for one
     corpus, in `methods` order; retrieval runs here (the passages of each question) except agentic search,
-    which runs while the answerer answers."""
+    which runs while the answerer answers. `ks`: a retrieval method's k instead of the config's."""
     chunks = retrieval.passages(task, c.bm25.passage_words)
-    k = min(int(c.bm25.top_k), len(chunks))
     jobs = []
 
     def raw_ws() -> Any:
@@ -143,9 +153,10 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
         if m == "raw":
             jobs.append(rjobs.Job("raw", task, raw_ws(), samples))
         elif m in RETRIEVAL_INDEXES:  # the `bm25` and `embedding` methods: their index's top k
+            k = min(method_k(m, c, ks), len(chunks))
             index, counters = _index(m, chunks, models, meter)
-            pre = preambles("BM25" if m == "bm25" else "embedding", lambda q, i=index: i.search(q, k), meter,
-                            counters)
+            pre = preambles("BM25" if m == "bm25" else "embedding", lambda q, i=index, k=k: i.search(q, k),
+                            meter, counters)
             jobs.append(rjobs.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
                                      embedded=lambda meter=meter: meter.tokens))
         elif m == "rerank":
@@ -153,9 +164,11 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
                 raise ValueError("rerank needs roles.reranker")
             index, counters = _index(c.rerank.first_stage, chunks, models, meter)
             rr = models.reranker
-            n = int(c.rerank.candidates)
+            k = min(method_k(m, c, ks), len(chunks))
+            n = max(int(c.rerank.candidates), k)
 
-            def rerank(q: str, index: Any = index, rr: Any = rr, n: int = n) -> list[tuple[int, float]]:
+            def rerank(q: str, index: Any = index, rr: Any = rr, n: int = n, k: int = k
+                       ) -> list[tuple[int, float]]:
                 return rr.rerank(q, chunks, index.search(q, n), k)
 
             pre = preambles(f"{c.rerank.first_stage} top {n} reranked", rerank, meter, [*counters, rr])
@@ -164,7 +177,7 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
         elif m == "agentic":
             index, counters = _index(c.agentic.index, chunks, models, meter)
             searcher = Searcher(chunks, index, meter, counters)
-            jobs.append(rjobs.Job(m, task, raw_ws(), samples, search=searcher, search_k=int(c.agentic.k),
+            jobs.append(rjobs.Job(m, task, raw_ws(), samples, search=searcher, search_k=method_k(m, c, ks),
                                      embedded=lambda meter=meter: meter.tokens))
     return jobs
 
@@ -222,13 +235,20 @@ def baseline_sections(
     mesh: Any,
     *,
     timing: dict[str, float],
+    tune: Callable[[RetrievalModels], dict[str, int]] | None = None,
 ) -> tuple[list[rjobs.Job], dict[str, list[rjobs.Built]], dict[str, Any]]:
     """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
     constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
-    description. `models_` is the eval's cluster (`cli.Models`); `timing` gets `build_<method>_s`."""
+    description. `models_` is the eval's cluster (`cli.Models`); `timing` gets `build_<method>_s`;
+    `tune(models) -> {method: k}` sets the retrieval methods' k (a `matched` budget, `tune_ks`)."""
     t0 = time.perf_counter()
     models = load_models(methods, c, mesh, tokenizer)
     timing["load_retrieval_s"] = time.perf_counter() - t0
+    ks: dict[str, int] = {}
+    if tune is not None:
+        t0 = time.perf_counter()
+        ks = tune(models)
+        timing["tune_retrieval_s"] = time.perf_counter() - t0
     built_by: dict[str, list[rjobs.Built]] = {}
     for m in CONSTRUCTED:
         if m in methods:
@@ -241,7 +261,7 @@ def baseline_sections(
     jobs: list[rjobs.Job] = []
     t0 = time.perf_counter()
     for i, t in enumerate(tasks):
-        jobs.extend(retrieval_jobs(simple, t, rjobs.questions_of(t, config), c, c.samples, models))
+        jobs.extend(retrieval_jobs(simple, t, rjobs.questions_of(t, config), c, c.samples, models, ks))
         for m in CONSTRUCTED:
             if m in methods:
                 b = built_by[m][i]
@@ -252,3 +272,72 @@ def baseline_sections(
     jobs.sort(key=lambda j: (pos[j.task.task_id], order[j.method]))
     timing["retrieve_s"] = time.perf_counter() - t0
     return jobs, built_by, models.described
+
+
+# ------------------------------------------------------------------------------------------- retrieval budget
+
+
+def budget_ks(spec: str) -> list[int]:
+    """The candidate k values of `retrieval_budget.ks` ("1,2,3,5"), sorted, without repeats."""
+    return sorted({int(x) for x in spec.split(",") if x.strip()})
+
+
+def choose_k(tried: Sequence[Mapping[str, float]], budget_tokens: float) -> int:
+    """The k of `tried` (`{"k", "accuracy", "tokens_read"}` rows, one per candidate) with the best accuracy
+    among those whose tokens read per question stay within `budget_tokens`, the smaller k on a tie; when no
+    candidate fits, the one that reads least."""
+    fits = [t for t in tried if t["tokens_read"] <= budget_tokens]
+    if not fits:
+        return int(min(tried, key=lambda t: (t["tokens_read"], t["k"]))["k"])
+    return int(max(fits, key=lambda t: (t["accuracy"], -t["k"]))["k"])
+
+
+def tune_ks(
+    methods: Sequence[str],
+    tasks: Sequence[Any],
+    budget_tokens: float,
+    models_: Any,
+    tokenizer: Any,
+    config: Any,
+    c: Any,
+    models: RetrievalModels,
+    *,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """Each retrieval method's k for a `matched` budget (`config_schema.RetrievalBudgetSection`): every
+    candidate of `c.retrieval_budget.ks` answered by the run's answerer on `tasks` (training corpora), and
+    `choose_k` against `budget_tokens`. Multi-process: each process answers its share of `tasks`; the rows
+    are gathered, so every process chooses the same k. Returns `{method: {"k", "budget_tokens", "tried"}}`."""
+    ks = budget_ks(c.retrieval_budget.ks)
+    part = distributed.share(len(tasks))
+    jobs: list[rjobs.Job] = []
+    tags: list[tuple[str, int]] = []
+    for t in tasks[part]:
+        qs = rjobs.questions_of(t, config)
+        for m in methods:
+            for k in ks:
+                for j in retrieval_jobs([m], t, qs, c, 1, models, ks={m: k}):
+                    jobs.append(j)
+                    tags.append((m, k))
+    answers = rjobs.answer_jobs(jobs, models_.engines, tokenizer, config, templates=models_.templates,
+                                seed=seed, reset=models_.reset, progress=False)
+    rows = []
+    for (m, k), j, a in zip(tags, jobs, answers, strict=True):
+        for r in pipeline.job_records(j, a, config):
+            rows.append([m, k, float(r["correct"]), float(r["tokens_read"])])
+    gathered = distributed.gather_sections([("rows", rows)], "tune_retrieval_k")["rows"]
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        tried = []
+        for k in ks:
+            sel = [(c_, t_) for m_, k_, c_, t_ in gathered if m_ == m and k_ == k]
+            if sel:
+                tried.append({"k": k, "accuracy": float(np.mean([x for x, _ in sel])),
+                              "tokens_read": float(np.mean([y for _, y in sel]))})
+        k = choose_k(tried, budget_tokens) if tried else method_k(m, c)
+        out[m] = {"k": k, "budget_tokens": float(budget_tokens), "corpora": len(tasks), "tried": tried}
+        logging.info("retrieval budget: %s k=%d (tokens read <= %.0f per question, %d training corpora: %s)",
+                     m, k, budget_tokens, len(tasks),
+                     ", ".join(f"k={t['k']} {100 * t['accuracy']:.1f}% {t['tokens_read']:.0f} tok"
+                               for t in tried))
+    return out

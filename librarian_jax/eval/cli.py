@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -494,9 +495,38 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         built_by[label] = built
         sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
+    answer_of: dict[int, Any] = {}
+    timing["answer_s"] = 0.0
+
+    def answer(jobs: list[rjobs.Job]) -> None:
+        t0 = time.perf_counter()
+        out = rjobs.answer_jobs(jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
+                                reset=models.reset, progress=progress)
+        answer_of.update({id(j): a for j, a in zip(jobs, out, strict=True)})
+        timing["answer_s"] += time.perf_counter() - t0
+
+    tuned: dict[str, dict[str, Any]] = {}
+    tune = None
+    budgeted = [m for m in plan.methods if m in baselines.RETRIEVAL_METHODS]
+    matched = c.retrieval_budget.mode == "matched" and bool(budgeted)
+    if matched and c.retrieval_budget.against not in plan.methods:
+        logging.info("retrieval budget: %r is not evaluated here, so %s keep their fixed k (bm25.top_k, "
+                     "agentic.k)", c.retrieval_budget.against, budgeted)
+        matched = False
+    if matched:
+        # the workspace methods' answers first: what the answerer read on them is the retrieval budget
+        answer([j for _, js in sections for j in js])
+        budget = reading_budget(c.retrieval_budget.against, sections, answer_of, cfg)
+
+        def tune(retrieval_models: baselines.RetrievalModels) -> dict[str, int]:
+            train = training_tasks(plan)[: c.retrieval_budget.corpora]
+            tuned.update(baselines.tune_ks(budgeted, train, budget, models, tokenizer, cfg, c,
+                                           retrieval_models, seed=c.seed))
+            return {m: t["k"] for m, t in tuned.items()}
+
     # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
     base_jobs, constructed, retrieval_models = baselines.baseline_sections(
-        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing)
+        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing, tune=tune)
     built_by.update(constructed)
     sections.append(("baselines", base_jobs))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
@@ -508,14 +538,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
             for name, ws in (("flattened", flat), ("shuffled", shuf)):
                 variants.append(rjobs.Job.of(b, 1, method=name, workspace=ws))
     sections.append(("ablation", variants))
-    jobs = [j for _, js in sections for j in js]
-    t0 = time.perf_counter()
-    answers = rjobs.answer_jobs(
-        jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed, reset=models.reset,
-        progress=progress,
-    )
-    timing["answer_s"] = time.perf_counter() - t0
-    answer_of = {id(j): a for j, a in zip(jobs, answers, strict=True)}
+    answer([j for _, js in sections for j in js if id(j) not in answer_of])
     own = [
         (name, [dict(r, step=plan.step) for j in js for r in pipeline.job_records(j, answer_of[id(j)], cfg)])
         for name, js in sections
@@ -548,6 +571,12 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         ablation=ablation,
     )
     results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in built_by}
+    results["retrieval_budget"] = {
+        "mode": "matched" if tuned else "fixed",
+        "ks": {m: baselines.method_k(m, c, {k: t["k"] for k, t in tuned.items()})
+               for m in plan.methods if m in baselines.RETRIEVAL_METHODS},
+        "tuning": tuned,
+    }
     results["protocol"] = proto
     results["accounting"] = ACCOUNTING
     results["setup"] = {
@@ -592,6 +621,36 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         report.write_report(plan.out_dir, results, records, step=max(plan.step, 0))
         cluster.write_protocol(storage.join(plan.out_dir, cluster.PROTOCOL_FILE), proto["used"])
     return results, records
+
+
+def reading_budget(against: str, sections: list[tuple[str, list[rjobs.Job]]], answer_of: dict[int, Any],
+                   cfg: Any) -> float:
+    """Tokens the answerer read per question on method `against`'s workspaces, over every process's corpora
+    (the `matched` retrieval budget). A run without that method, or whose answers all failed: raises."""
+    rows = [[r["tokens_read"], r["status"] in ("ok", "cache_full")] for _, js in sections for j in js
+            if j.method == against for r in pipeline.job_records(j, answer_of[id(j)], cfg)]
+    rows = distributed.gather_sections([("rows", rows)], "reading_budget")["rows"]
+    read = [t for t, answered in rows if answered]
+    if not read:
+        raise _err("retrieval_budget.against", f"{against!r} has no answered question to take a reading "
+                   f"budget from (methods must include it, or set retrieval_budget.mode='fixed')")
+    return float(np.mean(read))
+
+
+def training_tasks(plan: Plan) -> list[Any]:
+    """The run's training corpora (its split.json `train` ids, in order): where a `matched` retrieval budget
+    tunes its k. None recorded (a tasks file without a run): raises."""
+    split = storage.join(plan.run_dir, "split.json") if plan.run_dir else ""
+    if not split or not storage.isfile(split):
+        raise _err("retrieval_budget.mode", "'matched' tunes k on the run's training corpora: it needs a run "
+                   "with a split.json (or set retrieval_budget.mode='fixed')")
+    ids = json.loads(storage.read_text(split)).get("train", [])
+    train, held = inputs.build_tasks(plan.run_cfg)
+    by_id = {t.task_id: t for t in train + held}
+    tasks = [by_id[i] for i in ids if i in by_id]
+    if not tasks:
+        raise _err("retrieval_budget.mode", f"no training corpus of {split} is in the run's data")
+    return tasks
 
 
 def export_workspaces(root: str, built_by: dict[str, list[rjobs.Built]]) -> dict[str, int]:
