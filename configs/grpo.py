@@ -215,7 +215,9 @@ def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     from their pages, unnamed later hops and counting questions, read by an answerer with 6 tool calls in a
     3,072-token context. Its warm start demonstrates a directory per entity kind (configs/sft.py:noisy)."""
     c.data.update(world="noisy", docs_per_task=20, min_words=50, max_words=100, questions_per_task=8)
-    c.rollout.builder.update(max_turns=4)
+    # the builder lists the raw documents compactly and names them all raw_docs; its files focus on what
+    # their titles name (agents.executor, "focused")
+    c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="focused")
     c.rollout.answerer.update(max_turns=6, context_budget=3072)
     c.warm_start.sft_preset = "noisy"
     c.workdir = "/tmp/librarian_jax/grpo_noisy"

@@ -60,7 +60,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         num_tasks=256,          # worlds to demonstrate on (seeded apart from the run's train/held-out tasks)
         per_task=1,             # demonstrations per world
         calls_per_turn=2,       # calls per scripted reply (0: as many as fit rollout.builder.max_new_tokens)
-        mix=dict(entities=0.25, own_doc=0.4, generic=0.1, early_stop=0.25),  # the mode is a poor style
+        # the mode is a poor style (own_doc); by_kind is the noisy preset's
+        mix=dict(entities=0.25, by_kind=0.0, own_doc=0.4, generic=0.1, early_stop=0.25),
     ))
     if c.preset == "noisy":  # the good styles: entity files in a directory per kind (by_kind), or flat
         c.demos.update(calls_per_turn=0, mix=dict(by_kind=0.15, entities=0.1, own_doc=0.4, generic=0.1,

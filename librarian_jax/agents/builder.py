@@ -77,8 +77,7 @@ BUILDER_TOOLS: tuple[ToolSpec, ...] = (
             Param("instructions", "str", False, ""),
             Param("parent_path", "str", False, None),
         ),
-        "write a new synthetic file from these sources (raw or synthetic; raw_docs names every raw "
-        "document), optionally inside a directory",
+        "write a new synthetic file from these sources (raw or synthetic), optionally inside a directory",
     ),
     ToolSpec(
         "merge_files",
@@ -125,7 +124,7 @@ class BuilderConfig:
     max_calls_per_turn: int = 16
     observation_max_chars: int = 48_000
     context_budget: int = 0  # tokens one session may hold (0: no limit; run_batch sets the engine's)
-    executor: str = "model"  # "model" | "extractive"
+    executor: str = "model"  # "model" | "extractive" | "focused" (extractive, on what the title names)
     executor_max_new_tokens: int = 512
     executor_max_words: int = 360  # extractive executor output budget
     excerpt_max_lines: int = 100
@@ -138,6 +137,9 @@ class BuilderConfig:
     # the system prompt's file in agents/prompts/: "builder_system" (the paper's), or "builder_system_compact"
     # (the same tools and rules in a quarter of the tokens: the embedded world's tiny model)
     system_prompt: str = "builder_system"
+    # how the first message lists the raw documents: "full" (their raw_docs/ listing: path, title, doc_id,
+    # size, hash) or "compact" (one `doc_id "title" (N chars)` line each, and that raw_docs names them all)
+    raw_listing: str = "full"
     # create_file / merge_files take an optional `text` the builder writes itself (the executor writes the
     # file when it is absent or empty), as the authors' tools allow (`BUILDER_TEXT_TOOLS`)
     write_text: bool = False
@@ -213,15 +215,23 @@ def render_result(result: Any) -> str:
     return result.text or result.message if result.ok else f"ERROR [{result.code}]: {result.message}"
 
 
-def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | None = None) -> str:
-    """The builder's first user message: the collection's size, the root listing and the raw documents; for
-    an update episode (`update`: `workspace.UpdateStart.prompt_fields()`) instead what changed, the stale
-    synthetic files and the new and changed documents (`prompts/builder_update.txt`), not the listings."""
+RAW_LISTINGS = ("full", "compact")  # BuilderConfig.raw_listing
+_COMPACT_HEAD = "(doc_id, title, size; name a source by its doc_id, or every document as raw_docs)"
+
+
+def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | None = None,
+                      listing: str = "full") -> str:
+    """The builder's first user message: the collection's size, the root listing and the raw documents (their
+    `raw_docs/` listing, or with `listing="compact"` one line each: `raw_listing`); for an update episode
+    (`update`: `workspace.UpdateStart.prompt_fields()`) instead what changed, the stale synthetic files and
+    the new and changed documents (`prompts/builder_update.txt`), not the listings."""
     if update is not None:
         return prompt_text.render("builder_update", num_docs=num_docs, **update)
+    compact = listing == "compact"
     return prompt_text.render("builder_user", num_docs=num_docs,
                               listing=render_result(workspace.list_dir(".")),
-                              raw_listing=raw_listing(workspace))
+                              raw_listing=_COMPACT_HEAD + "\n" + raw_listing(workspace) if compact
+                              else render_result(workspace.list_dir(RAW_DIR)))
 
 
 def raw_listing(workspace: Any) -> str:
@@ -246,7 +256,7 @@ class BuilderAgent:
         self.segments: list[Segment] = []
         self.actions: list[str] = []
         self.system_ids = ctx.template.start(self.system_prompt())
-        user = first_observation(workspace, num_docs, update)
+        user = first_observation(workspace, num_docs, update, config.raw_listing)
         prompt = self.system_ids + ctx.template.turn("user", user)
         # The text of every turn, one conversation per training segment (a compaction starts the next): the
         # episode as chat messages, e.g. for supervised data (`rl.sft` encodes them back to these exact ids).

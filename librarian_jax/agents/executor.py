@@ -57,26 +57,30 @@ def split_sentences(text: str) -> list[str]:
 
 
 def extractive_text(
-    title: str, instructions: str, sources: Sequence[tuple[str, str]], *, max_words: int = 360
+    title: str, instructions: str, sources: Sequence[tuple[str, str]], *, max_words: int = 360,
+    focus: bool = False,
 ) -> str:
     """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`.
 
-    When some sentence of the sources holds every content word of the title (the title names something
+    With `focus` (the `"focused"` executor), when some sentence of the sources holds every content word of the
+    title (the title names something
     they mention: "Orlen Vask", "Kestrel Institute"), the text is *focused*: every such sentence, over all
     sources, in source order, each source that has one a block, under `max_words` in all ("Orlen Vask" keeps
     the sentences naming Orlen Vask, not those naming a look-alike "Orlen Vasko"). Otherwise (a title like
     "Notes, part 1" that names nothing in them) each source gets an even share of the budget: its lead
-    sentence, then the sentences sharing most content words with the title and instructions."""
+    sentence, then the sentences sharing most content words with the title and instructions (always, without
+    `focus`)."""
     query = content_words(title + " " + (instructions or ""))
     lines = [title.strip() or "Untitled"]
     sources = [(p, t) for p, t in sources if t and t.strip()]
     if not sources:
         return lines[0]
-    named = content_words(title)
-    focus = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)]) for p, t in sources]
-    if any(keep for _, keep in focus):
+    named = content_words(title) if focus else set()
+    focused = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)])
+               for p, t in sources]
+    if any(keep for _, keep in focused):
         words = 0
-        for path, keep in focus:
+        for path, keep in focused:
             if not keep or words >= max_words:
                 continue
             body = " ".join(keep).split()[: max_words - words]
@@ -135,14 +139,13 @@ def write(
       title, instructions: the builder's arguments.
       sources: (path, excerpt text) per source, for the extractive executor.
       excerpt_text: the rendered excerpts the model executor reads (workspace.source_excerpts text).
-      kind: `"model"` or `"extractive"`.
+      kind: `"model"`, `"extractive"` or `"focused"` (extractive, focused on what the title names).
     """
-    if kind == "extractive":
-        return ExecutorOutput(
-            clean_content(extractive_text(title, instructions, sources, max_words=max_words))
-        )
+    if kind in ("extractive", "focused"):
+        return ExecutorOutput(clean_content(extractive_text(title, instructions, sources, max_words=max_words,
+                                                            focus=kind == "focused")))
     if kind != "model":
-        raise ValueError(f"executor kind must be 'model' or 'extractive', got {kind!r}")
+        raise ValueError(f"executor kind must be 'model', 'extractive' or 'focused', got {kind!r}")
     if ctx is None:
         raise ValueError("the model executor needs an AgentContext")
     tpl = ctx.template_for(EXECUTOR)

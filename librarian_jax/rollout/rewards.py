@@ -104,10 +104,15 @@ class RolloutConfig:
                 f"({[n for n in PROMPT_NAMES if n.startswith('builder_system')]}), "
                 f"got {self.builder.system_prompt!r}"
             )
-        if self.builder.executor not in ("model", "extractive"):
+        if self.builder.executor not in ("model", "extractive", "focused"):
             raise ValueError(
-                f"RolloutConfig.builder.executor must be 'model' or 'extractive', "
+                f"RolloutConfig.builder.executor must be 'model', 'extractive' or 'focused', "
                 f"got {self.builder.executor!r}"
+            )
+        if self.builder.raw_listing not in ("full", "compact"):
+            raise ValueError(
+                f"RolloutConfig.builder.raw_listing must be 'full' or 'compact', "
+                f"got {self.builder.raw_listing!r}"
             )
         if self.builder.compaction not in ("deterministic", "model", "none"):
             raise ValueError(

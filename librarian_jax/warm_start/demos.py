@@ -43,7 +43,8 @@ from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
 STYLES = ("entities", "by_kind", "own_doc", "generic", "early_stop")
-DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "own_doc": 0.4, "generic": 0.1, "early_stop": 0.25}
+DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "by_kind": 0.0, "own_doc": 0.4, "generic": 0.1,
+                                 "early_stop": 0.25}
 # a raw document's line in the builder's first message (`agents.builder.raw_listing`) or in a listing of
 # raw_docs/ (the update prompt's new documents)
 _RAW_LINE = re.compile(r'^(?:(?P<id>[^\s"]+)\s+"(?P<title1>[^"]*)"\s+\([\d,]+ chars\)$'
@@ -59,6 +60,7 @@ class ListedDoc:
     title: str
     entity: str  # the entity the title names ("" for e.g. meeting notes)
     group: str = ""  # the directory a `by_kind` builder puts its file in (`KIND_DIRS`)
+    compact: bool = False  # listed by the compact listing, which names every document `raw_docs`
 
 
 def listed_docs(prompt_text: str) -> list[ListedDoc]:
@@ -68,7 +70,7 @@ def listed_docs(prompt_text: str) -> list[ListedDoc]:
         doc, title = ((m.group("id"), m.group("title1")) if m.group("id")
                       else (m.group("doc"), m.group("title")))
         name, kind = entity_of_title(title)
-        out.append(ListedDoc(doc, title, name, KIND_DIRS.get(kind, "")))
+        out.append(ListedDoc(doc, title, name, KIND_DIRS.get(kind, ""), bool(m.group("id"))))
     return out
 
 
@@ -77,10 +79,12 @@ def _call(name: str, **arguments: Any) -> str:
 
 
 def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
-    """Every tool call (rendered) a builder of `style` makes over `docs`, stop included."""
+    """Every tool call (rendered) a builder of `style` makes over `docs`, stop included. A file written from
+    every document names them `raw_docs` where the compact listing says so, else by their doc ids."""
     ids = [d.doc_id for d in docs]
+    every = [RAW_DIR] if docs and docs[0].compact else ids
     if style == "entities":
-        calls = [_call("create_file", title=d.entity, input_paths=[RAW_DIR]) for d in docs if d.entity]
+        calls = [_call("create_file", title=d.entity, input_paths=every) for d in docs if d.entity]
     elif style == "by_kind":  # the entity files, then one directory per kind of entity holding them
         entities = [d for d in docs if d.entity]
         calls = [_call("create_file", title=d.entity, input_paths=[RAW_DIR]) for d in entities]
@@ -149,31 +153,35 @@ def scripted_builder(style: str, calls_per_turn: int, max_turns: int, max_tokens
     return policy
 
 
-def tool_call_texts(tasks: Sequence[Any]) -> list[str]:
-    """The tool calls every style would write for these tasks (from their documents' titles and ids), one
-    text per task and style: what the warm start's tokenizer should encode compactly."""
+def tool_call_texts(tasks: Sequence[Any], styles: Sequence[str] = STYLES, compact: bool = False) -> list[str]:
+    """The tool calls each of `styles` would write for these tasks (from their documents' titles and ids),
+    one text per task and style: what the warm start's tokenizer should encode compactly."""
     out = []
     for t in tasks:
         docs = []
         for d in t.documents:
             name, kind = entity_of_title(d.title or "")
-            docs.append(ListedDoc(d.doc_id, d.title or "", name, KIND_DIRS.get(kind, "")))
-        out += ["\n".join(style_calls(s, docs)) for s in STYLES]
+            docs.append(ListedDoc(d.doc_id, d.title or "", name, KIND_DIRS.get(kind, ""), compact))
+        out += ["\n".join(style_calls(s, docs)) for s in styles]
     return out
 
 
-def tokenizer_texts(tasks: Sequence[Any]) -> list[str]:
+def tokenizer_texts(tasks: Sequence[Any], listing: str = "full") -> list[str]:
     """What the warm start's tokenizer should encode compactly besides the documents: the tool calls every
     style writes (`tool_call_texts`) and the builder's first message for each task (the root and raw-document
     listings as the real workspace renders them: the largest part of a builder episode after the documents,
-    and text the documents alone do not teach a small tokenizer)."""
-
-    out = tool_call_texts(tasks)
+    and text the documents alone do not teach a small tokenizer). With the compact raw listing
+    (`BuilderConfig.raw_listing`, the noisy preset's) also the `by_kind` style's calls, the `raw_docs/`
+    listing raw navigation reads and what an answerer reads of a `by_kind` workspace; with the full one the
+    texts the classic world's warm start was made with."""
+    compact = listing == "compact"
+    out = tool_call_texts(tasks, STYLES if compact else [s for s in STYLES if s != "by_kind"], compact)
     for t in tasks:
         ws = Workspace.from_documents(list(t.documents))
-        out.append(first_observation(ws, len(t.documents)))
-        out.append(render_result(ws.list_dir(RAW_DIR)))  # what raw navigation lists
-        out += _answerer_views(ws, listed_docs(out[-2]))
+        out.append(first_observation(ws, len(t.documents), listing=listing))
+        if compact:
+            out.append(render_result(ws.list_dir(RAW_DIR)))  # what raw navigation lists
+            out += _answerer_views(ws, listed_docs(out[-2]))
     return out
 
 
@@ -200,7 +208,7 @@ def style_counts(num: int, mix: Mapping[str, float]) -> dict[str, int]:
     if bad:
         raise ValueError(f"demonstration mix: unknown style {bad[0]!r}; known: {STYLES}")
     total = sum(mix.values())
-    raw = {s: num * w / total for s, w in mix.items()}
+    raw = {s: num * w / total for s, w in mix.items() if w > 0}
     counts = {s: int(v) for s, v in raw.items()}
     for s in sorted(raw, key=lambda s: counts[s] - raw[s])[: num - sum(counts.values())]:
         counts[s] += 1

@@ -209,7 +209,8 @@ def demo_tokenizer(config: SFTConfig, pool: Sequence[Any]) -> Any:
     """The warm start's tokenizer: trained (and cached under the workdir) on the demonstration worlds `pool`,
     the agents' texts, and what the builder and the answerer read and write there
     (`demos.tokenizer_texts`)."""
-    return inputs.build_tokenizer(config, list(pool), demos.tokenizer_texts(pool))
+    return inputs.build_tokenizer(config, list(pool),
+                                  demos.tokenizer_texts(pool, config.rollout.config.builder.raw_listing))
 
 
 def embedded_demonstrations(config: SFTConfig) -> tuple[list[dict[str, Any]], Any]:
