@@ -595,6 +595,11 @@ class DemosSection(Section):
 # ------------------------------------------------------------------------------------------- commands
 
 
+def sweep_seeds(text: str) -> list[int]:
+    """The seeds of `seeds` ("0,1,2"), in order, without repeats."""
+    return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(Section):
     """`configs/grpo.py`: GRPO training of the builder (`main` with command "train")."""
@@ -604,6 +609,9 @@ class GRPOConfig(Section):
     preset: str = spec("embedded")
     workdir: str = spec("/tmp/librarian_jax/grpo", nonempty=True)
     seed: int = spec(0, lo=0)
+    # a seed sweep: "0,1,2,3,4" runs the whole command once per seed (its world, warm start, GRPO and final
+    # evaluation) in workdir/seed_<s>/, then pools the final evaluations in workdir/sweep/ (eval.sweep)
+    seeds: str = spec("")
     builder_thinking: bool = spec(True)  # Qwen3.5 template's thinking switch for the builder
     model: ModelSection = _section(ModelSection)
     data: DataSection = _section(DataSection)
@@ -616,6 +624,18 @@ class GRPOConfig(Section):
     checkpoint: CheckpointSection = _section(CheckpointSection)
 
     def check(self, key: str) -> None:
+        if self.seeds:
+            try:
+                seeds = sweep_seeds(self.seeds)
+            except ValueError:
+                seeds = []
+            if not seeds or min(seeds) < 0:
+                raise config_error("seeds", f"must be comma-separated seeds >= 0 (e.g. '0,1,2'), got "
+                                   f"{self.seeds!r}")
+            if not self.eval.final_methods or "trained" not in parse_methods(self.eval.final_methods,
+                                                                             "eval.final_methods"):
+                raise config_error("seeds", "a sweep pools the final evaluations: eval.final_methods must "
+                                   "include trained")
         if self.rollout.group_size < 2:
             raise config_error("rollout.group_size", f"must be >= 2 for GRPO, got {self.rollout.group_size}: "
                                "advantages are rewards relative to the group's mean, so a group of one gives "

@@ -33,6 +33,7 @@ from librarian_jax import (
     checkpoint,
     cluster,
     compile_cache,
+    config_schema,
     config_validation,
     distributed,
     inputs,
@@ -43,6 +44,7 @@ from librarian_jax import eval as eval_lib
 from librarian_jax.config_schema import GRPOConfig, require_typed
 from librarian_jax.data import TaskPipeline
 from librarian_jax.eval import pipeline, restore
+from librarian_jax.eval import sweep as sweep_lib
 from librarian_jax.rl import rows as rows_lib
 from librarian_jax.rl import train_step
 from librarian_jax.warm_start import sft as warm_start_sft
@@ -336,6 +338,7 @@ def run(config: Any) -> dict[str, Any]:
     totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
     metrics: dict[str, float] = {}
     curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
+    heldout_curve: list[tuple[int, float]] = []  # (step, held-out accuracy) of the periodic evaluations
     initial: dict[str, float] = {}
     try:
         if settings.eval.every and state.heldout and state.step == 0 and num_steps > 0:
@@ -349,6 +352,7 @@ def run(config: Any) -> dict[str, Any]:
                 logging.info("step 0/%d (the starting policy) | held-out acc %.3f (%.1fs)", num_steps,
                              initial["eval/accuracy"], took)
             _write_scalars(writer, initial, 0)
+            heldout_curve.append((0, initial["eval/accuracy"]))
         while state.step < num_steps:
             records, metrics = train_one_step(state)
             step = state.step
@@ -358,6 +362,8 @@ def run(config: Any) -> dict[str, Any]:
             if primary:  # metrics are already reduced over the processes: one line for the job
                 logging.info("%s", progress_line(step, num_steps, metrics))
             curve.append((step, metrics["reward/mean"]))
+            if "eval/accuracy" in metrics:
+                heldout_curve.append((step, metrics["eval/accuracy"]))
             _write_scalars(writer, metrics, step)
             # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
             distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
@@ -375,6 +381,9 @@ def run(config: Any) -> dict[str, Any]:
     learning = reward_curve(curve, storage.join(workdir, "reward_curve.png") if primary else None)
     if learning:
         logging.info("reward curve: %s", learning["line"])
+    if primary and len(heldout_curve) >= 2:
+        accuracy_curve(heldout_curve, storage.join(workdir, "heldout_curve.png"),
+                       f"greedy builder, {min(settings.eval.num_tasks, len(state.heldout))} held-out corpora")
     final: dict[str, Any] = {}
     t_eval = time.perf_counter()
     # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
@@ -394,7 +403,7 @@ def run(config: Any) -> dict[str, Any]:
     summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
                "compile": {**compiled.as_dict(), "by_process": by_process,
                            "ahead": dataclasses.asdict(ahead_report) if ahead_report else None},
-               "reward_curve": learning, "final_eval": final,
+               "reward_curve": learning, "heldout_curve": heldout_curve, "final_eval": final,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "initial_eval": _finite(initial), "metrics": _finite(metrics)}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
@@ -457,11 +466,33 @@ def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict
     return out
 
 
+def accuracy_curve(curve: list[tuple[int, float]], png: str, what: str) -> str:
+    """A plot of the periodic held-out accuracy by GRPO step (`what` names the evaluation); returns `png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", ms=4, color="tab:green")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out accuracy %")
+    ax.set_title(f"held-out accuracy ({what})", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with storage.writing(png) as f:
+        fig.savefig(f, dpi=120, format="png")
+    plt.close(fig)
+    return png
+
+
 def final_evaluation(workdir: str, methods: str, name: str = "final", **overrides: Any) -> dict[str, Any]:
     """configs/eval.py on this run's held-out split (`methods`; `overrides`: eval keys such as `samples`,
     `builder_temperature`), the table logged and printed; returns the accuracies and the report's path."""
     results = eval_lib.evaluate_run(workdir, methods=methods, name=name, **overrides)
     table = eval_lib.format_table(results)
+    figures = eval_lib.format_figures(results)
+    table = table + ("\n" + figures if figures else "")
     how = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "greedy builder"
     logging.info("held-out evaluation, %s (%s/eval/%s/report.md):\n%s", how, workdir, name, table)
     if jax.process_index() == 0:
@@ -498,7 +529,34 @@ def train_command(config: Any, dry_run: bool = False, compile_programs: bool = F
                   f"{spent.compiled} programs compiled, {spent.cache_hits} from the "
                   "persistent cache")
         return
+    if settings.seeds:
+        sweep(settings)
+        return
     run(settings)
+
+
+def sweep(settings: GRPOConfig) -> dict[str, Any]:
+    """`--config.seeds=0,1,2,3,4`: the whole command (`run`) once per seed, each in `workdir/seed_<s>/` (a
+    seed whose run finished is resumed, which evaluates again and returns at once), then the final
+    evaluations pooled (`eval.sweep`): `workdir/sweep/report.md` and `results.json`, the table printed.
+    Returns the pooled results."""
+    require_typed(settings, GRPOConfig, "training.sweep")
+    seeds = config_schema.sweep_seeds(settings.seeds)
+    runs: dict[int, str] = {}
+    for s in seeds:
+        workdir = storage.join(settings.workdir, f"seed_{s}")
+        c = dataclasses.replace(settings, seed=s, seeds="", workdir=workdir)
+        logging.info("sweep: seed %d of %s in %s", s, seeds, c.workdir)
+        run(c)
+        runs[s] = storage.abspath(c.workdir)
+    results = sweep_lib.pooled(runs, "final", draws=config_schema.EvalConfig().bootstrap.draws)
+    out = storage.join(storage.abspath(settings.workdir), sweep_lib.REPORT_DIR)
+    path = sweep_lib.write_pooled(out, results)
+    table = sweep_lib.format_pooled(results)
+    logging.info("sweep over seeds %s (%s):\n%s", seeds, path, table)
+    if jax.process_index() == 0:
+        print(f"seed sweep, final evaluations pooled ({path}):\n{table}")  # noqa: T201 - the answer
+    return results
 
 
 def compile_ahead(settings: GRPOConfig) -> compile_cache.AheadReport:

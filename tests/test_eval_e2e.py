@@ -15,8 +15,9 @@ import pytest
 from configs import build as build_config
 from configs import eval as eval_config
 from librarian_jax import data
+from librarian_jax import eval as eval_lib
 from librarian_jax.config_validation import ConfigError
-from librarian_jax.eval import cli, pipeline, stats
+from librarian_jax.eval import baselines, cli, pipeline, stats
 from librarian_jax.rollout import jobs
 from librarian_jax.workspace import load_export
 
@@ -102,6 +103,21 @@ def test_eval_writes_every_section_and_plot(run_dir):
     print(json.dumps(t))  # the embedded evaluation's wall-time split (BENCHMARKS.md)
     table = cli.format_table(results)
     assert table.splitlines()[2].startswith("trained") and "95% CI" in table
+    # the retrieval methods read what the trained workspaces cost, their k tuned on the training corpora
+    rb = results["retrieval_budget"]
+    assert rb["mode"] == "matched" and set(rb["tuning"]) == {"bm25", "agentic"}
+    trained_read = sum(r["tokens_read"] for r in rows if r["method"] == "trained") / n_q
+    for m, t in rb["tuning"].items():
+        assert t["budget_tokens"] == pytest.approx(trained_read)
+        with open(os.path.join(run_dir, "split.json")) as f:
+            assert t["corpora"] == len(json.load(f)["train"])  # every training corpus, no held-out one
+        assert [x["k"] for x in t["tried"]] == [1, 2, 3, 5, 8, 12, 16, 20]
+        assert rb["ks"][m] == t["k"] == baselines.choose_k(t["tried"], t["budget_tokens"])
+    assert {r["passages_read"] for r in rows if r["method"] == "bm25"} <= set(range(1, rb["ks"]["bm25"] + 1))
+    assert set(results["cost_vs_raw"]) == {"trained", "base"}
+    figures = eval_lib.format_figures(results)
+    assert "trained / base at q=10" in figures and "trained / raw at q=10" in figures
+    assert "hierarchy ablation" in figures and f"bm25 k={rb['ks']['bm25']}" in figures
 
 
 def test_bad_eval_inputs_fail_before_any_model_loads(run_dir, tmp_path):

@@ -163,3 +163,52 @@ def test_pass_at_k_table_mean_and_standard_error():
     v3 = np.array([0, 0.75, 1, 1])  # 1 - C(3,3)/C(4,3) = 0.75; n - c < 3 -> 1
     assert table["3"]["mean"] == pytest.approx(v3.mean())
     assert stats.mean_se([1.0, 3.0]) == {"mean": 2.0, "se": pytest.approx(1.0), "n": 2}
+
+
+def test_a_matched_retrieval_budget_takes_the_best_k_that_reads_no_more():
+    from librarian_jax.eval.baselines import budget_ks, choose_k
+
+    tried = [{"k": 1, "accuracy": 0.4, "tokens_read": 900}, {"k": 3, "accuracy": 0.6, "tokens_read": 1200},
+             {"k": 5, "accuracy": 0.6, "tokens_read": 1400}, {"k": 8, "accuracy": 0.9, "tokens_read": 2100}]
+    assert choose_k(tried, 2100) == 8
+    assert choose_k(tried, 2000) == 3  # the tie at 0.6 goes to the smaller k
+    assert choose_k(tried, 1000) == 1
+    assert choose_k(tried, 500) == 1  # none fits: the one that reads least
+    assert budget_ks("8, 1,3,3") == [1, 3, 8]
+
+
+def test_a_sweep_pools_seeds_with_a_bootstrap_within_each_seed(tmp_path):
+    import json
+
+    from librarian_jax.eval import sweep
+
+    w = sweep.stratified_counts([3, 5], draws=400, seed=1)
+    assert w.shape == (400, 8)
+    assert np.all(w[:, :3].sum(axis=1) == 3) and np.all(w[:, 3:].sum(axis=1) == 5)  # within each seed
+
+    def rows(method: str, corpus: str, right: int) -> list[dict]:
+        return [{"method": method, "corpus": corpus, "question_id": f"{corpus}/q{i}",
+                 "correct": float(i < right), "tokens_read": 100, "tokens_written": 5, "files_read": 1,
+                 "files_opened": 1, "passages_read": 0, "turns": 2, "sample": 0,
+                 "construction_tokens": 50 if method == "trained" else 0}
+                for i in range(4)]
+
+    runs = {}
+    for s, (t, b) in {0: (4, 1), 1: (3, 2), 2: (1, 3)}.items():
+        d = tmp_path / f"seed_{s}" / "eval" / "final"
+        d.mkdir(parents=True)
+        recs = [r for c in ("c0", "c1") for m, k in (("trained", t), ("base", b), ("bm25", 2))
+                for r in rows(m, c, k)]
+        (d / "questions.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+        runs[s] = str(tmp_path / f"seed_{s}")
+    res = sweep.pooled(runs, draws=300)
+    assert res["compare"] == ["base", "bm25"] and res["wins"] == {"base": 2, "bm25": 2}
+    assert res["per_seed"]["0"]["vs"]["base"]["diff"] == pytest.approx(0.75)
+    pooled = res["pooled"]
+    assert pooled["corpora"] == 6
+    assert pooled["accuracy"]["trained"]["accuracy"] == pytest.approx((8 + 6 + 2) / 24)
+    assert pooled["vs"]["base"]["diff"] == pytest.approx((16 - 12) / 24)
+    table = sweep.format_pooled(res)
+    assert "pooled" in table and "trained ahead of base in 2/3, bm25 in 2/3" in table
+    with pytest.raises(FileNotFoundError):
+        sweep.pooled({0: str(tmp_path / "nowhere")})

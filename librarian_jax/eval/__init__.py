@@ -9,6 +9,6 @@ See docs/eval.md.
 from __future__ import annotations
 
 from librarian_jax.eval.cli import evaluate_run
-from librarian_jax.eval.report import format_table
+from librarian_jax.eval.report import format_figures, format_table
 
-__all__ = ["evaluate_run", "format_table"]
+__all__ = ["evaluate_run", "format_figures", "format_table"]

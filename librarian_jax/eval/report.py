@@ -20,6 +20,7 @@ from librarian_jax.eval.pipeline import scalar_metrics
 
 BASE = "base"
 TRAINED = "trained"
+RAW = "raw"
 
 
 def _ci(ci: Sequence[float], pct: bool = True) -> str:
@@ -64,6 +65,12 @@ def analyse(
             for m in main
             if m != base and sums[m]["construction"].any()
         }
+    if RAW in main:  # a workspace against no construction at all (the paper's Figure 6 has both)
+        out["cost_vs_raw"] = {
+            m: stats.cost_table(sums, w, m, RAW, cost_qs)
+            for m in main
+            if m != RAW and sums[m]["construction"].any()
+        }
     per_q: dict[str, list[tuple[int, int]]] = {}
     for m in main:
         groups: dict[tuple[str, str], list[float]] = {}
@@ -106,6 +113,40 @@ def format_table(results: dict[str, Any]) -> str:
         f"{n['corpora']} corpora, {n['questions']} question records per method; CIs: paired corpus "
         f"bootstrap, {results['bootstrap']['draws']} draws"
     )
+    return "\n".join(lines)
+
+
+def format_figures(results: dict[str, Any], q: int = 10) -> str:
+    """The paper's figures from an evaluation, as lines for the console: the reuse cost ratio of the
+    trained builder against the base builder and raw navigation at `q` questions per construction (with its
+    paired-bootstrap CI) and the crossover q*; the hierarchy ablation (accuracy and navigation tokens of the
+    trained workspaces, flattened and shuffled); the retrieval methods' k and budget. "" when none apply."""
+    lines = []
+    for key in ("cost", "cost_vs_raw"):
+        c = results.get(key, {}).get(TRAINED)
+        if c is None or str(q) not in c["ratios"]:
+            continue
+        r = c["ratios"][str(q)]
+        if math.isfinite(c["crossover_q"]):
+            cross = (f"crossover q* = {c['crossover_q']:.1f} {_ci(c['crossover_ci'], pct=False)}, "
+                     f"{c['cheaper_at_q1']} cheaper below it")
+        else:
+            cross = f"no crossover: {c['cheaper_at_q1']} cheaper at every q"
+        lines.append(f"tokens per expected correct answer, {TRAINED} / {c['base']} at q={q}: "
+                     f"{r['ratio']:.3f} {_ci(r['ci'], pct=False)}; {cross}")
+    ab = results.get("ablation", {})
+    if ab:
+        lines.append("hierarchy ablation (the trained workspaces): " + "; ".join(
+            f"{v} {100 * x['accuracy']['mean']:.1f}% +- {100 * x['accuracy']['se']:.1f}, "
+            f"{x['nav_tokens']['mean']:.0f} +- {x['nav_tokens']['se']:.0f} nav tokens"
+            for v, x in ab.items()))
+    rb = results.get("retrieval_budget", {})
+    if rb.get("ks"):
+        tuned = rb.get("tuning", {})
+        first = next(iter(tuned.values()), None)
+        how = (f"k tuned on {first['corpora']} training corpora within {first['budget_tokens']:.0f} tokens "
+               f"read per question (the trained workspaces')" if first else "k fixed")
+        lines.append("retrieval: " + ", ".join(f"{m} k={k}" for m, k in rb["ks"].items()) + f" ({how})")
     return "\n".join(lines)
 
 
@@ -213,7 +254,7 @@ def report_markdown(results: dict[str, Any]) -> str:
         "inside each bootstrap draw from that draw's B, A and p.",
         "",
     ]
-    for m, c in results.get("cost", {}).items():
+    for m, c in [*results.get("cost", {}).items(), *results.get("cost_vs_raw", {}).items()]:
         rows = [[q, f"{v['ratio']:.3f}", _ci(v["ci"], pct=False)] for q, v in c["ratios"].items()]
         parts += [
             f"**{m} / {c['base']}**",
