@@ -45,9 +45,10 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                     "--repeats=1", "--remat=none", "--logits_chunk=8"], "tiny full"),
     "update": (["--corpora=2"], "| updated |"),
     "workspace": (["--docs=8", "--synthetic=4", "--ops=10"], "ops/s"),
+    "world": (["--corpora=1", "--styles=early_stop", "--ks=1"], "agentic@1"),
 }
 HELPERS = {"cached_lm", "common"}  # library code of the benches, not commands
-HOST_ONLY = {"update", "workspace"}  # benches that jit nothing, so have no compile time to report
+HOST_ONLY = {"update", "workspace", "world"}  # benches that jit nothing, so have no compile time to report
 
 RUNNER = r"""
 import contextlib, importlib, io, json, sys, traceback
