@@ -107,6 +107,16 @@ def test_cost_curves_ratio_and_crossover_on_a_hand_made_table():
     # identical corpora: every draw gives the same values, so the CIs collapse to the point
     assert t["ratios"]["10"]["ci"] == pytest.approx((400 / 1100, 400 / 1100))
     assert t["crossover_ci"] == pytest.approx((80.0, 80.0))
+    from librarian_jax.eval.report import format_figures
+
+    line = format_figures({"cost": {"trained": t}})
+    assert "trained / base at q=10: 0.364" in line and "trained cheaper below it, base beyond" in line
+    # a crossover below q = 1: the side below it is the one not cheaper at q = 1
+    early = dict(t, B={"trained": 10.0, "base": 0.0}, A={"trained": 10.0, "base": 100.0},
+                 p={"trained": 0.5, "base": 0.5}, cheaper_at_q1="trained")  # equal at q = 5 / 45
+    early["crossover_q"] = float(stats.crossover(10, 10, 0.5, 0, 100, 0.5))
+    assert early["crossover_q"] == pytest.approx(5 / 45)
+    assert "base cheaper below it, trained beyond" in format_figures({"cost": {"trained": early}})
     # curves that never cross at q > 0
     assert math.isnan(float(stats.crossover(100, 10, 0.5, 1000, 100, 0.1)))
 

@@ -128,8 +128,15 @@ def format_figures(results: dict[str, Any], q: int = 10) -> str:
             continue
         r = c["ratios"][str(q)]
         if math.isfinite(c["crossover_q"]):
-            cross = (f"crossover q* = {c['crossover_q']:.1f} {_ci(c['crossover_ci'], pct=False)}, "
-                     f"{c['cheaper_at_q1']} cheaper below it")
+            half = c["crossover_q"] / 2  # which side is cheaper below q* (q = 1 may lie beyond it)
+
+            def cost(m: str, q: float, c: dict[str, Any] = c) -> float:
+                return (float(c["B"][m]) / q + float(c["A"][m])) / max(float(c["p"][m]), 1e-12)
+
+            below = TRAINED if cost(TRAINED, half) < cost(c["base"], half) else c["base"]
+            beyond = c["base"] if below == TRAINED else TRAINED
+            cross = (f"crossover q* = {c['crossover_q']:.1f} {_ci(c['crossover_ci'], pct=False)}: "
+                     f"{below} cheaper below it, {beyond} beyond")
         else:
             cross = f"no crossover: {c['cheaper_at_q1']} cheaper at every q"
         lines.append(f"tokens per expected correct answer, {TRAINED} / {c['base']} at q={q}: "
