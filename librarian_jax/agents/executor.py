@@ -24,6 +24,9 @@ from librarian_jax.agents import prompt_text
 from librarian_jax.agents.runtime import EXECUTOR, AgentContext, AgentGen, Sampling, SessionLog
 from librarian_jax.workspace import clean_content
 
+# `BuilderConfig.executor`: an LLM on the executor's engine, or the model-free extract (focused or not)
+EXECUTOR_KINDS = ("model", "extractive", "focused")
+
 _WORD = re.compile(r"[a-z0-9]+")
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
 _HEADER_LINE = re.compile(r"^\s*(#+ |[A-Z][A-Z_ ]{1,40}:)")
@@ -62,14 +65,13 @@ def extractive_text(
 ) -> str:
     """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`.
 
-    With `focus` (the `"focused"` executor), when some sentence of the sources holds every content word of the
-    title (the title names something
-    they mention: "Orlen Vask", "Kestrel Institute"), the text is *focused*: every such sentence, over all
-    sources, in source order, each source that has one a block, under `max_words` in all ("Orlen Vask" keeps
-    the sentences naming Orlen Vask, not those naming a look-alike "Orlen Vasko"). Otherwise (a title like
-    "Notes, part 1" that names nothing in them) each source gets an even share of the budget: its lead
-    sentence, then the sentences sharing most content words with the title and instructions (always, without
-    `focus`)."""
+    With `focus` (the `"focused"` executor), when some sentence of the sources holds every content word of
+    the title (the title names something they mention: "Orlen Vask", "Kestrel Institute"), the text is
+    *focused*: every such sentence, over all sources, in source order, each source that has one a block, under
+    `max_words` in all ("Orlen Vask" keeps the sentences naming Orlen Vask, not those naming a look-alike
+    "Orlen Vasko"). Otherwise (without `focus`, or a title like "Notes, part 1" that names nothing in them)
+    each source gets an even share of the budget: its lead sentence, then the sentences sharing most content
+    words with the title and instructions."""
     query = content_words(title + " " + (instructions or ""))
     lines = [title.strip() or "Untitled"]
     sources = [(p, t) for p, t in sources if t and t.strip()]
@@ -145,7 +147,7 @@ def write(
         return ExecutorOutput(clean_content(extractive_text(title, instructions, sources, max_words=max_words,
                                                             focus=kind == "focused")))
     if kind != "model":
-        raise ValueError(f"executor kind must be 'model', 'extractive' or 'focused', got {kind!r}")
+        raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
     if ctx is None:
         raise ValueError("the model executor needs an AgentContext")
     tpl = ctx.template_for(EXECUTOR)

@@ -950,7 +950,6 @@ _DESCRIBE_RES = tuple((rel, _template_regex(t)) for rel, t in _DESCRIBE.items())
 
 
 _AGGREGATE_RES = tuple((rel, _template_regex(t)) for rel, t in _AGGREGATES.items())
-AGGREGATE_FORMS = _AGGREGATES
 
 
 def parse_aggregate(text: str) -> tuple[str, str] | None:

@@ -39,7 +39,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from librarian_jax.agents.answerer import AnswererConfig
-from librarian_jax.agents.builder import BuilderConfig
+from librarian_jax.agents.builder import RAW_LISTINGS, BuilderConfig
+from librarian_jax.agents.executor import EXECUTOR_KINDS
 from librarian_jax.agents.prompt_text import PROMPT_NAMES
 
 TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
@@ -104,14 +105,14 @@ class RolloutConfig:
                 f"({[n for n in PROMPT_NAMES if n.startswith('builder_system')]}), "
                 f"got {self.builder.system_prompt!r}"
             )
-        if self.builder.executor not in ("model", "extractive", "focused"):
+        if self.builder.executor not in EXECUTOR_KINDS:
             raise ValueError(
-                f"RolloutConfig.builder.executor must be 'model', 'extractive' or 'focused', "
+                f"RolloutConfig.builder.executor must be one of {list(EXECUTOR_KINDS)}, "
                 f"got {self.builder.executor!r}"
             )
-        if self.builder.raw_listing not in ("full", "compact"):
+        if self.builder.raw_listing not in RAW_LISTINGS:
             raise ValueError(
-                f"RolloutConfig.builder.raw_listing must be 'full' or 'compact', "
+                f"RolloutConfig.builder.raw_listing must be one of {list(RAW_LISTINGS)}, "
                 f"got {self.builder.raw_listing!r}"
             )
         if self.builder.compaction not in ("deterministic", "model", "none"):

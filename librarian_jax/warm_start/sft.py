@@ -192,14 +192,13 @@ def run(settings: SFTConfig) -> dict[str, Any]:
 DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the run's train and held-out tasks
 
 
-def demo_tasks(config: SFTConfig, num_tasks: int | None = None) -> list[Any]:
-    """The worlds the demonstrations are made on: `demos.num_tasks` (or `num_tasks`) synthetic tasks of the
-    run's world and sizes, seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out
-    corpus is ever shown."""
+def demo_tasks(config: SFTConfig) -> list[Any]:
+    """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world and
+    sizes, seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever
+    shown."""
     require_typed(config, SFTConfig, "warm_start.sft.demo_tasks")
     d = config.data
-    n = config.demos.num_tasks if num_tasks is None else num_tasks
-    return data.generate_world(config.seed + DEMO_SEED_OFFSET, n, data.WORLDS[d.world],
+    return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks, data.WORLDS[d.world],
                                docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
                                questions_per_task=d.questions_per_task,
                                reuse_questions_per_task=d.reuse_questions_per_task)
