@@ -595,9 +595,15 @@ class DemosSection(Section):
 # ------------------------------------------------------------------------------------------- commands
 
 
+def int_list(text: str) -> list[int]:
+    """The integers of a comma-separated key ("0, 1,2,2"), in order, without repeats; ValueError on another
+    item."""
+    return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+
+
 def sweep_seeds(text: str) -> list[int]:
     """The seeds of `seeds` ("0,1,2"), in order, without repeats."""
-    return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    return int_list(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,7 +733,7 @@ class RetrievalBudgetSection(Section):
 
     def check(self, key: str) -> None:
         try:
-            ks = [int(x) for x in self.ks.split(",") if x.strip()]
+            ks = int_list(self.ks)
         except ValueError:
             ks = []
         if not ks or min(ks) < 1 or max(ks) > 20:

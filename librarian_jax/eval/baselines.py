@@ -29,7 +29,7 @@ from absl import logging
 
 from librarian_jax import cluster, distributed
 from librarian_jax.agents.runtime import EXECUTOR, AgentContext
-from librarian_jax.config_schema import RETRIEVAL_INDEXES
+from librarian_jax.config_schema import RETRIEVAL_INDEXES, int_list
 from librarian_jax.eval import constructions, pipeline, retrieval
 from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import Workspace
@@ -279,7 +279,7 @@ def baseline_sections(
 
 def budget_ks(spec: str) -> list[int]:
     """The candidate k values of `retrieval_budget.ks` ("1,2,3,5"), sorted, without repeats."""
-    return sorted({int(x) for x in spec.split(",") if x.strip()})
+    return sorted(int_list(spec))
 
 
 def choose_k(tried: Sequence[Mapping[str, float]], budget_tokens: float) -> int:
