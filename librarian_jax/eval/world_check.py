@@ -19,32 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from librarian_jax import config_validation, inputs, tokenizers
-from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
-from librarian_jax.config_schema import GRPOConfig
+from librarian_jax import cluster, config_validation, inputs
+from librarian_jax.agents.runtime import FROZEN, POLICY
+from librarian_jax.config_schema import EvalConfig, GRPOConfig
 from librarian_jax.eval import baselines, pipeline, stats
 from librarian_jax.rollout.jobs import eval_config
 from librarian_jax.testing import ScriptedEngine
 from librarian_jax.warm_start import sft
 from librarian_jax.warm_start.demos import scripted_builder
-
-
-@dataclasses.dataclass(frozen=True)
-class _Retrieval:
-    """The eval config sections `baselines.retrieval_jobs` reads."""
-
-    top_k: int
-    passage_words: int
-    k: int
-    index: str = "bm25"
-
-    @property
-    def bm25(self) -> Any:
-        return self
-
-    @property
-    def agentic(self) -> Any:
-        return self
 
 
 def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], calls_per_turn: int = 0,
@@ -57,10 +39,9 @@ def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], ca
     sft_cfg = sft.warm_start_config(settings)
     # the warm start's tokenizer (never trained on the run's tasks)
     tok = sft.demo_tokenizer(sft_cfg, sft.demo_tasks(sft_cfg))
-    template = tokenizers.chat_template(tok)
+    templates = cluster.role_templates(settings, tok)  # every role's template, as the run encodes it
+    template = templates[POLICY]
     rollout = dataclasses.replace(eval_config(settings.rollout.config), terminal_questions="hidden")
-    templates = {POLICY: template, FROZEN: template, ANSWERER: template,
-                 **dict.fromkeys(FROZEN_ROLES, template)}
     jobs: list[pipeline.Job] = []
     for style in styles:
         policy = scripted_builder(style, calls_per_turn, rollout.builder.max_turns,
@@ -70,14 +51,15 @@ def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], ca
         built = pipeline.build_workspaces(style, tasks, lambda engines=engines: engines, tok, rollout,
                                           templates=templates, seed=0, progress=False)
         jobs += [pipeline.Job.of(b, 1) for b in built]
-    words = passage_words or 120
+    c = EvalConfig()  # BM25 passages of `bm25.passage_words`; agentic search over a BM25 index
+    if passage_words:
+        c = dataclasses.replace(c, bm25=dataclasses.replace(c.bm25, passage_words=passage_words))
     for t in tasks:
         qs = pipeline.questions_of(t, rollout)
-        jobs += baselines.retrieval_jobs(["raw"], t, qs, _Retrieval(1, words, 1), 1,
-                                         baselines.RetrievalModels())
+        jobs += baselines.retrieval_jobs(["raw"], t, qs, c, 1, baselines.RetrievalModels())
         for k in ks:
-            for j in baselines.retrieval_jobs(["bm25", "agentic"], t, qs, _Retrieval(k, words, k), 1,
-                                              baselines.RetrievalModels()):
+            for j in baselines.retrieval_jobs(["bm25", "agentic"], t, qs, c, 1, baselines.RetrievalModels(),
+                                              ks={"bm25": k, "agentic": k}):
                 jobs.append(dataclasses.replace(j, method=f"{j.method}@{k}"))
     none = ScriptedEngine(tok, lambda s: "", end_id=template.stop_ids[0])
     answers = pipeline.answer_jobs(jobs, lambda: {POLICY: none, FROZEN: none}, tok, rollout,
