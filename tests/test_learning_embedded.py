@@ -84,15 +84,17 @@ def test_a_few_grpo_steps_raise_the_mean_reward(run):
     from librarian_jax import training
 
     tasks = run.train_tasks
-    # the mean over 4 sampled batches (seeds) before and after: one batch's gain ranged 0.10-0.43 over seeds
-    # (0.541 -> 0.644 with seed 123 alone, a margin of 0.003 over the bar; 0.520 -> 0.745 over the 4)
-    seeds = (123, 124, 125, 126)
+    # the mean over 2 sampled batches (seeds) before and after 2 of the run's 4 steps. Measured on the
+    # fixture (2026-12-06), per seed 123-126: before 0.525 0.447 0.622 0.422; after 2 steps 0.681 0.841 0.813
+    # 0.688 (+0.16 to +0.39 each); after 4 steps 0.647 0.872 0.728 0.713: the gain is there after 2 steps,
+    # and 2 seeds (0.486 -> 0.761) keep the 4-seed margin's spread in units of its noise at half the time
+    seeds = (123, 124)
 
     def mean_reward() -> float:
         return float(np.mean([r.total_reward for seed in seeds for r in _batch(run, tasks, 1.0, seed)]))
 
     before = mean_reward()
-    for _ in range(4):
+    for _ in range(2):
         training.train_one_step(run)
     after = mean_reward()
     assert after > before + 0.1, (before, after)
