@@ -20,21 +20,23 @@ from librarian_jax import compile_cache
 if os.environ.get(compile_cache.ENV):
     compile_cache.enable()
 
-LONGEST_FIRST = (  # seconds of its tests in two full runs on 2 cores (tests/run.sh --durations, 2026-12-02)
-    "test_learning_embedded.py",  # 212-243
-    "test_multihost.py",  # 142-176: 3 launches of main, 2 processes each
-    "test_baselines.py",  # ~190 (2026-12-03): an embedder, a reranker and every baseline end to end
-    "test_qwen3_5_moe.py",  # 95-97
-    "test_engine.py",  # 76-88
-    "test_rl_train.py",  # 60-73
-    "test_determinism.py",  # 60-70 alone (2026-12-03): 2-step runs in fresh processes, compared bit for bit
-    "test_scan_layers.py",  # 68-70
-    "test_bench_smoke.py",  # 57-68: one subprocess runs every bench
-    "test_eval_multiprocess.py",  # 60-67
-    "test_rl_chunked.py",  # 54-56
-    "test_engine_scan.py",  # 39-50
-    "test_eval_restore.py",  # 41-50
-    "test_rollout_e2e.py",  # 40-46
+LONGEST_FIRST = (  # seconds of its tests in a full run on 2 cores (tests/run.sh --durations=0, 2026-12-06)
+    "test_learning_embedded.py",  # 164: a GRPO run's rollouts and updates, optimised programs
+    "test_multihost.py",  # 125: 3 launches of main, 2 processes each
+    "test_qwen3_5_moe.py",  # 56
+    "test_bench_smoke.py",  # 56: one subprocess runs every bench
+    "test_compile_cache.py",  # 52: the embedded default's programs compiled ahead, twice
+    "test_scan_layers.py",  # 51
+    "test_eval_multiprocess.py",  # 40
+    "test_baselines.py",  # 37: an embedder, a reranker and every baseline end to end
+    "test_engine.py",  # 35
+    "test_engine_scan.py",  # 32
+    "test_rl_train.py",  # 29
+    "test_cluster.py",  # 22
+    "test_rl_chunked.py",  # 21
+    "test_engine_mesh.py",  # 18
+    "test_determinism.py",  # 16: 2-step runs in fresh processes, compared bit for bit
+    "test_rollout_e2e.py",  # 16
 )
 
 

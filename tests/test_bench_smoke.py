@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import production_codegen
 import pytest
 
 from librarian_jax import bench
@@ -78,7 +79,8 @@ for name, args in json.loads(sys.argv[1]):
 def smoke_runs() -> dict[str, dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            # one device, and XLA's fastest compile on CPU: the smoke run times nothing
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                        + production_codegen.suite_flags()}
     arg = json.dumps([[name, args] for name, (args, _) in sorted(SMOKE.items())])
     proc = subprocess.run([sys.executable, "-c", RUNNER, arg], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=900)

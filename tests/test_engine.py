@@ -11,6 +11,7 @@ import forward
 import jax
 import jax.numpy as jnp
 import numpy as np
+import production_codegen
 import pytest
 from flax import nnx
 
@@ -288,9 +289,12 @@ def test_sample_logprobs_topk_topp():
     assert len(set(draws[:, 1])) > 5  # plain T=1 sampling spreads out
 
 
-def test_sample_fast_paths_equal_general_path():
+def test_sample_fast_paths_equal_general_path(request):
     # ``sample`` switches per batch to an argmax-only path (all greedy) or a no-sort path (temperature only);
-    # both must return exactly what the general path returns for the same seeds.
+    # both must return exactly what the general path returns for the same seeds, under the compiler users
+    # get (the suite's older fusion code generator rounds the two paths' log-probs differently by an ulp)
+    if production_codegen.rerun(request):
+        return
     from librarian_jax.engine.sampling import _sample_general
 
     rng = np.random.default_rng(1)

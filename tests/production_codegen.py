@@ -1,0 +1,52 @@
+"""The suite's compile setting and the tests that must not use it.
+
+`tests/run.sh` compiles with XLA:CPU's older fusion code generator (`SUITE_FLAG`): a third less compile time
+for the same HLO, results equal to the last bit or two. A test of a bit-for-bit property of the programs users
+run (two code paths that must agree exactly under the compiler users get) starts with
+
+    if production_codegen.rerun(request):
+        return
+
+which, under the suite's setting, runs that one test again in a fresh pytest process with the users' code
+generator and passes or fails with it; outside the suite (or in that process) it returns False and the test
+runs here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+SUITE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def active(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process compiles with the suite's code generator (its XLA_FLAGS hold SUITE_FLAG)."""
+    return SUITE_FLAG in (os.environ if environ is None else environ).get("XLA_FLAGS", "").split()
+
+
+def suite_flags() -> str:
+    """SUITE_FLAG where this process has it, else "": for a subprocess that sets XLA_FLAGS of its own and may
+    compile as the suite does."""
+    return SUITE_FLAG if active() else ""
+
+
+def rerun(request: pytest.FixtureRequest) -> bool:
+    """Under the suite's code generator: runs `request`'s test in a fresh pytest process without it, asserts
+    that it passed, and returns True (the caller returns). Otherwise returns False (the caller runs its
+    body)."""
+    if not active():
+        return False
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f != SUITE_FLAG)
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", request.node.nodeid]
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, f"{request.node.nodeid} with the users' code generator:\n{out.stdout[-6000:]}"
+    assert re.search(r"(?m)^1 passed", out.stdout), out.stdout[-3000:]  # it ran, and was not skipped
+    return True
