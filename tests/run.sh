@@ -11,13 +11,14 @@ export JAX_PLATFORMS=cpu
 # optimisation (the same HLO passes, less LLVM work; results unchanged). The run-time-bound embedded learning
 # test turns it back off for itself. JAX_DISABLE_MOST_OPTIMIZATIONS=0 compiles everything fully.
 export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
-# And with XLA:CPU's older fusion code generator instead of its tiled fusion emitters (jax >= 0.9.1): the same
-# HLO, a third less compile (the suite on 2 cores, 2026-12-06: 16.0 CPU-minutes instead of 22.0, 8:18 instead
-# of 11:25), results equal to the last bit or two. The one test of a bit-for-bit property of the programs
-# users run (the sampler's fast paths agree exactly) reruns itself without it (tests/production_codegen.py);
-# the multi-process tests set their processes' XLA_FLAGS themselves (the users' code generator), and every
-# other bit-for-bit comparison is between two runs under the same flags. Without an XLA that knows the flag
-# the suite runs without it.
+# And with XLA:CPU's older fusion code generator instead of its tiled fusion emitters (jax >= 0.9.1): at this
+# optimisation level the same HLO in a third less compile (the suite on 2 cores, 2026-12-06: 16.0 CPU-minutes
+# instead of 22.0, 8:18 instead of 11:25), results equal to the last bit or two. Fully optimised it compiles
+# 2-4x slower, so it is the suite's setting, not the users'. Tests of a bit-for-bit property of the users'
+# programs (the sampler's fast paths agree exactly) and of fully optimised runs (the embedded learning test)
+# rerun themselves without it (tests/production_codegen.py); the multi-process tests set their processes'
+# XLA_FLAGS themselves (the users' code generator); every other bit-for-bit comparison is between two runs
+# under the same flags. Without an XLA that knows the flag the suite runs without it.
 SUITE_CODEGEN_FLAG="--xla_cpu_use_fusion_emitters=false"
 if [[ " ${XLA_FLAGS} " != *" --xla_cpu_use_fusion_emitters"* ]] \
     && XLA_FLAGS="${XLA_FLAGS} ${SUITE_CODEGEN_FLAG}" JAX_PLATFORMS=cpu "$PY" -c "import jax; jax.devices()" \
