@@ -59,6 +59,42 @@ def test_passages_and_bm25_find_the_document_that_names_the_subject():
     assert len(hits) == 3 and hits[0][1] >= hits[-1][1]
 
 
+def test_retrieval_jobs_build_a_corpus_index_once_for_every_k(monkeypatch):
+    """`tune_ks` and the world check try several k on each corpus: given one `indexes` dict, BM25 and agentic
+    search share one index of the corpus (built once, not once per k and method), and every job is what a job
+    with an index of its own would be."""
+    from librarian_jax.config_schema import EvalConfig
+
+    built = []
+
+    class Counted(retrieval.BM25Index):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval, "BM25Index", Counted)
+    c, qs, ks = EvalConfig(), list(TASK.questions), (1, 2, 3)
+
+    def jobs(indexes):
+        out = []
+        for k in ks:
+            out += baselines.retrieval_jobs(["bm25", "agentic"], TASK, qs, c, 1, baselines.RetrievalModels(),
+                                            ks={"bm25": k, "agentic": k}, indexes=indexes)
+        return out
+
+    shared = jobs({})
+    assert len(built) == 1
+    own = jobs(None)
+    assert len(built) == 1 + 2 * len(ks)
+    for a, b in zip(shared, own, strict=True):
+        fields = ("method", "preambles", "passages", "search_k")
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        if a.search is not None:
+            for q in qs:
+                assert [p.path for p in a.search(q.question, a.search_k)] == \
+                    [p.path for p in b.search(q.question, b.search_k)]
+
+
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embedder_pools_like_a_full_forward_and_counts_its_tokens(tiny_model, pooling):
     _, model = tiny_model

@@ -129,12 +129,22 @@ def method_k(method: str, c: Any, ks: Mapping[str, int] | None = None) -> int:
 
 
 def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], c: Any, samples: int,
-                   models: RetrievalModels, ks: Mapping[str, int] | None = None) -> list[rjobs.Job]:
+                   models: RetrievalModels, ks: Mapping[str, int] | None = None,
+                   indexes: dict[str, tuple[Any, list]] | None = None) -> list[rjobs.Job]:
     """The jobs of the methods without construction (`raw`, `bm25`, `embedding`, `rerank`, `agentic`) for one
     corpus, in `methods` order; retrieval runs here (the passages of each question) except agentic search,
-    which runs while the answerer answers. `ks`: a retrieval method's k instead of the config's."""
+    which runs while the answerer answers. `ks`: a retrieval method's k instead of the config's. `indexes`:
+    this corpus's indexes by kind, filled on first use and reused by later calls (`tune_ks` tries several k
+    over one index; its embedding is then metered on the first job that built it only)."""
     chunks = retrieval.passages(task, c.bm25.passage_words)
     jobs = []
+
+    def index_of(kind: str, meter: _Meter) -> tuple[Any, list]:
+        if indexes is None:
+            return _index(kind, chunks, models, meter)
+        if kind not in indexes:
+            indexes[kind] = _index(kind, chunks, models, meter)
+        return indexes[kind]
 
     def raw_ws() -> Any:
         return Workspace.from_documents(list(task.documents))
@@ -154,7 +164,7 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
             jobs.append(rjobs.Job("raw", task, raw_ws(), samples))
         elif m in RETRIEVAL_INDEXES:  # the `bm25` and `embedding` methods: their index's top k
             k = min(method_k(m, c, ks), len(chunks))
-            index, counters = _index(m, chunks, models, meter)
+            index, counters = index_of(m, meter)
             pre = preambles("BM25" if m == "bm25" else "embedding", lambda q, i=index, k=k: i.search(q, k),
                             meter, counters)
             jobs.append(rjobs.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
@@ -162,7 +172,7 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
         elif m == "rerank":
             if models.reranker is None:
                 raise ValueError("rerank needs roles.reranker")
-            index, counters = _index(c.rerank.first_stage, chunks, models, meter)
+            index, counters = index_of(c.rerank.first_stage, meter)
             rr = models.reranker
             k = min(method_k(m, c, ks), len(chunks))
             n = max(int(c.rerank.candidates), k)
@@ -175,7 +185,7 @@ def retrieval_jobs(methods: Sequence[str], task: Any, questions: Sequence[Any], 
             jobs.append(rjobs.Job(m, task, raw_ws(), samples, preambles=pre, passages=k,
                                      embedded=lambda meter=meter: meter.tokens))
         elif m == "agentic":
-            index, counters = _index(c.agentic.index, chunks, models, meter)
+            index, counters = index_of(c.agentic.index, meter)
             searcher = Searcher(chunks, index, meter, counters)
             jobs.append(rjobs.Job(m, task, raw_ws(), samples, search=searcher, search_k=method_k(m, c, ks),
                                      embedded=lambda meter=meter: meter.tokens))
@@ -314,9 +324,10 @@ def tune_ks(
     tags: list[tuple[str, int]] = []
     for t in tasks[part]:
         qs = rjobs.questions_of(t, config)
+        indexes: dict[str, tuple[Any, list]] = {}  # each corpus's index built once for every method and k
         for m in methods:
             for k in ks:
-                for j in retrieval_jobs([m], t, qs, c, 1, models, ks={m: k}):
+                for j in retrieval_jobs([m], t, qs, c, 1, models, ks={m: k}, indexes=indexes):
                     jobs.append(j)
                     tags.append((m, k))
     answers = rjobs.answer_jobs(jobs, models_.engines, tokenizer, config, templates=models_.templates,

@@ -57,9 +57,10 @@ def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], ca
     for t in tasks:
         qs = pipeline.questions_of(t, rollout)
         jobs += baselines.retrieval_jobs(["raw"], t, qs, c, 1, baselines.RetrievalModels())
+        indexes: dict = {}  # the corpus's BM25 index, built once for every k
         for k in ks:
             for j in baselines.retrieval_jobs(["bm25", "agentic"], t, qs, c, 1, baselines.RetrievalModels(),
-                                              ks={"bm25": k, "agentic": k}):
+                                              ks={"bm25": k, "agentic": k}, indexes=indexes):
                 jobs.append(dataclasses.replace(j, method=f"{j.method}@{k}"))
     none = ScriptedEngine(tok, lambda s: "", end_id=template.stop_ids[0])
     answers = pipeline.answer_jobs(jobs, lambda: {POLICY: none, FROZEN: none}, tok, rollout,
