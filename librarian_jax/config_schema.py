@@ -596,14 +596,9 @@ class DemosSection(Section):
 
 
 def int_list(text: str) -> list[int]:
-    """The integers of a comma-separated key ("0, 1,2,2"), in order, without repeats; ValueError on another
-    item."""
+    """The integers of a comma-separated key ("0, 1,2,2": `seeds`, `retrieval_budget.ks`), in order, without
+    repeats; ValueError on another item."""
     return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
-
-
-def sweep_seeds(text: str) -> list[int]:
-    """The seeds of `seeds` ("0,1,2"), in order, without repeats."""
-    return int_list(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,7 +627,7 @@ class GRPOConfig(Section):
     def check(self, key: str) -> None:
         if self.seeds:
             try:
-                seeds = sweep_seeds(self.seeds)
+                seeds = int_list(self.seeds)
             except ValueError:
                 seeds = []
             if not seeds or min(seeds) < 0:

@@ -541,7 +541,7 @@ def sweep(settings: GRPOConfig) -> dict[str, Any]:
     evaluations pooled (`eval.sweep`): `workdir/sweep/report.md` and `results.json`, the table printed.
     Returns the pooled results."""
     require_typed(settings, GRPOConfig, "training.sweep")
-    seeds = config_schema.sweep_seeds(settings.seeds)
+    seeds = config_schema.int_list(settings.seeds)
     runs: dict[int, str] = {}
     for s in seeds:
         workdir = storage.join(settings.workdir, f"seed_{s}")
