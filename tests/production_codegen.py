@@ -12,6 +12,10 @@ users get), or one that runs fully optimised programs (`test_learning_embedded.p
 which, under the suite's setting, runs that one test again in a fresh pytest process with the users' code
 generator and passes or fails with it; outside the suite (or in that process) it returns False and the test
 runs here.
+
+`python tests/production_codegen.py` is `tests/run.sh`'s probe: it prints SUITE_FLAG when this XLA starts
+with it (XLA aborts on a flag it does not know), and nothing when XLA_FLAGS already names the flag (the
+user's setting wins).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import sys
 
 import pytest
 
-SUITE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+SUITE_FLAG_NAME = "xla_cpu_use_fusion_emitters"
+SUITE_FLAG = f"--{SUITE_FLAG_NAME}=false"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,3 +57,20 @@ def rerun(request: pytest.FixtureRequest) -> bool:
     assert out.returncode == 0, f"{request.node.nodeid} with the users' code generator:\n{out.stdout[-6000:]}"
     assert re.search(r"(?m)^1 passed", out.stdout), out.stdout[-3000:]  # it ran, and was not skipped
     return True
+
+
+def _probe() -> None:
+    from librarian_jax import xla_flags
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if xla_flags.names(flags, SUITE_FLAG_NAME):
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {SUITE_FLAG}"
+    import jax
+
+    jax.devices()  # starts the backend, which reads XLA_FLAGS
+    print(SUITE_FLAG)  # noqa: T201
+
+
+if __name__ == "__main__":
+    _probe()

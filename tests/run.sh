@@ -18,13 +18,9 @@ export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
 # programs (the sampler's fast paths agree exactly) and of fully optimised runs (the embedded learning test)
 # rerun themselves without it (tests/production_codegen.py); the multi-process tests set their processes'
 # XLA_FLAGS themselves (the users' code generator); every other bit-for-bit comparison is between two runs
-# under the same flags. Without an XLA that knows the flag the suite runs without it.
-SUITE_CODEGEN_FLAG="--xla_cpu_use_fusion_emitters=false"
-if [[ " ${XLA_FLAGS} " != *" --xla_cpu_use_fusion_emitters"* ]] \
-    && XLA_FLAGS="${XLA_FLAGS} ${SUITE_CODEGEN_FLAG}" JAX_PLATFORMS=cpu "$PY" -c "import jax; jax.devices()" \
-       >/dev/null 2>&1; then
-  export XLA_FLAGS="${XLA_FLAGS} ${SUITE_CODEGEN_FLAG}"
-fi
+# under the same flags. The probe prints the flag only where this XLA knows it and XLA_FLAGS does not name it.
+SUITE_CODEGEN_FLAG="$("$PY" tests/production_codegen.py 2>/dev/null || true)"
+if [ -n "$SUITE_CODEGEN_FLAG" ]; then export XLA_FLAGS="${XLA_FLAGS} ${SUITE_CODEGEN_FLAG}"; fi
 # One persistent compilation cache for the whole suite, new each run: both workers and every process a test
 # starts (commands, launches) read what another test already compiled (tests/conftest.py turns it on in the
 # workers). A test that measures the cache itself passes its own directory.
