@@ -217,7 +217,7 @@ def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.update(world="noisy", docs_per_task=20, min_words=50, max_words=100, questions_per_task=8)
     # the builder lists the raw documents compactly and names them all raw_docs; its files focus on what
     # their titles name (agents.executor, "focused")
-    c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="focused")
+    c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="focused", doc_id_titles=True)
     c.rollout.answerer.update(max_turns=6, context_budget=3072)
     c.warm_start.sft_preset = "noisy"
     c.workdir = "/tmp/librarian_jax/grpo_noisy"

@@ -10,8 +10,9 @@ import difflib
 import pytest
 
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
-from librarian_jax.agents.builder import first_observation
+from librarian_jax.agents.builder import first_observation, resolve_doc_ids
 from librarian_jax.agents.executor import extractive_text
+from librarian_jax.agents.protocol import ToolCall
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import WORLDS, generate_world, synthetic
 from librarian_jax.testing import ByteTokenizer, chat_template
@@ -176,6 +177,57 @@ def test_scripted_builders_list_the_compact_listing_and_fill_each_reply_to_its_t
     assert "\n".join(replies).count("<tool_call>") == len(calls)  # nothing dropped: it fits 4 replies
     short = demos.plan_replies("by_kind", docs, 0, 2, 240, lambda t: len(TOK.encode(t)) // 4)
     assert len(short) == 2 and short[-1].endswith(stop)
+
+
+def test_a_doc_id_stands_for_its_documents_title_in_write_titles_and_children():
+    titles = {"d003": "Miothand Works", "d010": "Krakrar Bam"}
+    create = resolve_doc_ids(ToolCall("create_file", {"title": "d003", "input_paths": ["d003"]}, 0), titles)
+    assert create.arguments == {"title": "Miothand Works", "input_paths": ["d003"]}  # a source stays a doc
+    merge_args = {"title": "d010", "child_paths": ["d003", "Notes", "d999"]}
+    merge = resolve_doc_ids(ToolCall("merge_files", merge_args, 1), titles)
+    assert merge.arguments == {"title": "Krakrar Bam", "child_paths": ["Miothand Works", "Notes", "d999"]}
+    other = ToolCall("read_file", {"path": "d003"}, 2)
+    assert resolve_doc_ids(other, titles) is other
+    kind_dir = resolve_doc_ids(ToolCall("create_file", {"title": "People"}, 3), titles)
+    assert kind_dir.arguments["title"] == "People"
+
+
+@pytest.mark.parametrize("style", ["by_kind", "own_doc"])
+def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_them(style):
+    """`BuilderConfig.doc_id_titles`: the scripted builder titling entity files (and naming merge children) by
+    their pages' doc_ids builds, through the real builder, executor and workspace, the same files, titles,
+    texts and directories as the one spelling the names; without the option the ids are titles as written."""
+    import dataclasses
+
+    from librarian_jax.agents.runtime import FROZEN, POLICY
+    from librarian_jax.rollout import RolloutConfig
+    from librarian_jax.rollout.jobs import build_workspaces, eval_config
+    from librarian_jax.testing import ScriptedEngine
+
+    task = NOISY[3]
+    base = RolloutConfig()
+    base = dataclasses.replace(base, builder=dataclasses.replace(
+        base.builder, max_turns=4, max_new_tokens=4096, raw_listing="compact", executor="focused",
+        system_prompt="builder_system_compact"))
+
+    def build(doc_ids: bool, resolve: bool) -> Workspace:
+        cfg = eval_config(dataclasses.replace(base, builder=dataclasses.replace(base.builder,
+                                                                               doc_id_titles=resolve)))
+        engine = ScriptedEngine(TOK, demos.scripted_builder(style, 0, 4, 0, doc_ids), end_id=TPL.stop_ids[0])
+        built = build_workspaces(style, [task], lambda: {POLICY: engine, FROZEN: engine}, TOK, cfg,
+                                 templates={POLICY: TPL, FROZEN: TPL}, progress=False)
+        assert not built[0].failed, built[0].failed
+        return built[0].workspace
+
+    def files(ws: Workspace) -> dict[str, tuple[str, str]]:
+        return {n.title: (n.kind, n.body, n.parent) for n in ws.nodes.values() if n.active}
+
+    named, by_id = build(False, False), build(True, True)
+    entities = {synthetic.entity_of_title(d.title or "")[0] for d in task.documents} - {""}
+    assert entities <= set(files(named)) and files(by_id) == files(named)
+    assert by_id.tree() == named.tree() and by_id.stats() == named.stats()
+    literal = build(True, False)  # the option off: "d003" is a title like any other
+    assert not entities & set(files(literal)) and any(t.startswith("d0") for t in files(literal))
 
 
 def test_the_noisy_preset_rewards_gathered_files_in_directories_over_retrieval(tmp_path):

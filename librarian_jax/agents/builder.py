@@ -143,6 +143,11 @@ class BuilderConfig:
     # create_file / merge_files take an optional `text` the builder writes itself (the executor writes the
     # file when it is absent or empty), as the authors' tools allow (`BUILDER_TEXT_TOOLS`)
     write_text: bool = False
+    # a create_file / merge_files title, or a merge_files child path, that is a raw document's doc_id stands
+    # for that document's title (`resolve_doc_ids`): "d003" titles the file "Miothand Works" and, as a child,
+    # names the synthetic file titled so. A small model names the entity of a listed page by its short id
+    # instead of spelling its name (docs/world.md, the noisy preset's).
+    doc_id_titles: bool = False
 
     def protocol(self) -> ProtocolConfig:
         return ProtocolConfig(malformed_penalty=self.malformed_penalty, max_calls=self.max_calls_per_turn)
@@ -217,20 +222,40 @@ def render_result(result: Any) -> str:
 
 RAW_LISTINGS = ("full", "compact")  # BuilderConfig.raw_listing
 _COMPACT_HEAD = "(doc_id, title, size; name a source by its doc_id, or every document as raw_docs)"
+# the compact listing's head with `BuilderConfig.doc_id_titles`
+_COMPACT_HEAD_IDS = ("(doc_id, title, size; name a source by its doc_id, or every document as raw_docs; "
+                     "a title or child path that is a doc_id stands for that document's title)")
+
+
+def resolve_doc_ids(call: ToolCall, titles: dict[str, str]) -> ToolCall:
+    """`call` with each doc_id of `titles` ({doc_id: the raw document's title}) that stands as a create_file /
+    merge_files `title` or a merge_files child path replaced by that title (`BuilderConfig.doc_id_titles`);
+    any other call, or argument, as it is. A child path names a synthetic file by its title (the workspace
+    resolves titles), so ``child_paths: ["d003"]`` is the file titled after d003."""
+    if call.name not in WRITE_TOOLS:
+        return call
+    a = dict(call.arguments)
+    if isinstance(a.get("title"), str) and a["title"].strip() in titles:
+        a["title"] = titles[a["title"].strip()]
+    if call.name == "merge_files" and isinstance(a.get("child_paths"), list):
+        a["child_paths"] = [titles.get(p.strip(), p) if isinstance(p, str) else p for p in a["child_paths"]]
+    return dataclasses.replace(call, arguments=a)
 
 
 def first_observation(workspace: Any, num_docs: int, update: dict[str, str] | None = None,
-                      listing: str = "full") -> str:
+                      listing: str = "full", doc_id_titles: bool = False) -> str:
     """The builder's first user message: the collection's size, the root listing and the raw documents (their
     `raw_docs/` listing, or with `listing="compact"` one line each: `raw_listing`); for an update episode
     (`update`: `workspace.UpdateStart.prompt_fields()`) instead what changed, the stale synthetic files and
-    the new and changed documents (`prompts/builder_update.txt`), not the listings."""
+    the new and changed documents (`prompts/builder_update.txt`), not the listings. `doc_id_titles`: the
+    compact listing's head says that a doc_id stands for its title (`BuilderConfig.doc_id_titles`)."""
     if update is not None:
         return prompt_text.render("builder_update", num_docs=num_docs, **update)
     compact = listing == "compact"
     return prompt_text.render("builder_user", num_docs=num_docs,
                               listing=render_result(workspace.list_dir(".")),
-                              raw_listing=_COMPACT_HEAD + "\n" + raw_listing(workspace) if compact
+                              raw_listing=(_COMPACT_HEAD_IDS if doc_id_titles else _COMPACT_HEAD) + "\n"
+                              + raw_listing(workspace) if compact
                               else render_result(workspace.list_dir(RAW_DIR)))
 
 
@@ -256,7 +281,10 @@ class BuilderAgent:
         self.segments: list[Segment] = []
         self.actions: list[str] = []
         self.system_ids = ctx.template.start(self.system_prompt())
-        user = first_observation(workspace, num_docs, update, config.raw_listing)
+        user = first_observation(workspace, num_docs, update, config.raw_listing, config.doc_id_titles)
+        # {doc_id: title} of the raw documents, for `resolve_doc_ids` (`BuilderConfig.doc_id_titles`)
+        self._doc_titles = ({d.doc_id: d.title for d in workspace.raw_docs if d.title}
+                            if config.doc_id_titles else {})
         prompt = self.system_ids + ctx.template.turn("user", user)
         # The text of every turn, one conversation per training segment (a compaction starts the next): the
         # episode as chat messages, e.g. for supervised data (`rl.sft` encodes them back to these exact ids).
@@ -428,6 +456,8 @@ class BuilderAgent:
             )
 
         for call in parsed.calls:
+            if self._doc_titles:
+                call = resolve_doc_ids(call, self._doc_titles)
             a = call.arguments
             if call.name in WRITE_TOOLS:
                 ex = validate(call)
@@ -502,4 +532,5 @@ __all__ = [
     "TurnOutcome",
     "excerpt_sources",
     "render_result",
+    "resolve_doc_ids",
 ]

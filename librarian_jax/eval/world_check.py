@@ -45,7 +45,7 @@ def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], ca
     jobs: list[pipeline.Job] = []
     for style in styles:
         policy = scripted_builder(style, calls_per_turn, rollout.builder.max_turns,
-                                  rollout.builder.max_new_tokens)
+                                  rollout.builder.max_new_tokens, rollout.builder.doc_id_titles)
         engine = ScriptedEngine(tok, policy, end_id=template.stop_ids[0])
         engines = {POLICY: engine, FROZEN: engine}
         built = pipeline.build_workspaces(style, tasks, lambda engines=engines: engines, tok, rollout,

@@ -78,22 +78,28 @@ def _call(name: str, **arguments: Any) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
-def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
+def style_calls(style: str, docs: Sequence[ListedDoc], doc_ids: bool = False) -> list[str]:
     """Every tool call (rendered) a builder of `style` makes over `docs`, stop included. A file written from
-    every document names them `raw_docs` where the compact listing says so, else by their doc ids."""
+    every document names them `raw_docs` where the compact listing says so, else by their doc ids. With
+    `doc_ids` (`BuilderConfig.doc_id_titles`) an entity's file is titled, and named as a merge's child, by
+    its page's doc_id ("d003"), which the builder resolves to the page's title."""
     ids = [d.doc_id for d in docs]
     every = [RAW_DIR] if docs and docs[0].compact else ids
+
+    def name(d: ListedDoc) -> str:
+        return d.doc_id if doc_ids else d.entity
+
     if style == "entities":
-        calls = [_call("create_file", title=d.entity, input_paths=every) for d in docs if d.entity]
+        calls = [_call("create_file", title=name(d), input_paths=every) for d in docs if d.entity]
     elif style == "by_kind":  # the entity files, then one directory per kind of entity holding them
         entities = [d for d in docs if d.entity]
-        calls = [_call("create_file", title=d.entity, input_paths=[RAW_DIR]) for d in entities]
+        calls = [_call("create_file", title=name(d), input_paths=[RAW_DIR]) for d in entities]
         for group in dict.fromkeys(d.group for d in entities):
             # a child named by its file's title ("Orlen Vask" finds cluster_0003__orlen_vask.txt)
             calls.append(_call("merge_files", title=group,
-                               child_paths=[d.entity for d in entities if d.group == group]))
+                               child_paths=[name(d) for d in entities if d.group == group]))
     elif style == "own_doc":
-        calls = [_call("create_file", title=d.entity, input_paths=[d.doc_id]) for d in docs if d.entity]
+        calls = [_call("create_file", title=name(d), input_paths=[d.doc_id]) for d in docs if d.entity]
     elif style == "generic":
         calls = [_call("create_file", title=f"Notes, part {i // 3 + 1}", input_paths=ids[i : i + 3])
                  for i in range(0, len(ids), 3)]
@@ -105,11 +111,13 @@ def style_calls(style: str, docs: Sequence[ListedDoc]) -> list[str]:
 
 
 def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max_turns: int,
-                 max_tokens: int = 0, count: Callable[[str], int] | None = None) -> list[str]:
+                 max_tokens: int = 0, count: Callable[[str], int] | None = None,
+                 doc_ids: bool = False) -> list[str]:
     """The replies of a builder of `style`, in order: each holds at most `calls_per_turn` calls (0: any
     number) and, given `count` (text -> tokens), at most `max_tokens` tokens (so a reply is never cut off);
-    the last one ends with stop. Calls that do not fit in `max_turns` replies are dropped, stop kept."""
-    calls = style_calls(style, docs)
+    the last one ends with stop. Calls that do not fit in `max_turns` replies are dropped, stop kept.
+    `doc_ids`: as in `style_calls`."""
+    calls = style_calls(style, docs, doc_ids)
     body, stop = calls[:-1], calls[-1]
     per = calls_per_turn if calls_per_turn > 0 else len(calls)
 
@@ -135,9 +143,11 @@ def plan_replies(style: str, docs: Sequence[ListedDoc], calls_per_turn: int, max
     return ["\n".join(r) for r in replies]
 
 
-def scripted_builder(style: str, calls_per_turn: int, max_turns: int, max_tokens: int = 0) -> Any:
+def scripted_builder(style: str, calls_per_turn: int, max_turns: int, max_tokens: int = 0,
+                     doc_ids: bool = False) -> Any:
     """A `ScriptedEngine` policy: reply k of the episode whose prompt the session holds, for `style`
-    (`plan_replies`, replies of at most `max_tokens` tokens of the engine's tokenizer when > 0)."""
+    (`plan_replies`, replies of at most `max_tokens` tokens of the engine's tokenizer when > 0; `doc_ids`:
+    entity files titled by doc_id, `style_calls`)."""
 
     plans: dict[int, list[str]] = {}
 
@@ -146,39 +156,43 @@ def scripted_builder(style: str, calls_per_turn: int, max_turns: int, max_tokens
         if key not in plans:
             count = (lambda text: len(session.engine.tok.encode(text))) if max_tokens else None
             plans[key] = plan_replies(style, listed_docs(session.text()), calls_per_turn, max_turns,
-                                      max_tokens, count)
+                                      max_tokens, count, doc_ids)
         k = min(session.turns, len(plans[key]) - 1)
         return plans[key][k]
 
     return policy
 
 
-def tool_call_texts(tasks: Sequence[Any], styles: Sequence[str] = STYLES, compact: bool = False) -> list[str]:
-    """The tool calls each of `styles` would write for these tasks (from their documents' titles and ids),
-    one text per task and style: what the warm start's tokenizer should encode compactly."""
+def tool_call_texts(tasks: Sequence[Any], styles: Sequence[str] = STYLES, compact: bool = False,
+                    doc_ids: bool = False) -> list[str]:
+    """The tool calls each of `styles` would write for these tasks (from their documents' titles and ids;
+    `doc_ids`: as in `style_calls`), one text per task and style: what the warm start's tokenizer should
+    encode compactly."""
     out = []
     for t in tasks:
         docs = []
         for d in t.documents:
             name, kind = entity_of_title(d.title or "")
             docs.append(ListedDoc(d.doc_id, d.title or "", name, KIND_DIRS.get(kind, ""), compact))
-        out += ["\n".join(style_calls(s, docs)) for s in styles]
+        out += ["\n".join(style_calls(s, docs, doc_ids)) for s in styles]
     return out
 
 
-def tokenizer_texts(tasks: Sequence[Any], listing: str = "full") -> list[str]:
+def tokenizer_texts(tasks: Sequence[Any], listing: str = "full", doc_ids: bool = False) -> list[str]:
     """What the warm start's tokenizer should encode compactly besides the documents: the tool calls every
     style writes (`tool_call_texts`) and the builder's first message for each task (the root and raw-document
     listings as the real workspace renders them: the largest part of a builder episode after the documents,
     and text the documents alone do not teach a small tokenizer). With the compact raw listing
     (`BuilderConfig.raw_listing`, the noisy preset's) also the `by_kind` style's calls, the `raw_docs/`
     listing raw navigation reads and what an answerer reads of a `by_kind` workspace; with the full one the
-    texts the classic world's warm start was made with."""
+    texts the classic world's warm start was made with. `doc_ids`: the calls and first message of
+    `BuilderConfig.doc_id_titles` (`style_calls`)."""
     compact = listing == "compact"
-    out = tool_call_texts(tasks, STYLES if compact else [s for s in STYLES if s != "by_kind"], compact)
+    out = tool_call_texts(tasks, STYLES if compact else [s for s in STYLES if s != "by_kind"], compact,
+                          doc_ids)
     for t in tasks:
         ws = Workspace.from_documents(list(t.documents))
-        out.append(first_observation(ws, len(t.documents), listing=listing))
+        out.append(first_observation(ws, len(t.documents), listing=listing, doc_id_titles=doc_ids))
         if compact:
             out.append(render_result(ws.list_dir(RAW_DIR)))  # what raw navigation lists
             out += _answerer_views(ws, listed_docs(out[-2]))
@@ -248,7 +262,8 @@ def make_demonstrations(
     for style, style_tasks in jobs.items():
         engine = ScriptedEngine(
             tokenizer,
-            scripted_builder(style, calls_per_turn, cfg.builder.max_turns, cfg.builder.max_new_tokens),
+            scripted_builder(style, calls_per_turn, cfg.builder.max_turns, cfg.builder.max_new_tokens,
+                             cfg.builder.doc_id_titles),
             end_id=template.stop_ids[0],
         )
         records = run_batch(style_tasks, 1, {"policy": engine, "frozen": engine}, tokenizer, cfg, rng=seed,

@@ -209,7 +209,8 @@ def demo_tokenizer(config: SFTConfig, pool: Sequence[Any]) -> Any:
     the agents' texts, and what the builder and the answerer read and write there
     (`demos.tokenizer_texts`)."""
     return inputs.build_tokenizer(config, list(pool),
-                                  demos.tokenizer_texts(pool, config.rollout.config.builder.raw_listing))
+                                  demos.tokenizer_texts(pool, config.rollout.config.builder.raw_listing,
+                                                        config.rollout.config.builder.doc_id_titles))
 
 
 def embedded_demonstrations(config: SFTConfig) -> tuple[list[dict[str, Any]], Any]:
