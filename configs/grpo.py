@@ -93,9 +93,11 @@ def _base() -> ml_collections.ConfigDict:
             system_prompt="builder_system_compact"),
         # The embedded answerer is the scripted navigator (agents/navigator.py, kind="scripted"): it reads
         # through the same list/read tools and token accounting as an LLM answerer. A small one: 2 tool calls,
-        # root files preloaded up to 512 tokens (a good builder's entity files do not all fit: it chooses).
+        # root files preloaded up to 512 tokens (a good builder's entity files do not all fit: it chooses),
+        # in a 2,048-token context (the budget every published classic run read with: until 2026-12-06 a
+        # 4,096 here was silently lowered to the frozen engine's max_seq_len)
         answerer=dict(kind="scripted", max_turns=2, max_new_tokens=64, forced_max_new_tokens=16,
-                      context_budget=4096, preload_max_tokens=512),
+                      context_budget=2048, preload_max_tokens=512),
     ))
     c.train.update(dict(
         num_steps=12,           # the held-out accuracy plateaus by step 5 (BENCHMARKS, issue 11)

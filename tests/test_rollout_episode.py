@@ -4,6 +4,7 @@ raise; compaction starts a new segment whose prompt is exactly what the model th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -170,6 +171,14 @@ def test_schedule_and_reward_arithmetic():
         RolloutConfig(answerer=AnswererConfig(context_budget=800)), {POLICY: Small(), FROZEN: Small()}
     )
     assert c.builder.context_budget == 1000 and c.answerer.context_budget == 800
+    engines = {POLICY: Small(), FROZEN: Small()}
+    model = fit_to_engines(RolloutConfig(answerer=AnswererConfig(context_budget=3000)), engines)
+    assert model.answerer.context_budget == 1000  # an LLM answerer cannot read past its engine
+    # the scripted navigator runs on no engine: the budget it was given is the one it reads with
+    scripted = AnswererConfig(kind="scripted", context_budget=3000)
+    assert fit_to_engines(RolloutConfig(answerer=scripted), engines).answerer.context_budget == 3000
+    unset = dataclasses.replace(scripted, context_budget=0)
+    assert fit_to_engines(RolloutConfig(answerer=unset), engines).answerer.context_budget == 1000
 
 
 def test_batch_probes_are_batched_and_records_are_exact(tmp_path):

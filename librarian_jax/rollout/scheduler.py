@@ -204,7 +204,8 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
 def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> RolloutConfig:
     """`config` with the builder's and answerer's context budgets set where they are unset (0: the engine's
     `max_seq_len`). A budget above its engine's `max_seq_len` cannot be met: it is lowered to the engine's
-    with a warning naming the key (`main` refuses such a config at start; see `config_validation`)."""
+    with a warning naming the key (`main` refuses such a config at start; see `config_validation`). A
+    scripted answerer (`agents.navigator`) runs on no engine: its budget is kept as set."""
     pol = getattr(engines.get(POLICY), "max_seq_len", None)
     ans = engines.get(ANSWERER) if ANSWERER in engines else engines.get(FROZEN, engines.get(POLICY))
     fro = getattr(ans, "max_seq_len", None)
@@ -218,7 +219,7 @@ def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> Rollout
         _warn_once("answerer", "config.rollout.answerer.context_budget %d exceeds the answerer engine's "
                    "max_seq_len %d (config.roles.answerer.max_seq_len): lowered to %d", a.context_budget, fro,
                    fro)
-    if fro is not None and (a.context_budget <= 0 or a.context_budget > fro):
+    if fro is not None and (a.context_budget <= 0 or (a.kind == "model" and a.context_budget > fro)):
         a = dataclasses.replace(a, context_budget=int(fro))
     return dataclasses.replace(config, builder=b, answerer=a)
 
