@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.builder import first_observation, resolve_doc_ids
@@ -192,6 +194,30 @@ def test_a_doc_id_stands_for_its_documents_title_in_write_titles_and_children():
     assert kind_dir.arguments["title"] == "People"
 
 
+_IDS = [d.doc_id for d in NOISY[0].documents]
+_NEAR_IDS = [f" {i} " for i in _IDS[:3]] + ["D000", "d0000", ""]
+_HOSTILE = st.one_of(st.sampled_from(_IDS), st.sampled_from(_NEAR_IDS), st.text(max_size=40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(title=_HOSTILE, children=st.lists(_HOSTILE, max_size=5))
+def test_hostile_titles_and_children_resolve_only_exact_doc_ids_and_never_crash_a_write(title, children):
+    """A model's title or child path under `doc_id_titles`: only a listed doc_id (spaces around it allowed)
+    becomes that document's title; anything else passes through unchanged, and the workspace then writes or
+    refuses it with an error code, never raises."""
+    ws = Workspace.from_documents(list(NOISY[0].documents))
+    titles = {d.doc_id: d.title for d in NOISY[0].documents if d.title}
+    create_args = {"title": title, "input_paths": ["raw_docs"]}
+    create = resolve_doc_ids(ToolCall("create_file", create_args, 0), titles)
+    assert create.arguments["title"] == titles.get(title.strip(), title)
+    r = ws.create_file(create.arguments["title"], ["raw_docs"], "text")
+    assert r.ok or (r.code and r.message)
+    merge = resolve_doc_ids(ToolCall("merge_files", {"title": "Group", "child_paths": children}, 1), titles)
+    assert merge.arguments["child_paths"] == [titles.get(c.strip(), c) for c in children]
+    m = ws.merge_files("Group", merge.arguments["child_paths"], "summary")
+    assert m.ok or (m.code and m.message)
+
+
 @pytest.mark.parametrize("style", ["by_kind", "own_doc"])
 def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_them(style):
     """`BuilderConfig.doc_id_titles`: the scripted builder titling entity files (and naming merge children) by
@@ -219,7 +245,7 @@ def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_
         assert not built[0].failed, built[0].failed
         return built[0].workspace
 
-    def files(ws: Workspace) -> dict[str, tuple[str, str]]:
+    def files(ws: Workspace) -> dict[str, tuple[str, str, str | None]]:
         return {n.title: (n.kind, n.body, n.parent) for n in ws.nodes.values() if n.active}
 
     named, by_id = build(False, False), build(True, True)
