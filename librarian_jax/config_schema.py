@@ -336,8 +336,9 @@ class RolloutSection(Section):
     # (`Engine(scan_layers=True)`): each program compiles each distinct layer once (CPU, 36 layers: decode
     # 2.2x, prefill 4x faster to compile), but the CPU decode step runs slower (BENCHMARKS.md)
     scan_layers: bool = spec(False)
-    # at start, every program of the engines the run decodes with is compiled on worker threads, beside the
-    # run's own work (`compile_cache.Ahead`, `cluster.Cluster.programs_ahead`)
+    # at start, every program of the engines the run decodes with (and the update's optimizer program) is
+    # compiled on worker threads, beside the run's own work (`compile_cache.Ahead`,
+    # `cluster.Cluster.programs_ahead`, `rl.train_step.Trainer.programs_ahead`)
     compile_ahead: bool = spec(True)
     config: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 

@@ -321,10 +321,16 @@ def run(config: Any) -> dict[str, Any]:
         storage.write_text(storage.join(workdir, "config.json"), json.dumps(settings.to_dict(), indent=2))
 
     state = build(settings)
-    # every program of the engines the run decodes with, compiled on worker threads beside the run's own
-    # work (a program the run calls meanwhile waits for its compile rather than compiling it twice)
-    ahead = compile_cache.Ahead(state.cluster.programs_ahead(state.rollout_config), what="engines").start() \
-        if settings.rollout.compile_ahead else None
+    # every program of the engines the run decodes with, and the update's programs no batch shape changes
+    # (the optimizer's), compiled on worker threads beside the run's own work (a program the run calls
+    # meanwhile waits for its compile rather than compiling it twice). Not ahead: the update's program per
+    # rows shape (`Trainer.programs_ahead(shapes)`), known only as a step's episodes end; compiling it then,
+    # during the rollout, made the embedded default's first two steps slower (BENCHMARKS.md, 2026-12-06).
+    ahead = None
+    if settings.rollout.compile_ahead:  # the optimizer's first: a few programs the first update needs
+        ahead = compile_cache.Ahead(state.trainer.programs_ahead([])
+                                    + state.cluster.programs_ahead(state.rollout_config),
+                                    what="optimizer and engines").start()
     if primary:
         inputs.write_split(workdir, state.train_tasks, state.heldout, settings)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))

@@ -143,6 +143,55 @@ def test_fixed_micro_batch_rows_compile_once_for_any_row_count_and_equal_one_pro
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
 
 
+def _rows_with_loss(rows: int, seq: int, loss_tokens: int, seed: int) -> dict[str, np.ndarray]:
+    """`random_batch`'s rows, every one with its loss mask on `loss_tokens` positions from position 3."""
+    batch = random_batch(rows=rows, seq=seq, seed=seed)
+    batch["valid"][:] = True
+    mask = ((np.arange(seq) >= 3) & (np.arange(seq) < 3 + loss_tokens))[None].repeat(rows, 0)
+    batch["loss_mask"] = mask.astype(np.float32)
+    batch["sampler_logprobs"] *= batch["loss_mask"]
+    batch["advantages"] = (np.abs(batch["advantages"]).max(axis=1, keepdims=True) + 0.1) * batch["loss_mask"]
+    return batch
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_update_programs_ahead_leave_the_update_nothing_to_compile(one_layer, sharded):
+    """`Trainer.programs_ahead(shapes)` compiles, from abstract arguments, the update programs of batches of
+    those `update_shape`s (the micro-batch program per shape, the optimizer's and the zero accumulator's):
+    updates of such batches afterwards compile nothing, one process, and on 8 devices (red if a job leaves
+    out the loss positions, the accumulator's layout, or the optimizer). A config no other test compiles, so
+    each program is new to the process here."""
+    from librarian_jax.compile_cache import Ahead, CompileClock
+    from librarian_jax.engine import make_mesh
+
+    if sharded and jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
+    cfg = ts.TrainConfig(loss=losses.LossConfig(tis_cap=1.7, kl_beta=0.07),
+                         optim=ts.OptimConfig(learning_rate=1e-3, decay="constant"), logits_chunk=8,
+                         micro_batch_rows=1)
+    trainer = ts.Trainer(one_layer, cfg, mesh=mesh)
+    rm = trainer.row_multiple()
+    batches = [_rows_with_loss(2 * rm, 96, 40, seed=1), _rows_with_loss(rm, 40, 20, seed=2)]
+    shapes = [trainer.update_shape(b["tokens"].shape[1], ts.most_loss_tokens(b["loss_mask"]))
+              for b in batches]
+    assert shapes == [(96, 64), (40, 0)]  # 40 loss tokens: 64 positions; 64 >= 40 tokens: every position
+    jobs = trainer.programs_ahead(shapes)
+    assert [n for n, _ in jobs] == [f"update[{rm}x96, positions 64]", f"update[{rm}x40, positions all]",
+                                    "optimizer", "zero accumulator"]
+    report = Ahead(jobs, threads=2).run()
+    assert report.programs == len(jobs) and not report.failed, report
+    clock = CompileClock.get()
+    before = clock.totals()
+    for b in [*batches, batches[0]]:
+        out = trainer.update(b)
+        assert np.isfinite(out["loss"]) and not out["skipped"]
+    assert clock.since(before).programs == 0, clock.since(before)
+    # what a run compiles at start (`training.run`): the programs no batch shape changes
+    assert [n for n, _ in trainer.programs_ahead([])] == ["optimizer", "zero accumulator"]
+    assert ts.Trainer(one_layer, ts.TrainConfig(micro_batch_rows=0)).programs_ahead(shapes) == []
+
+
 def test_lora_trains_only_lora_params_and_serves_from_engine(model):
     lora = ts.apply_lora(model, rank=4, alpha=8.0, module_path=".*(q_proj|v_proj|gate_proj|up_proj).*")
     base_before = jax.tree.map(np.asarray, nnx.state(lora, nnx.Not(nnx.LoRAParam)))

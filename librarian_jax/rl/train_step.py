@@ -21,7 +21,8 @@ Memory: log-probs come from the final hidden states `logits_chunk` positions at 
 exists in the forward or backward pass; `remat` = "full" checkpoints the whole model call, "layer" each
 decoder layer. Compile time: with `scan_layers` a `models.Transformer`'s repeating layers run under one
 `lax.scan` (`Transformer.hidden`): the step compiles each distinct layer once, not once per layer.
-`memory_analysis(batch)` reports what the compiled step needs.
+`memory_analysis(batch)` reports what the compiled step needs; `programs_ahead(shapes)` lowers and compiles
+the update for batch shapes a caller expects (`update_shape`) before any such batch exists.
 
 One optimizer update per rollout batch. The PPO ratio's old log-probs are either the trainer's own
 (`old_logprobs="trainer"`: `stop_gradient(logp)`, exact for one update per batch; TIS then corrects the
@@ -38,8 +39,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -258,6 +260,25 @@ def pad_rows(arrays: Mapping[str, np.ndarray], rows: int, seq: int) -> dict[str,
         pad = [(0, rows - v.shape[0])] + ([(0, seq - v.shape[1])] if v.ndim > 1 else [])
         out[k] = np.pad(v, pad + [(0, 0)] * (v.ndim - len(pad)))
     return out
+
+
+def _blank_rows(rows: int, seq: int, capacity: int) -> dict[str, np.ndarray]:
+    """Host rows `[rows, seq]` of zeros with `TrainBatch.arrays()`' keys and dtypes (plus `positions`
+    `[rows, capacity]` when `capacity`): the shapes of a batch, for lowering its update ahead of time."""
+    out = {"tokens": np.zeros((rows, seq), np.int32), "valid": np.zeros((rows, seq), bool),
+           **{k: np.zeros((rows, seq), np.float32) for k in ("loss_mask", "sampler_logprobs", "advantages")},
+           "row_weights": np.zeros((rows,), np.float32)}
+    if capacity:
+        out["positions"] = np.zeros((rows, capacity), np.int32)
+    return out
+
+
+def _abstract(x: Any) -> Any:
+    """An array's shape and dtype (`jax.ShapeDtypeStruct`), with its sharding where the array is committed to
+    one (an uncommitted array lowers like a struct without one), for lowering ahead of time."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+    return x
 
 
 def positions_bucket(count: int, seq: int) -> int:
@@ -486,10 +507,9 @@ class Trainer:
             agreed = np.max(np.reshape(multihost_utils.process_allgather(local), (-1, 3)), axis=0)
             arrays = pad_rows(arrays, int(agreed[0]), int(agreed[1]))
             most = int(agreed[2])
-        if self.config.logits_chunk and self.config.logits_at == "loss":
-            capacity = positions_bucket(max(most, self.min_loss_positions), arrays["tokens"].shape[1])
-            if capacity:
-                arrays["positions"] = loss_positions(arrays["loss_mask"], capacity)
+        capacity = self.update_shape(arrays["tokens"].shape[1], most)[1]
+        if capacity:
+            arrays["positions"] = loss_positions(arrays["loss_mask"], capacity)
         rows = arrays["tokens"].shape[0]
         if rows % self.row_multiple():
             what = (f"micro_batch_rows={self.config.micro_batch_rows}" if self.config.micro_batch_rows
@@ -525,9 +545,11 @@ class Trainer:
         for i in range(0, arrays["tokens"].shape[0], r):
             yield self._on_device({k: v[i:i + r] for k, v in arrays.items()}, 1)
 
-    def _zero_acc(self, first: dict[str, jax.Array]) -> Any:
-        """The micro-batch accumulator at zero: (gradient sums like the params in float32, loss sum, count,
-        metric sums), laid out as `_micro_step` returns it (so its program compiles once)."""
+    def _zero_acc_program(self, first: Any) -> Any:
+        """The jitted program that makes the micro-batch accumulator at zero: (gradient sums like the params
+        in float32, loss sum, count, metric sums), laid out as `_micro_step` returns it (so its program
+        compiles once). `first`: a micro-batch, or its abstract shapes (the accumulator's do not depend on
+        them)."""
         if self._zero_acc_fn is None:
             config = _static_config(self.config)
             # one per model, config and layout in a process (a trace of the whole step: ~1 s for a tiny
@@ -542,7 +564,11 @@ class Trainer:
                 _ZERO_ACC[key] = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), struct),
                                          out_shardings=shardings)
             self._zero_acc_fn = _ZERO_ACC[key]
-        return self._zero_acc_fn()
+        return self._zero_acc_fn
+
+    def _zero_acc(self, first: dict[str, jax.Array]) -> Any:
+        """The micro-batch accumulator at zero (`_zero_acc_program`)."""
+        return self._zero_acc_program(first)()
 
     def _micro_sums(self, micro: Iterator[dict[str, jax.Array]]) -> Any:
         """The accumulated sums of every micro-batch, one `_micro_step` call each."""
@@ -551,6 +577,68 @@ class Trainer:
             acc = _micro_step(self.graphdef, _static_config(self.config), self._out_shardings, self.params,
                               self.rest, self.ref_params, mb, self._zero_acc(mb) if acc is None else acc)
         return acc
+
+    def update_shape(self, seq: int, most: int) -> tuple[int, int]:
+        """The shape that picks the update program for rows `[R, seq]` whose fullest row holds `most` loss
+        tokens: (seq, per-row loss-position capacity), the capacity 0 where every position's log-prob is
+        computed (`logits_at="all"`, `logits_chunk=0`, or `positions_bucket` reaching `seq`). With
+        `micro_batch_rows > 0` it is the whole of what a step's batch adds to the program's key."""
+        if self.config.logits_chunk and self.config.logits_at == "loss":
+            return seq, positions_bucket(max(most, self.min_loss_positions), seq)
+        return seq, 0
+
+    def programs_ahead(self, shapes: Iterable[tuple[int, int]], *,
+                       optimizer: bool = True) -> list[tuple[str, Callable[[], Any]]]:
+        """The update's programs for batches of these `update_shape`s, as `(name, compile)` pairs (like
+        `Engine.programs_ahead`, for `compile_cache.Ahead`): `compile()` lowers and compiles a program from
+        abstract arguments (`jax.ShapeDtypeStruct`s with the arrays' shardings), so nothing runs and no
+        buffer is touched (the trainer may update meanwhile, on another thread), and an `update` of such a
+        batch later compiles nothing (JAX's in-memory caches; the persistent cache keeps it for later
+        processes). The set: the micro-batch program per shape, then (with `optimizer`) the optimizer's
+        program and the zero accumulator's, which no batch shape changes.
+
+        Only with `micro_batch_rows > 0`: otherwise a step's program depends on its row count too, which
+        only its rollout knows; the list is then empty."""
+        if not self.config.micro_batch_rows:
+            return []
+        config = _static_config(self.config)
+        # here, on the caller's thread: the arrays' shapes and layouts as they are now (an update donates
+        # them); a job traces and compiles on its worker thread
+        params, rest, ref, opt_state = (jax.tree.map(_abstract, t) for t in
+                                        (self.params, self.rest, self.ref_params, self.opt_state))
+        rows = self.row_multiple()
+        batches = {(seq, cap): jax.tree.map(_abstract, self._on_device(_blank_rows(rows, seq, cap), 1))
+                   for seq, cap in dict.fromkeys((int(s), int(c)) for s, c in shapes)}
+        first = next(iter(batches.values()), None) or jax.tree.map(
+            _abstract, self._on_device(_blank_rows(rows, MIN_POSITIONS, 0), 1))
+        made: dict[str, Any] = {}
+        lock = threading.Lock()
+
+        def accumulator() -> tuple[Any, Any]:
+            """(the zero accumulator's program, the accumulator's abstract shapes and layout), made once."""
+            with lock:
+                if not made:
+                    zero = self._zero_acc_program(first)
+                    struct = jax.eval_shape(zero)
+                    made["zero"], made["acc"] = zero, struct if self._out_shardings is None else jax.tree.map(
+                        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), struct,
+                        _acc_shardings(struct, self._out_shardings))
+            return made["zero"], made["acc"]
+
+        def micro(batch: Any) -> Callable[[], Any]:
+            return lambda: _micro_step.lower(self.graphdef, config, self._out_shardings, params, rest, ref,
+                                             batch, accumulator()[1]).compile()
+
+        def apply() -> Any:
+            lr = jax.ShapeDtypeStruct((), jnp.float32)
+            return _apply_step.lower(config, self._out_shardings, params, opt_state, accumulator()[1],
+                                     lr).compile()
+
+        jobs = [(f"update[{rows}x{seq}, positions {cap or 'all'}]", micro(b))
+                for (seq, cap), b in batches.items()]
+        if optimizer:
+            jobs += [("optimizer", apply), ("zero accumulator", lambda: accumulator()[0].lower().compile())]
+        return jobs
 
     def memory_analysis(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, int] | None:
         """What the compiled `update` program for this batch shape needs on one device, in bytes (XLA's
