@@ -325,7 +325,8 @@ def run(config: Any) -> dict[str, Any]:
     # (the optimizer's), compiled on worker threads beside the run's own work (a program the run calls
     # meanwhile waits for its compile rather than compiling it twice). Not ahead: the update's program per
     # rows shape (`Trainer.programs_ahead(shapes)`), known only as a step's episodes end; compiling it then,
-    # during the rollout, made the embedded default's first two steps slower (BENCHMARKS.md, 2026-12-06).
+    # during the rollout, made the embedded default's first two steps slower (BENCHMARKS.md, "2026-12-06
+    # (fourth)").
     ahead = None
     if settings.rollout.compile_ahead:  # the optimizer's first: a few programs the first update needs
         ahead = compile_cache.Ahead(state.trainer.programs_ahead([])
