@@ -272,6 +272,16 @@ class AheadReport:
         return f"{self.programs} programs in {self.seconds:.1f}s on {self.threads} threads{bad}"
 
 
+def abstract(x: Any) -> Any:
+    """An array's shape and dtype (`jax.ShapeDtypeStruct`), with its sharding where the array is committed to
+    one (an uncommitted array lowers like a struct without one), for lowering a program ahead of time from
+    the arguments it will be called with (`Engine.programs_ahead`, `Trainer.programs_ahead`); anything else
+    as it is."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+    return x
+
+
 def ahead_threads() -> int:
     """Worker threads for compiling ahead: the cores but one (the main thread goes on with its work), at
     least 1, at most 8."""

@@ -130,13 +130,6 @@ def _layer_stacker(graphdef: nnx.GraphDef, plan: ScanPlan, shardings: tuple,
     return jax.jit(stack, out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
-def _abstract(x: Any) -> Any:
-    """A device array's shape, dtype and sharding (``jax.ShapeDtypeStruct``), for lowering ahead of time."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x
-
-
 def _mesh_of(state: Any) -> Mesh:
     """The mesh the params already live on (if they are sharded over several devices), else one device."""
     for leaf in jax.tree.leaves(state):
@@ -269,7 +262,8 @@ class Engine:
             config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
             self._plan,
         )()
-        self._cache_spec = jax.tree.map(_abstract, self.cache)  # what `programs_ahead` lowers with
+        # what `programs_ahead` lowers with
+        self._cache_spec = jax.tree.map(compile_cache.abstract, self.cache)
 
         self.processed_logprobs = bool(processed_logprobs)
         self.share_prefix = int(share_prefix)
@@ -489,7 +483,7 @@ class Engine:
 
         The set: the prefill and decode programs ``warmup`` runs (``_program_calls``), and the slot-copy
         program of prefix sharing at each slot-count bucket."""
-        params = jax.tree.map(_abstract, self._program_params)
+        params = jax.tree.map(compile_cache.abstract, self._program_params)
         cache = self._cache_spec
 
         def job(fn: Any, *args: Any, **kw: Any) -> Callable[[], Any]:

@@ -53,6 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from librarian_jax import compile_cache
 from librarian_jax.models import moe as moe_lib
 from librarian_jax.models import partitioning
 from librarian_jax.models import transformer as transformer_lib
@@ -271,14 +272,6 @@ def _blank_rows(rows: int, seq: int, capacity: int) -> dict[str, np.ndarray]:
     if capacity:
         out["positions"] = np.zeros((rows, capacity), np.int32)
     return out
-
-
-def _abstract(x: Any) -> Any:
-    """An array's shape and dtype (`jax.ShapeDtypeStruct`), with its sharding where the array is committed to
-    one (an uncommitted array lowers like a struct without one), for lowering ahead of time."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
-    return x
 
 
 def positions_bucket(count: int, seq: int) -> int:
@@ -604,13 +597,16 @@ class Trainer:
         config = _static_config(self.config)
         # here, on the caller's thread: the arrays' shapes and layouts as they are now (an update donates
         # them); a job traces and compiles on its worker thread
-        params, rest, ref, opt_state = (jax.tree.map(_abstract, t) for t in
-                                        (self.params, self.rest, self.ref_params, self.opt_state))
+        def shapes_of(tree: Any) -> Any:
+            return jax.tree.map(compile_cache.abstract, tree)
+
+        params, rest, ref = shapes_of(self.params), shapes_of(self.rest), shapes_of(self.ref_params)
+        opt_state = shapes_of(self.opt_state)
         rows = self.row_multiple()
-        batches = {(seq, cap): jax.tree.map(_abstract, self._on_device(_blank_rows(rows, seq, cap), 1))
+        batches = {(seq, cap): shapes_of(self._on_device(_blank_rows(rows, seq, cap), 1))
                    for seq, cap in dict.fromkeys((int(s), int(c)) for s, c in shapes)}
-        first = next(iter(batches.values()), None) or jax.tree.map(
-            _abstract, self._on_device(_blank_rows(rows, MIN_POSITIONS, 0), 1))
+        first = next(iter(batches.values()), None) or shapes_of(
+            self._on_device(_blank_rows(rows, MIN_POSITIONS, 0), 1))
         made: dict[str, Any] = {}
         lock = threading.Lock()
 
