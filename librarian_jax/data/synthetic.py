@@ -324,6 +324,8 @@ def _article(word: str) -> str:
 
 
 TITLE_STYLES = ("labelled", "plain")
+DOC_ORDERS = ("shuffled", "by_type")
+_TYPE_RANK = {"person": 0, "org": 1, "project": 2}
 _LABELS = {"person": ("Profile: {}", "This profile describes {}."),
            "org": ("About the {}", "This page introduces the {}."),
            "project": ("Report: {}", "This report covers {}.")}
@@ -374,6 +376,10 @@ class WorldConfig:
     # "Report: Project Kestrel") or "plain" (the entity's name: what a builder titles the entity's file, so a
     # small model copies it from the listing token for token; `entity_of_title` reads either back).
     titles: str = "labelled"
+    # The order of a corpus's documents (and so of their doc ids): "shuffled", or "by_type": people's pages,
+    # then organisations', then projects' (look-alikes among their kind's pages), then meeting notes, each
+    # group shuffled within; a corpus exported by category, as a wiki's or a CRM's often is.
+    doc_order: str = "shuffled"
 
     def validate(self) -> None:
         checks = [
@@ -388,6 +394,7 @@ class WorldConfig:
             ("spread_probability", 0.0 <= self.spread_probability <= 1.0, "in [0, 1]"),
             ("aggregate_fraction", 0.0 <= self.aggregate_fraction <= 1.0, "in [0, 1]"),
             ("titles", self.titles in TITLE_STYLES, f"one of {TITLE_STYLES}"),
+            ("doc_order", self.doc_order in DOC_ORDERS, f"one of {DOC_ORDERS}"),
             ("mention_noise", 0.0 <= self.mention_noise <= 1.0, "in [0, 1]"),
             ("layout", len(self.layout) == 3 and all(x >= 0 for x in self.layout) and sum(self.layout) <= 1,
              "three non-negative shares summing to <= 1"),
@@ -407,7 +414,7 @@ WORLDS: dict[str, WorldConfig] = {
     "classic": WorldConfig(),
     "noisy": WorldConfig(docs_per_task=20, min_words=50, max_words=100, multi_hop_fraction=0.7, max_hops=3,
                          distractor_fraction=0.15, spread_probability=0.7, aggregate_fraction=0.25,
-                         mention_noise=0.3, layout=(0.2, 0.1, 0.1), titles="plain"),
+                         mention_noise=0.3, layout=(0.2, 0.1, 0.1), titles="plain", doc_order="by_type"),
 }
 
 
@@ -808,6 +815,12 @@ def generate_task(seed: int, index: int, config: WorldConfig | None = None) -> C
     w = _build_world(rng, cfg)
     order = list(range(len(w.docs)))
     rng.shuffle(order)
+    if cfg.doc_order == "by_type":
+        def rank(i: int) -> int:
+            subject = w.docs[i].subject
+            return _TYPE_RANK.get(w.entities[subject].kind, 3) if subject else 3
+
+        order.sort(key=rank)
     width = max(3, len(str(len(order) - 1)))
     doc_ids = [""] * len(order)
     for pos, i in enumerate(order):
