@@ -220,8 +220,8 @@ def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # the builder lists the raw documents compactly and names them all raw_docs; its files focus on what
     # their titles name (agents.executor, "focused")
     # sampled at 0.6: a build is ~20 ids in a row, and at 1.0 a sampled one scored 0.35 where the greedy one
-    # scored 0.73, so GRPO compared broken builds (held-out 74.2 -> 58.5 at 1.0; -> 76.2 at 0.6; BENCHMARKS.md
-    # 2026-12-06 (sixth))
+    # scored 0.73, so GRPO compared broken builds (seed 0 at lr 2e-4: held-out 74.2 -> 58.5 at 1.0, -> 76.2
+    # at 0.6; BENCHMARKS.md 2026-12-06 (sixth))
     c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="focused", doc_id_titles=True,
                              temperature=0.6)
     c.rollout.answerer.update(max_turns=6, context_budget=3072)
