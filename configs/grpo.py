@@ -217,12 +217,15 @@ def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     from their pages, unnamed later hops and counting questions, read by an answerer with 6 tool calls in a
     3,072-token context. Its warm start demonstrates a directory per entity kind (configs/sft.py:noisy)."""
     c.data.update(world="noisy", docs_per_task=20, min_words=50, max_words=100, questions_per_task=8)
-    # the builder lists the raw documents compactly and names them all raw_docs; its files focus on what
-    # their titles name (agents.executor, "focused")
+    # the builder lists the raw documents compactly and names them all raw_docs; its files hold what the
+    # sources state about what their titles name (agents.executor, "statements"): with every sentence naming
+    # it ("focused") an entity file took 700-1,100 of the answerer's 3,072 tokens and the design check's
+    # by_kind builder lost a third of the multi-hop questions to the context (81.9%; 100.0% with statements,
+    # BENCHMARKS.md 2026-12-06 (seventh))
     # sampled at 0.6: a build is ~20 ids in a row, and at 1.0 a sampled one scored 0.35 where the greedy one
     # scored 0.73, so GRPO compared broken builds (seed 0 at lr 2e-4: held-out 74.2 -> 58.5 at 1.0, -> 76.2
     # at 0.6; BENCHMARKS.md 2026-12-06 (sixth))
-    c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="focused", doc_id_titles=True,
+    c.rollout.builder.update(max_turns=4, raw_listing="compact", executor="statements", doc_id_titles=True,
                              temperature=0.6)
     c.rollout.answerer.update(max_turns=6, context_budget=3072)
     # a quarter of the default's rate: at 2e-4 GRPO took seed 1's warm start 75.0 -> 60.1% (its builds

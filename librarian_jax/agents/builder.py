@@ -124,7 +124,8 @@ class BuilderConfig:
     max_calls_per_turn: int = 16
     observation_max_chars: int = 48_000
     context_budget: int = 0  # tokens one session may hold (0: no limit; run_batch sets the engine's)
-    executor: str = "model"  # "model" | "extractive" | "focused" (extractive, on what the title names)
+    executor: str = "model"  # agents.executor.EXECUTOR_KINDS: "model", or the model-free "extractive",
+    # "focused" (on what the title names), "statements" (focused, on the sentences stating something about it)
     executor_max_new_tokens: int = 512
     executor_max_words: int = 360  # extractive executor output budget
     excerpt_max_lines: int = 100

@@ -8,6 +8,12 @@ Two executors with one interface (`write(...)`, a generator returning an `Execut
 - `"extractive"`: model-free and deterministic. From each source it keeps the lead sentence plus the
   sentences sharing the most content words with the title and instructions (in source order), under a word
   budget split evenly over the sources, each block headed by its source path. For tests and cheap runs.
+- `"focused"`: the extract, focused on what the title names (every sentence naming it, from every source).
+- `"statements"`: focused, and of those sentences only the ones that state something about it in the
+  synthetic world's statement forms (`data.synthetic.extract_facts`): a sentence that only mentions the
+  entity ("Orlen Vask gave a short talk on mill wheels") is left out, as a frozen model writing a file about
+  Orlen Vask would leave it out. The embedded noisy world's stand-in for the model executor, as the scripted
+  navigator is for the answerer; it knows the world's sentence forms, not which file a builder should write.
 
 Either way the text returned has been through `workspace.clean_content` (NUL removed, lone surrogates
 replaced, length capped): what `create_file` / `merge_files` would refuse is taken out on this side, so a
@@ -18,14 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.runtime import EXECUTOR, AgentContext, AgentGen, Sampling, SessionLog
+from librarian_jax.data.synthetic import extract_facts
 from librarian_jax.workspace import clean_content
 
 # `BuilderConfig.executor`: an LLM on the executor's engine, or the model-free extract (focused or not)
-EXECUTOR_KINDS = ("model", "extractive", "focused")
+EXECUTOR_KINDS = ("model", "extractive", "focused", "statements")
+# the model-free ones, and the sentences each keeps in a focused file (None: every sentence naming the title)
+_EXTRACTIVE: dict[str, tuple[bool, Callable[[str], bool] | None]] = {
+    "extractive": (False, None),
+    "focused": (True, None),
+    "statements": (True, lambda sentence: bool(extract_facts(sentence))),
+}
 
 _WORD = re.compile(r"[a-z0-9]+")
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -61,7 +74,7 @@ def split_sentences(text: str) -> list[str]:
 
 def extractive_text(
     title: str, instructions: str, sources: Sequence[tuple[str, str]], *, max_words: int = 360,
-    focus: bool = False,
+    focus: bool = False, keep: Callable[[str], bool] | None = None,
 ) -> str:
     """Deterministic extractive summary of `sources` ((path, text) pairs) for a file titled `title`.
 
@@ -69,17 +82,18 @@ def extractive_text(
     the title (the title names something they mention: "Orlen Vask", "Kestrel Institute"), the text is
     *focused*: every such sentence, over all sources, in source order, each source that has one a block, under
     `max_words` in all ("Orlen Vask" keeps the sentences naming Orlen Vask, not those naming a look-alike
-    "Orlen Vasko"). Otherwise (without `focus`, or a title like "Notes, part 1" that names nothing in them)
-    each source gets an even share of the budget: its lead sentence, then the sentences sharing most content
-    words with the title and instructions."""
+    "Orlen Vasko"); with `keep` too, only those of them `keep(sentence)` accepts (the `"statements"`
+    executor: the ones stating a fact). Otherwise (without `focus`, or a title like "Notes, part 1" that names
+    nothing in them) each source gets an even share of the budget: its lead sentence, then the sentences
+    sharing most content words with the title and instructions."""
     query = content_words(title + " " + (instructions or ""))
     lines = [title.strip() or "Untitled"]
     sources = [(p, t) for p, t in sources if t and t.strip()]
     if not sources:
         return lines[0]
     named = content_words(title) if focus else set()
-    focused = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)])
-               for p, t in sources]
+    focused = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)
+                    and (keep is None or keep(x))]) for p, t in sources]
     if any(keep for _, keep in focused):
         words = 0
         for path, keep in focused:
@@ -141,11 +155,13 @@ def write(
       title, instructions: the builder's arguments.
       sources: (path, excerpt text) per source, for the extractive executor.
       excerpt_text: the rendered excerpts the model executor reads (workspace.source_excerpts text).
-      kind: `"model"`, `"extractive"` or `"focused"` (extractive, focused on what the title names).
+      kind: `"model"`, `"extractive"`, `"focused"` (extractive, focused on what the title names) or
+        `"statements"` (focused, on the sentences stating something about it).
     """
-    if kind in ("extractive", "focused"):
+    if kind in _EXTRACTIVE:
+        focus, keep = _EXTRACTIVE[kind]
         return ExecutorOutput(clean_content(extractive_text(title, instructions, sources, max_words=max_words,
-                                                            focus=kind == "focused")))
+                                                            focus=focus, keep=keep)))
     if kind != "model":
         raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
     if ctx is None:

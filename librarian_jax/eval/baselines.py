@@ -209,7 +209,7 @@ def construct(
     executor (`config.builder.executor`: "model" on the executor's engine, batched over the corpora of a
     chunk of `batch_tasks`; "extractive": the model-free stand-in). A corpus that fails is a failed
     construction (its questions count as incorrect)."""
-    executor = "model" if config.builder.executor == "model" else "extractive"  # "focused": extractive too
+    executor = "model" if config.builder.executor == "model" else "extractive"  # "focused", "statements" too
     s = getattr(c, method).to_dict()
 
     def gens(chunk: Sequence[Any], by_role: dict[str, Any]) -> list[Any]:
