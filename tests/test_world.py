@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.builder import first_observation, resolve_doc_ids
-from librarian_jax.agents.executor import extractive_text
+from librarian_jax.agents.executor import extractive_text, split_sentences
 from librarian_jax.agents.protocol import ToolCall
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import WORLDS, generate_world, synthetic
@@ -122,6 +123,28 @@ def test_a_focused_file_gathers_one_entity_from_every_document_and_not_its_look_
     # a title that names nothing in the sources: each source's lead (the even share of the budget)
     notes = extractive_text("Notes, part 1", "", [(d.doc_id, d.text) for d in task.documents[:3]])
     assert notes.count("From ") == 3
+
+
+def test_a_statements_file_keeps_what_is_stated_about_its_entity_and_drops_mere_mentions():
+    """`executor="statements"` (the noisy preset's): of the sentences naming the title, the ones stating a
+    fact; every fact about the entity is still there, the filler that only names it is not."""
+    from librarian_jax.agents.executor import write
+
+    task = NOISY[0]
+    sources = [(d.doc_id, d.text) for d in task.documents]
+    real = next(d.meta["subject"] for d in task.documents if not d.meta["distractor"] and d.meta["subject"])
+    focused = extractive_text(real, "", sources, focus=True)
+    gen = write(None, real, "", sources, "", kind="statements")
+    with pytest.raises(StopIteration) as done:
+        next(gen)
+    text = done.value.value.text
+    everywhere = {tuple(f) for d in task.documents for f in d.meta["facts"] if real in (f[0], f[2])}
+    assert everywhere and everywhere <= set(synthetic.extract_facts(text)), everywhere
+    assert set(synthetic.extract_facts(text)) == set(synthetic.extract_facts(focused))
+    sentences = [re.sub(r"^From \S+: ", "", x) for x in split_sentences(focused)[1:]]  # less the title line
+    mentions = [x for x in sentences if not synthetic.extract_facts(x)]
+    assert mentions and not any(m in text for m in mentions), mentions  # filler naming it: dropped
+    assert len(text.split()) < len(focused.split())
 
 
 def test_counting_needs_the_gathered_file_and_raw_navigation_undercounts():
@@ -277,18 +300,20 @@ def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_
 
 def test_the_noisy_preset_rewards_gathered_files_in_directories_over_retrieval(tmp_path):
     """`bench.world` on the noisy preset's own world, answerer and tokenizer (8 held-out corpora): the
-    warm start's good styles beat raw navigation and retrieval at three passages, the poor ones do not, and
-    directories per kind spend fewer of the answerer's tokens than the same files flat (with those 8:
-    by_kind 79.7%, entities 82.8%, agentic@3 67.2%, bm25@3 35.9%, raw 23.4%)."""
+    warm start's good styles beat raw navigation and retrieval (agentic search at five passages, which reads
+    more), the poor ones do not, and directories per kind spend fewer of the answerer's tokens than the same
+    files flat (with those 8: by_kind 100.0% at 1,918 tokens read a question, entities 98.4% at 2,544,
+    agentic@5 82.8% at 2,458, bm25@5 46.9%, raw 23.4%; with the "focused" executor by_kind had 79.7%)."""
     from configs import grpo
     from librarian_jax.eval import world_check
 
     cfg = grpo.get_config("noisy")
     cfg.workdir = str(tmp_path)
-    res = world_check.measure(cfg, ["by_kind", "entities", "own_doc", "early_stop"], 8, [3])["methods"]
+    res = world_check.measure(cfg, ["by_kind", "entities", "own_doc", "early_stop"], 8, [5])["methods"]
     acc = {m: r["accuracy"] for m, r in res.items()}
-    assert min(acc["by_kind"], acc["entities"]) >= 0.75, acc
+    assert min(acc["by_kind"], acc["entities"]) >= 0.95, acc
     assert max(acc["own_doc"], acc["early_stop"], acc["raw"]) <= 0.5, acc
-    assert acc["by_kind"] >= max(acc["bm25@3"], acc["agentic@3"]) + 0.1, acc
+    assert acc["by_kind"] >= max(acc["bm25@5"], acc["agentic@5"]) + 0.1, acc
     tokens = {m: r["tokens_read"] for m, r in res.items()}
-    assert tokens["by_kind"] < tokens["entities"] < tokens["raw"] + 300, tokens
+    assert tokens["by_kind"] + 300 < min(tokens["entities"], tokens["agentic@5"]), tokens
+    assert tokens["entities"] < tokens["raw"] + 300, tokens
