@@ -94,12 +94,12 @@ def extractive_text(
     named = content_words(title) if focus else set()
     focused = [(p, [x for x in split_sentences(t) if named and named <= content_words(x)
                     and (keep is None or keep(x))]) for p, t in sources]
-    if any(keep for _, keep in focused):
+    if any(kept for _, kept in focused):
         words = 0
-        for path, keep in focused:
-            if not keep or words >= max_words:
+        for path, kept in focused:
+            if not kept or words >= max_words:
                 continue
-            body = " ".join(keep).split()[: max_words - words]
+            body = " ".join(kept).split()[: max_words - words]
             words += len(body)
             lines.append(f"From {path}: {' '.join(body)}{' ...' if words >= max_words else ''}")
         return "\n".join(lines)
