@@ -28,13 +28,17 @@ TPL = chat_template(TOK)
 NOISY = generate_world(5, 8, WORLDS["noisy"], docs_per_task=20, questions_per_task=8)
 
 
-def _answer(ws: Workspace, question: str, **cfg) -> object:
-    cfg = AnswererConfig(**{"kind": "scripted", "max_turns": 6, "context_budget": 1_000_000,
-                            "preload_root_files": False, **cfg})
-    gen = answer_question(AgentContext(TOK, TPL, {}), ws, question, cfg)
+def _returned(gen) -> object:
+    """What a model-free agent generator returns (it never yields)."""
     with pytest.raises(StopIteration) as stop:
         next(gen)
     return stop.value.value
+
+
+def _answer(ws: Workspace, question: str, **cfg) -> object:
+    cfg = AnswererConfig(**{"kind": "scripted", "max_turns": 6, "context_budget": 1_000_000,
+                            "preload_root_files": False, **cfg})
+    return _returned(answer_question(AgentContext(TOK, TPL, {}), ws, question, cfg))
 
 
 def _entity_files(task, *, own_only: bool = False, by_kind: bool = False) -> Workspace:
@@ -134,10 +138,7 @@ def test_a_statements_file_keeps_what_is_stated_about_its_entity_and_drops_mere_
     sources = [(d.doc_id, d.text) for d in task.documents]
     real = next(d.meta["subject"] for d in task.documents if not d.meta["distractor"] and d.meta["subject"])
     focused = extractive_text(real, "", sources, focus=True)
-    gen = write(None, real, "", sources, "", kind="statements")
-    with pytest.raises(StopIteration) as done:
-        next(gen)
-    text = done.value.value.text
+    text = _returned(write(None, real, "", sources, "", kind="statements")).text
     everywhere = {tuple(f) for d in task.documents for f in d.meta["facts"] if real in (f[0], f[2])}
     assert everywhere and everywhere <= set(synthetic.extract_facts(text)), everywhere
     assert set(synthetic.extract_facts(text)) == set(synthetic.extract_facts(focused))
