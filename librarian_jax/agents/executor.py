@@ -1,6 +1,7 @@
 """The executor: writes a synthetic file's text from its sources and the builder's title and instructions.
 
-Two executors with one interface (`write(...)`, a generator returning an `ExecutorOutput`):
+Executors with one interface (`write(...)`, a generator returning an `ExecutorOutput`), a model and three
+model-free extracts:
 
 - `"model"`: a frozen model, run as an engine session on the frozen engine: prompt `prompts/executor.txt`
   (title, instructions, source excerpts = the first lines of each source, capped in total), temperature 0,
