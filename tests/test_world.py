@@ -318,3 +318,25 @@ def test_the_noisy_preset_rewards_gathered_files_in_directories_over_retrieval(t
     tokens = {m: r["tokens_read"] for m, r in res.items()}
     assert tokens["by_kind"] + 300 < min(tokens["entities"], tokens["agentic@5"]), tokens
     assert tokens["entities"] < tokens["raw"] + 300, tokens
+
+
+_TITLES = st.one_of(st.text(max_size=40),
+                    st.sampled_from(["Project", "d000", "", NOISY[0].documents[0].title]))  # a real page's
+
+
+@settings(max_examples=150, deadline=None)
+@given(title=_TITLES, texts=st.lists(st.text(max_size=200), max_size=4),
+       kind=st.sampled_from(["extractive", "focused", "statements"]))
+def test_hostile_titles_and_sources_never_crash_a_model_free_executor(title, texts, kind):
+    """A model's title and any document text through a model-free executor (`"statements"` runs the world's
+    fact parser on every sentence naming the title): a text is written, never an exception; its blocks name
+    only the sources it was given, and the workspace's clean-up has run (no NUL)."""
+    from librarian_jax.agents.executor import write
+
+    doc = NOISY[0].documents[0]
+    sources = [(f"raw_docs/x{i}.txt", t) for i, t in enumerate(texts)] + [(doc.doc_id, doc.text)]
+    out = _returned(write(None, title, "", sources, "", kind=kind))
+    assert not out.fallback and "\x00" not in out.text
+    paths = {p for p, _ in sources}
+    blocks = [ln for ln in out.text.split("\n")[1:] if ln.startswith("From ")]
+    assert all(ln[5:].split(": ", 1)[0] in paths for ln in blocks), out.text
