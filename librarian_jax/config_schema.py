@@ -484,6 +484,11 @@ def parse_methods(text: str, key: str) -> list[str]:
     return methods
 
 
+# `eval.select`: the final evaluation's "trained" builder is the last step's, or the step chosen on
+# validation corpora carved from the training split (`inputs.validation_split`)
+SELECT_RULES = ("last", "validation")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalSection(Section):
     """GRPO's periodic and final held-out evaluation."""
@@ -495,9 +500,21 @@ class EvalSection(Section):
     # greedy builder, and with final_samples > 0 also the builder sampling at its training temperature
     final_methods: str = spec("trained,base,raw")
     final_samples: int = spec(2, lo=0)
+    # which step's builder the final evaluation reports as "trained": "last", or "validation": the step (0,
+    # the starting policy, or a multiple of `every`, or the last) whose greedy builder answers most of
+    # `validation_tasks` training corpora kept out of GRPO's batches (ties to the later step)
+    select: str = spec("last", choices=SELECT_RULES)
+    validation_tasks: int = spec(0, lo=0)
 
     def check(self, key: str) -> None:
         parse_methods(self.final_methods, f"{key}.final_methods")
+        if self.select == "validation":
+            if not self.validation_tasks:
+                raise config_error(f"{key}.validation_tasks", "must be > 0 with eval.select='validation' "
+                                   "(the training corpora the step is chosen on)")
+            if not self.every:
+                raise config_error(f"{key}.every", "must be > 0 with eval.select='validation' (the steps "
+                                   "the validation corpora are answered at)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -828,7 +845,9 @@ class EvalConfig(Section):
     command: str = spec("eval", choices=("eval",))
     preset: str = spec("embedded")
     run: str = spec("")  # the training workdir (config.json, split.json, checkpoints/, tokenizer/)
-    step: int = spec(-1, lo=-1)  # checkpoint step; -1 = the newest committed one
+    # checkpoint step; -1 = the newest committed one; 0 = the run's starting weights (what "base" builds
+    # with: a run's `eval.select` chose no GRPO step)
+    step: int = spec(-1, lo=-1)
     builder: str = spec("")  # the "trained" method's weights: "" = the run's checkpoint, or "hf:/path"
     train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
     methods: str = spec("trained,base,raw,bm25,agentic")  # comma-separated EVAL_METHODS, run:/other/workdir

@@ -5,6 +5,7 @@ tokenizer. Every command (GRPO, the warm start, eval, build) takes them from her
     train, heldout = build_tasks(config)            # the synthetic world or a tasks file, split
     write_split(workdir, train, heldout)            # workdir/split.json: what eval will hold out
     tokenizer = build_tokenizer(config, tasks)      # model.tokenizer, the HF folder's, or a trained one
+    train, validation = validation_split(train, config)  # GRPO: eval.validation_tasks kept out of training
     train = update_tasks(train, config)             # data.update_fraction of them as incremental updates
 """
 
@@ -105,6 +106,24 @@ def build_tasks(config: RunConfig) -> tuple[list[Any], list[Any]]:
     return list(train), list(heldout)
 
 
+def validation_split(train: list[Any], config: Any) -> tuple[list[Any], list[Any]]:
+    """(GRPO's training tasks, validation tasks): `eval.validation_tasks` of the training tasks, those with
+    the smallest task-id hash salted with the seed (any task order gives the same ones), kept out of GRPO's
+    batches; the step the final evaluation reports is chosen on them (`eval.select="validation"`), never on
+    the held-out corpora. None asked: `(train, [])`."""
+    n = config.eval.validation_tasks
+    if not n:
+        return list(train), []
+    if n > len(train) - config.data.tasks_per_batch:
+        raise ConfigError(f"config.eval.validation_tasks: {n} of the {len(train)} training tasks leaves "
+                          f"fewer than a batch (data.tasks_per_batch={config.data.tasks_per_batch}) to "
+                          "train on")
+    salt = f"validation:{config.seed}"
+    chosen = {t.task_id for t in sorted(train, key=lambda t: (data.task_hash_fraction(t.task_id, salt=salt),
+                                                                t.task_id))[:n]}
+    return [t for t in train if t.task_id not in chosen], [t for t in train if t.task_id in chosen]
+
+
 def starting_workspace(task: Any) -> Workspace:
     """The OLD workspace of an update task: one extractive file per document (titled by the document), as a
     warm-start `own_doc` builder with the extractive executor writes it; deterministic, no model."""
@@ -157,12 +176,15 @@ def split_rule(config: RunConfig) -> dict[str, Any]:
     return rule
 
 
-def write_split(workdir: str, train: list[Any], heldout: list[Any], config: RunConfig | None = None) -> str:
+def write_split(workdir: str, train: list[Any], heldout: list[Any], config: RunConfig | None = None,
+                validation: list[Any] | None = None) -> str:
     """Records the run's train / held-out task ids in `workdir/split.json` (and, given the run's `config`,
-    how they were split: `split_rule`), so evaluation uses exactly the held-out tasks this run never trained
-    on (never a re-derived split)."""
+    how they were split: `split_rule`; the `validation` ids carved from the training split, when any), so
+    evaluation uses exactly the held-out tasks this run never trained on (never a re-derived split)."""
     path = storage.join(workdir, SPLIT_FILE)
     out: dict[str, Any] = {"train": [t.task_id for t in train], "heldout": [t.task_id for t in heldout]}
+    if validation:
+        out["validation"] = [t.task_id for t in validation]
     if config is not None:
         out["split"] = split_rule(config)
     storage.write_text(path, json.dumps(out, indent=1))

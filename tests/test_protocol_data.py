@@ -223,3 +223,30 @@ def test_validation_reads_the_split_and_reuse_files(tmp_path):
     synthetic.data.max_docs = 50
     with pytest.raises(ConfigError, match=r"config\.data\.max_docs: applies to data\.source='file'"):
         config_validation.validate_common(synthetic)
+
+
+def test_validation_corpora_come_from_the_training_split_the_same_for_any_order(tmp_path):
+    """`eval.validation_tasks` (the corpora `eval.select="validation"` chooses the step on): that many
+    training tasks, none held out, the same ones however the training tasks are ordered and another draw
+    with another seed; split.json records them apart from `train`; asking for so many that less than a batch
+    is left to train on names the key."""
+    path = _write_jsonl(tmp_path / "tasks.jsonl", _task_rows(20))
+    cfg = _file_config(path)
+    cfg.eval.update(select="validation", validation_tasks=4)
+    settings = GRPOConfig.parse(cfg)
+    train, held = _build_tasks(cfg)
+    rest, val = inputs.validation_split(train, settings)
+    ids = {t.task_id for t in val}
+    assert len(val) == 4 and len(rest) == len(train) - 4 and not ids & {t.task_id for t in rest + held}
+    assert {t.task_id for t in inputs.validation_split(train[::-1], settings)[1]} == ids
+    cfg.seed = 1
+    assert {t.task_id for t in inputs.validation_split(train, GRPOConfig.parse(cfg))[1]} != ids
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(inputs.write_split(str(out), rest, held, settings, validation=val)) as f:
+        rec = json.load(f)
+    assert rec["validation"] == [t.task_id for t in val] and not set(rec["validation"]) & set(rec["train"])
+    assert inputs.validation_split(train, GRPOConfig.parse(_file_config(path))) == (train, [])  # none asked
+    cfg.eval.validation_tasks = len(train) - cfg.data.tasks_per_batch + 1
+    with pytest.raises(ConfigError, match=r"config\.eval\.validation_tasks: 12 of the 15 training tasks"):
+        inputs.validation_split(train, GRPOConfig.parse(cfg))
