@@ -1,5 +1,6 @@
 """Orbax checkpoints of a training run: params (or LoRA params only), optimizer state, step, RNG key and the
-data iterator state, saved asynchronously every N steps, the last K kept.
+data iterator state, saved asynchronously every N steps, the last K kept (and every multiple of `keep_period`
+when given: the steps a run chooses its builder among, `eval.select`).
 
 Layout (orbax-checkpoint 0.12.8 `CheckpointManager`, one `Composite` per step):
 
@@ -365,7 +366,7 @@ class Checkpointer:
     """Saves and restores a run's state under `directory` (see module doc)."""
 
     def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3, async_save: bool = True,
-                 sync_timeout_s: int = 600):
+                 sync_timeout_s: int = 600, keep_period: int | None = None):
         if save_every < 1:
             raise ValueError(f"checkpoint.save_every must be >= 1, got {save_every}")
         if keep < 1:
@@ -378,7 +379,9 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("librarian_jax.checkpoint.quarantine")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
+        # keep_period: steps that are multiples of it are never deleted (besides the newest `keep`)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period,
+                                               save_interval_steps=1,
                                                enable_async_checkpointing=async_save, create=True,
                                                async_options=ocp.options.AsyncOptions(timeout_secs=sync_timeout_s))
         self.manager = ocp.CheckpointManager(storage.path(self.directory), options=options, item_names=ITEMS)

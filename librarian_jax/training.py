@@ -97,8 +97,9 @@ def progress_line(step: int, total: int, m: dict[str, float]) -> str:
             f"ent {m['train/entropy']:.3f}{' SKIPPED' if m['train/skipped'] else ''} | "
             f"{m['rollout/tokens_per_s']:.0f} gen tok/s, {m['train/tokens_per_s']:.0f} train tok/s | "
             f"rollout {m['rollout/time_s']:.1f}s update {m['train/time_s']:.1f}s"
-            + (f" | held-out acc {m['eval/accuracy']:.3f} ({m['eval/time_s']:.1f}s)"
-               if "eval/accuracy" in m else "")
+            + (f" | held-out acc {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else "")
+            + (f" | validation acc {m['valid/accuracy']:.3f}" if "valid/accuracy" in m else "")
+            + (f" ({m['eval/time_s']:.1f}s)" if "eval/time_s" in m else "")
             + (f" | compiled {m['compile/programs']:.0f} programs {m['compile/time_s']:.1f}s"
                if m.get("compile/programs") else ""))
 
@@ -132,6 +133,7 @@ class Prepared:
     tokenizer: Any
     mesh: Any  # the trainer's: every device of every process
     cluster: cluster.Cluster
+    validation: list[Any] = dataclasses.field(default_factory=list)  # eval.validation_tasks (training split)
 
 
 @dataclasses.dataclass
@@ -150,6 +152,10 @@ class Run:
     rng: jax.Array
     settings: GRPOConfig
     step: int = 0
+    validation: list[Any] = dataclasses.field(default_factory=list)  # kept out of the batches
+    # (step, accuracy) of the greedy builder on `validation` (step 0: the starting policy); saved in each
+    # checkpoint's meta, so a resumed run chooses among every step it evaluated
+    validation_curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
     @property
     def engines(self) -> dict[str, Any]:
@@ -174,8 +180,10 @@ def prepare(settings: GRPOConfig) -> Prepared:
             inputs.build_tokenizer(settings, train_tasks + heldout)
         distributed.barrier("librarian_jax.training.tokenizer")
     tokenizer = inputs.build_tokenizer(settings, train_tasks + heldout)
-    # data.update_fraction of the training tasks as incremental updates (after the tokenizer, which so does
-    # not depend on it)
+    # eval.validation_tasks of the training tasks kept out of GRPO's batches (the step is chosen on them),
+    # then data.update_fraction of the rest as incremental updates (after the tokenizer, which so depends
+    # on neither)
+    train_tasks, validation = inputs.validation_split(train_tasks, settings)
     train_tasks = inputs.update_tasks(train_tasks, settings)
     mesh = cluster.run_mesh(settings.mesh)  # the trainer's: every device of every process
     emesh = cluster.engine_mesh(mesh)  # the engines': this process's devices (== mesh in one process)
@@ -189,7 +197,7 @@ def prepare(settings: GRPOConfig) -> Prepared:
     the_cluster = cluster.build_cluster(
         settings, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
         localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
-    return Prepared(train_tasks, heldout, tokenizer, mesh, the_cluster)
+    return Prepared(train_tasks, heldout, tokenizer, mesh, the_cluster, validation)
 
 
 def build(settings: GRPOConfig) -> Run:
@@ -211,7 +219,8 @@ def build(settings: GRPOConfig) -> Run:
                              seed=settings.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
                              drop_remainder=distributed.is_multi())
     return Run(p.train_tasks, p.heldout, p.tokenizer, p.cluster, trainer, rows_config,
-               settings.rollout.config, pipeline_.iterator(), jax.random.key(settings.seed), settings)
+               settings.rollout.config, pipeline_.iterator(), jax.random.key(settings.seed), settings,
+               validation=p.validation)
 
 
 def resume(run: Run, ck: Any) -> None:
@@ -229,6 +238,8 @@ def resume(run: Run, ck: Any) -> None:
         data_state = by_process[jax.process_index()]  # this process's own iterator state
     if data_state is not None:
         run.data_iter.set_state(data_state)
+    run.validation_curve = [(int(s), float(a)) for s, a in
+                            restored.meta.get("extra", {}).get("validation_curve", [])]
     run.push_weights()
     run.step = restored.step
     logging.info("resumed from step %d", run.step)
@@ -279,9 +290,14 @@ def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:
     run.trainer.step = run.step  # the schedule counts loop steps, skipped ones included
     metrics = step_metrics(records, row_metrics, update, sched.stats, rollout_s)
     cfg = run.settings.eval
-    if cfg.every and run.step % cfg.every == 0 and run.heldout:
+    heldout = bool(cfg.every and run.step % cfg.every == 0 and run.heldout)
+    # the validation corpora at the held-out evaluation's steps and the last: the candidates `select_step`
+    # chooses among
+    validation = bool(run.validation and cfg.every and (
+        run.step % cfg.every == 0 or run.step == run.settings.train.num_steps))
+    if heldout or validation:
         t1 = time.perf_counter()
-        metrics.update(evaluate(run, seed))
+        metrics.update(evaluate(run, seed, heldout=heldout, validation=validation))
         metrics["eval/time_s"] = time.perf_counter() - t1
     # what this step spent compiling (rollout, update and eval programs; inside the times above)
     metrics.update(compile_cache.CompileClock.get().since(compiled_before).metrics())
@@ -333,10 +349,13 @@ def run(config: Any) -> dict[str, Any]:
                                     + state.cluster.programs_ahead(state.rollout_config),
                                     what="optimizer and engines").start()
     if primary:
-        inputs.write_split(workdir, state.train_tasks, state.heldout, settings)
+        inputs.write_split(workdir, state.train_tasks, state.heldout, settings, validation=state.validation)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
+    # choosing the step on validation corpora keeps every step they are answered at (multiples of eval.every)
+    # besides the newest `checkpoint.keep`
     ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=settings.checkpoint.every,
-                                 keep=settings.checkpoint.keep, async_save=settings.checkpoint.async_save)
+                                 keep=settings.checkpoint.keep, async_save=settings.checkpoint.async_save,
+                                 keep_period=settings.eval.every if state.validation else None)
     if settings.checkpoint.resume:
         resume(state, ck)
     start, num_steps = state.step, settings.train.num_steps
@@ -348,18 +367,24 @@ def run(config: Any) -> dict[str, Any]:
     heldout_curve: list[tuple[int, float]] = []  # (step, held-out accuracy) of the periodic evaluations
     initial: dict[str, float] = {}
     try:
-        if settings.eval.every and state.heldout and state.step == 0 and num_steps > 0:
-            # the starting policy on the same held-out tasks, so the held-out curve has its step-0 point;
-            # greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
+        if settings.eval.every and (state.heldout or state.validation) and state.step == 0 and num_steps > 0:
+            # the starting policy on the same held-out (and validation) tasks, so the curves have their step-0
+            # point; greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
             t1 = time.perf_counter()
-            initial = evaluate(state, settings.seed)
+            initial = evaluate(state, settings.seed, heldout=bool(state.heldout),
+                               validation=bool(state.validation))
             took = time.perf_counter() - t1
             totals["eval_s"] += took
             if primary:
-                logging.info("step 0/%d (the starting policy) | held-out acc %.3f (%.1fs)", num_steps,
-                             initial["eval/accuracy"], took)
+                logging.info("step 0/%d (the starting policy)%s%s (%.1fs)", num_steps,
+                             f" | held-out acc {initial['eval/accuracy']:.3f}" if state.heldout else "",
+                             f" | validation acc {initial['valid/accuracy']:.3f}" if state.validation else "",
+                             took)
             _write_scalars(writer, initial, 0)
-            heldout_curve.append((0, initial["eval/accuracy"]))
+            if "eval/accuracy" in initial:
+                heldout_curve.append((0, initial["eval/accuracy"]))
+            if "valid/accuracy" in initial:
+                state.validation_curve.append((0, initial["valid/accuracy"]))
         while state.step < num_steps:
             records, metrics = train_one_step(state)
             step = state.step
@@ -371,6 +396,8 @@ def run(config: Any) -> dict[str, Any]:
             curve.append((step, metrics["reward/mean"]))
             if "eval/accuracy" in metrics:
                 heldout_curve.append((step, metrics["eval/accuracy"]))
+            if "valid/accuracy" in metrics:
+                state.validation_curve.append((step, metrics["valid/accuracy"]))
             _write_scalars(writer, metrics, step)
             # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
             distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
@@ -380,7 +407,8 @@ def run(config: Any) -> dict[str, Any]:
             by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
             ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
                     data_state=data_state, data_by_process=by_process, force=step == num_steps,
-                    extra={"schedule": state.trainer.schedule_info()})
+                    extra={"schedule": state.trainer.schedule_info(),
+                           "validation_curve": state.validation_curve})
     finally:
         ck.close()
         if writer is not None:
@@ -388,20 +416,30 @@ def run(config: Any) -> dict[str, Any]:
     learning = reward_curve(curve, storage.join(workdir, "reward_curve.png") if primary else None)
     if learning:
         logging.info("reward curve: %s", learning["line"])
-    if primary and len(heldout_curve) >= 2:
+    if primary and (len(heldout_curve) >= 2 or len(state.validation_curve) >= 2):
         accuracy_curve(heldout_curve, storage.join(workdir, "heldout_curve.png"),
-                       f"greedy builder, {min(settings.eval.num_tasks, len(state.heldout))} held-out corpora")
+                       f"greedy builder, {min(settings.eval.num_tasks, len(state.heldout))} held-out corpora",
+                       validation=state.validation_curve)
+    selected = None
+    if settings.eval.select == "validation":
+        kept = restore.committed_steps(storage.join(workdir, restore.CHECKPOINT_DIR))
+        selected = select_step(state.validation_curve, kept, state.step)
+        if primary:
+            logging.info("selected step %d of %s on %d validation corpora (accuracy by step: %s)", selected,
+                         [0, *kept], len(state.validation), ", ".join(
+                             f"{s}: {100 * a:.1f}%" for s, a in state.validation_curve))
     final: dict[str, Any] = {}
     t_eval = time.perf_counter()
     # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
     # records (eval.cli.execute; every process restores each builder, a collective); process 0 reports
     e = settings.eval
     if e.final_methods and state.heldout:
-        final = final_evaluation(workdir, e.final_methods)
+        at = {} if selected is None else {"step": selected}
+        final = final_evaluation(workdir, e.final_methods, **at)
         if e.final_samples:
             final["sampled"] = final_evaluation(
                 workdir, e.final_methods, name="final_sampled", samples=e.final_samples,
-                builder_temperature=settings.rollout.config.builder.temperature)
+                builder_temperature=settings.rollout.config.builder.temperature, **at)
     totals["final_eval_s"] = time.perf_counter() - t_eval
     ahead_report = ahead.wait() if ahead is not None else None
     wall = time.perf_counter() - t_start
@@ -411,6 +449,7 @@ def run(config: Any) -> dict[str, Any]:
                "compile": {**compiled.as_dict(), "by_process": by_process,
                            "ahead": dataclasses.asdict(ahead_report) if ahead_report else None},
                "reward_curve": learning, "heldout_curve": heldout_curve, "final_eval": final,
+               "validation_curve": state.validation_curve, "selected_step": selected,
                "warm_start_s": sft_summary.get("this_run_s", 0.0),
                "initial_eval": _finite(initial), "metrics": _finite(metrics)}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
@@ -473,15 +512,31 @@ def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict
     return out
 
 
-def accuracy_curve(curve: list[tuple[int, float]], png: str, what: str) -> str:
-    """A plot of the periodic held-out accuracy by GRPO step (`what` names the evaluation); returns `png`."""
+def select_step(curve: list[tuple[int, float]], kept: list[int], last: int) -> int:
+    """The step whose greedy builder answered most validation questions (`curve`: (step, accuracy)), among
+    step 0 (the starting policy) and the steps with a checkpoint (`kept`); ties go to the later step. No
+    validation point: `last`."""
+    candidates = [(a, s) for s, a in curve if s == 0 or s in kept]
+    return max(candidates)[1] if candidates else last
+
+
+def accuracy_curve(curve: list[tuple[int, float]], png: str, what: str,
+                   validation: list[tuple[int, float]] | None = None) -> str:
+    """A plot of the periodic held-out accuracy by GRPO step (`what` names the evaluation), and of the
+    validation corpora's when given; returns `png`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", ms=4, color="tab:green")
+    if curve:
+        ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", ms=4, color="tab:green",
+                label="held-out")
+    if validation:
+        ax.plot([s for s, _ in validation], [100 * a for _, a in validation], marker="s", ms=4,
+                color="tab:purple", label="validation (training split)")
+        ax.legend(fontsize=7)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("held-out accuracy %")
     ax.set_title(f"held-out accuracy ({what})", fontsize=8)
@@ -508,16 +563,25 @@ def final_evaluation(workdir: str, methods: str, name: str = "final", **override
             "accuracy": results["accuracy"]}
 
 
-def evaluate(run: Run, seed: int) -> dict[str, float]:
-    """Periodic held-out evaluation (`eval.every`): the eval command's own build and answer code
+def evaluate(run: Run, seed: int, *, heldout: bool = True, validation: bool = False) -> dict[str, float]:
+    """Periodic evaluation (`eval.every`): the eval command's own build and answer code
     (`eval.pipeline.periodic_eval`: greedy builder, no probes, the frozen answerer `eval.repeats` times per
-    question) on the run's cluster, with its metric names, `eval/trained/accuracy` etc.; `eval/accuracy` is
-    the same accuracy. Multi-process: each process evaluates its share of the corpora and every process gets
-    the same metrics."""
-    tasks = run.heldout[: run.settings.eval.num_tasks]
-    _, metrics = pipeline.periodic_eval(tasks, run.engines, run.tokenizer, run.rollout_config, seed,
-                                        repeats=run.settings.eval.repeats, templates=run.templates)
-    metrics["eval/accuracy"] = metrics["eval/trained/accuracy"]
+    question) on the run's cluster, in one batch: `heldout`, the first `eval.num_tasks` held-out corpora, with
+    the eval command's metric names, `eval/trained/accuracy` etc. (`eval/accuracy` the same accuracy);
+    `validation`, the run's validation corpora (training split), `valid/accuracy`. Multi-process: each
+    process evaluates its share of the corpora and every process gets the same metrics."""
+    held = run.heldout[: run.settings.eval.num_tasks] if heldout else []
+    val = run.validation if validation else []
+    records, metrics = pipeline.periodic_eval(held + val, run.engines, run.tokenizer, run.rollout_config,
+                                              seed, repeats=run.settings.eval.repeats,
+                                              templates=run.templates)
+    metrics = {k: v for k, v in metrics.items() if k.endswith("_s")}  # build / answer times, both sets
+    if held:
+        metrics.update(pipeline.corpus_metrics(records, [t.task_id for t in held]))
+        metrics["eval/accuracy"] = metrics["eval/trained/accuracy"]
+    if val:
+        metrics["valid/accuracy"] = pipeline.corpus_metrics(
+            records, [t.task_id for t in val])["eval/trained/accuracy"]
     return metrics
 
 

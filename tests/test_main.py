@@ -71,6 +71,8 @@ def test_train_keys_reach_the_trainer_config():
     ("train.eps_low", 1.5, r"config\.train\.eps_low: must be <= 1\.0"),
     ("checkpoint.keep", 0, r"config\.checkpoint\.keep: must be >= 1"),
     ("rollout.builder.max_turns", 0, r"config\.rollout: .*max_turns must be >= 1"),
+    ("eval.select", "best", r"config\.eval\.select: must be one of \['last', 'validation'\]"),
+    ("eval.select", "validation", r"config\.eval\.validation_tasks: must be > 0 with eval\.select"),
 ])
 def test_validation_names_the_bad_key(key, value, message):
     c = grpo().get_config()
@@ -225,3 +227,61 @@ def test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped(tm
     a = _checkpoint_arrays(os.path.join(straight, "checkpoints", "2"))
     c = _checkpoint_arrays(os.path.join(straight, "checkpoints", "1"))
     assert any(not np.array_equal(a[k], c[k]) for k in a)  # and step 2 moved them again
+
+
+def test_select_step_takes_the_best_validation_accuracy_among_kept_steps_ties_to_the_later():
+    from librarian_jax.training import select_step
+
+    curve = [(0, 0.9), (4, 0.95), (8, 0.95), (12, 0.7)]
+    assert select_step(curve, [4, 8, 12], 12) == 8  # a tie goes to the later step
+    assert select_step(curve, [12], 12) == 0  # step 0 (the starting weights) needs no checkpoint
+    assert select_step([(0, 0.5), (4, 0.9), (8, 0.6)], [8], 8) == 8  # step 4's checkpoint is gone
+    assert select_step([], [3], 3) == 3
+
+
+@pytest.mark.slow
+def test_a_run_chooses_its_step_on_validation_corpora_it_never_trained_on(tmp_path, monkeypatch):
+    """`eval.select="validation"`: the validation corpora (training split) are in no step's rollouts and in
+    split.json apart; they are answered at step 0, every `eval.every` steps and the last; those steps'
+    checkpoints outlive `checkpoint.keep`; the final evaluation reports the chosen step. And step 0 is the
+    starting weights: no checkpoint restored, the base builder's workspaces."""
+    from librarian_jax import eval as eval_lib
+    from librarian_jax import training
+    from librarian_jax.eval import restore
+    from librarian_jax.rollout import read_jsonl
+
+    wd = str(tmp_path / "run")
+    c = tiny_run_config(wd, num_steps=3)
+    c.data.num_tasks = 6
+    c.eval.update(every=2, num_tasks=1, select="validation", validation_tasks=1, final_methods="trained,base")
+    c.checkpoint.keep = 1
+    out = training.run(c)
+    with open(os.path.join(wd, "split.json")) as f:
+        split = json.load(f)
+    rolled_out = {r.task_id for s in (1, 2, 3)
+                  for r in read_jsonl(os.path.join(wd, "episodes", f"step_{s}.jsonl"))}
+    assert len(split["validation"]) == 1 and not set(split["validation"]) & (rolled_out | set(split["train"]))
+    assert [s for s, _ in out["validation_curve"]] == [0, 2, 3]
+    assert restore.committed_steps(os.path.join(wd, "checkpoints")) == [2, 3]  # step 2 outlives keep=1
+    assert out["selected_step"] == training.select_step(out["validation_curve"], [2, 3], 3)
+    with open(os.path.join(wd, "eval", "final", "results.json")) as f:
+        assert json.load(f)["setup"]["step"] == out["selected_step"]
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("step 0 restored a checkpoint")
+
+    monkeypatch.setattr(restore, "restore_builder", no_checkpoint)  # step 0 is the base weights, no restore
+    at0 = eval_lib.evaluate_run(wd, methods="trained,base", name="at_0", step=0, progress=False)
+    assert at0["setup"]["step"] == 0 and "starting weights" in at0["setup"]["builder"]
+    ws = os.path.join(wd, "eval", "at_0", "workspaces")
+    assert _tree(os.path.join(ws, "trained")) == _tree(os.path.join(ws, "base"))
+
+
+def _tree(root: str) -> dict[str, str]:
+    """Every file under `root` by relative path, with its text."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(d, name)
+            with open(p, encoding="utf-8", errors="replace") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out

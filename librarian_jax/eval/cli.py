@@ -170,7 +170,9 @@ def plan_eval(config: Any) -> Plan:
     if c.run:
         run_dir = storage.abspath(c.run)  # a local directory or a URL (gs://...)
         run_cfg = restore.load_run_config(run_dir)
-        if not c.builder:
+        if not c.builder and c.step == 0:  # the run's starting weights: the base builder's
+            step = 0
+        elif not c.builder:
             step, step_dir = restore.select_step(run_dir, c.step if c.step >= 0 else None)
             restore.check_checkpoint(step_dir, run_cfg)
         if not c.tasks and not c.task_ids and not storage.isfile(storage.join(run_dir, "split.json")):
@@ -370,8 +372,8 @@ class Models:
 
     def builder(self, label: str, plan: Plan) -> Any:
         """The weights of builder method `label`."""
-        if label == "base":
-            return self.base
+        if label == "base" or (label == "trained" and plan.step == 0 and not plan.settings.builder):
+            return self.base  # step 0: the run's starting weights
         if label == "trained":
             if plan.settings.builder.startswith("hf:"):
                 return models.load_hf(
@@ -584,7 +586,8 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         "run": plan.run_dir or c.builder,
         "step": plan.step,
         "split": split_source,
-        "builder": c.builder or "the run's checkpoint",
+        "builder": c.builder or ("the run's starting weights (step 0, the base builder's)" if plan.step == 0
+                                 else "the run's checkpoint"),
         "answerer": f"{cfg.answerer.kind} (temperature "
         f"{cfg.answerer.temperature}, {cfg.answerer.max_turns} turns)",
         "builder_temperature": cfg.builder.temperature,

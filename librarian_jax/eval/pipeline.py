@@ -17,7 +17,7 @@ those of a single-process run.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -173,12 +173,17 @@ def periodic_eval(
     timing = {"eval/build_s": t1 - t0, "eval/answer_s": time.perf_counter() - t1}
     gathered = distributed.gather_sections([("records", mine), ("timing", [timing])], "periodic")
     records = gathered["records"]
-    corpora = [t.task_id for t in tasks]
-    sums = stats.corpus_sums(records, ["trained"], corpora)
-    table = stats.accuracy_table(sums, np.ones((1, len(corpora))), base=None)
-    metrics = scalar_metrics(table)
+    metrics = corpus_metrics(records, [t.task_id for t in tasks])
     metrics.update(distributed.slowest(gathered["timing"]))
     return records, metrics
+
+
+def corpus_metrics(records: Sequence[Mapping[str, Any]], corpora: Sequence[str]) -> dict[str, float]:
+    """`eval/trained/<name>` scalars of the question records of `corpora` (a subset of a `periodic_eval`'s:
+    held-out and validation corpora evaluated in one batch are scored apart)."""
+    wanted = set(corpora)
+    sums = stats.corpus_sums([r for r in records if r["corpus"] in wanted], ["trained"], corpora)
+    return scalar_metrics(stats.accuracy_table(sums, np.ones((1, len(corpora))), base=None))
 
 
 SCALARS = (
