@@ -222,3 +222,28 @@ def test_a_sweep_pools_seeds_with_a_bootstrap_within_each_seed(tmp_path):
     assert "pooled" in table and "trained ahead of base in 2/3, bm25 in 2/3" in table
     with pytest.raises(FileNotFoundError):
         sweep.pooled({0: str(tmp_path / "nowhere")})
+
+
+def test_workspace_shapes_tell_nested_flat_and_empty_workspaces_apart():
+    """The report's workspace shapes from real workspaces: a builder's files under a directory (nested), the
+    same files at the root (flat) and no file (a build that stopped at once), per method."""
+    from librarian_jax.data.schema import Document
+    from librarian_jax.eval.report import format_figures, workspace_shapes
+    from librarian_jax.workspace import Workspace
+
+    docs = [Document("d-a", "Alpha text.", title="Alpha"), Document("d-b", "Beta text.", title="Beta")]
+
+    def built(nested: bool, files: int) -> Workspace:
+        ws = Workspace.from_documents(docs)
+        made = [ws.create_file(d.title, [p.path], f"{d.title} facts.").data["path"]
+                for d, p in zip(docs[:files], ws.raw_docs[:files], strict=True)]
+        if nested:
+            assert ws.merge_files("People", made, "Who is who.").ok
+        return ws
+
+    shapes = workspace_shapes([("trained", built(True, 2).stats()), ("trained", built(False, 2).stats()),
+                               ("base", built(False, 1).stats()), ("base", built(False, 0).stats())])
+    assert shapes["trained"] == {"corpora": 2, "files": 2.0, "dirs": 0.5, "nested": 0.5, "empty": 0.0}
+    assert shapes["base"] == {"corpora": 2, "files": 0.5, "dirs": 0.0, "nested": 0.0, "empty": 0.5}
+    line = format_figures({"shapes": shapes})
+    assert "trained 2.0 files, 0.5 dirs, 50% nested, 0% empty; base 0.5 files" in line

@@ -551,7 +551,9 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     # shared (a gs:// report's workspaces go to a local stand-in directory; hosts of a pod slice share no
     # local disk), and process 0 writes one complete tree, as in a single-process run.
     shares = [*own, ("failed", [{m: sum(1 for b in bs if b.failed) for m, bs in built_by.items()}]),
-              ("timing", [timing])]
+              ("timing", [timing]),
+              ("shapes", [[m, b.workspace.stats()] for m, bs in built_by.items() for b in bs
+                          if b.episode == 0 and b.workspace is not None])]
     if c.export_workspaces:
         shares.append(("workspaces", [
             [m, b.task.task_id, b.workspace.to_dict(include_raw_text=False)]
@@ -573,6 +575,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         ablation=ablation,
     )
     results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in built_by}
+    results["shapes"] = report.workspace_shapes(gathered["shapes"])
     results["retrieval_budget"] = {
         "mode": "matched" if tuned else "fixed",
         "ks": {m: baselines.method_k(m, c, {k: t["k"] for k, t in tuned.items()})
@@ -717,7 +720,8 @@ def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
         return None
     logging.info("%s", what)
     results, _ = execute(plan)
-    print(format_table(results))  # noqa: T201
+    figures = report.format_figures(results)
+    print(format_table(results) + ("\n" + figures if figures else ""))  # noqa: T201
     print(f"report: {storage.join(plan.out_dir, 'report.md')}")  # noqa: T201
     return results
 

@@ -116,6 +116,22 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def workspace_shapes(shapes: Sequence[tuple[str, dict[str, int]]]) -> dict[str, dict[str, float]]:
+    """Per method, the shape of its workspaces (`(method, Workspace.stats())` of each corpus's first
+    construction): corpora, mean synthetic files and directories, the share with a file below the root
+    (`nested`: more than one level) and the share with no synthetic file (`empty`). A builder that drifts
+    from a hierarchy to flat files, or to stopping at once, shows here before it shows in accuracy."""
+    by: dict[str, list[dict[str, int]]] = {}
+    for m, st in shapes:
+        by.setdefault(m, []).append(st)
+    return {m: {"corpora": len(sts),
+                "files": float(np.mean([s["active_files"] for s in sts])),
+                "dirs": float(np.mean([s["active_dirs"] for s in sts])),
+                "nested": float(np.mean([s["max_depth"] >= 2 for s in sts])),
+                "empty": float(np.mean([s["active_synthetic"] == 0 for s in sts]))}
+            for m, sts in by.items()}
+
+
 def format_figures(results: dict[str, Any], q: int = 10) -> str:
     """The paper's figures from an evaluation, as lines for the console: the reuse cost ratio of the
     trained builder against the base builder and raw navigation at `q` questions per construction (with its
@@ -147,6 +163,11 @@ def format_figures(results: dict[str, Any], q: int = 10) -> str:
             f"{v} {100 * x['accuracy']['mean']:.1f}% +- {100 * x['accuracy']['se']:.1f}, "
             f"{x['nav_tokens']['mean']:.0f} +- {x['nav_tokens']['se']:.0f} nav tokens"
             for v, x in ab.items()))
+    shapes = results.get("shapes", {})
+    if shapes:
+        lines.append("workspaces (first construction of each corpus): " + "; ".join(
+            f"{m} {s['files']:.1f} files, {s['dirs']:.1f} dirs, {100 * s['nested']:.0f}% nested, "
+            f"{100 * s['empty']:.0f}% empty" for m, s in shapes.items()))
     rb = results.get("retrieval_budget", {})
     if rb.get("ks"):
         tuned = rb.get("tuning", {})
@@ -312,6 +333,18 @@ def report_markdown(results: dict[str, Any]) -> str:
             _md_table(["workspace", "acc %", "navigation tokens", "questions"], rows),
             "",
             "![ablation](ablation.png)",
+            "",
+        ]
+    if results.get("shapes"):
+        parts += [
+            "## Workspace shapes",
+            "",
+            "Each method's first construction of each corpus: synthetic files and directories (means), the "
+            "share of workspaces with a file below the root (nested) and with no synthetic file (empty).",
+            "",
+            _md_table(["method", "corpora", "files", "dirs", "nested %", "empty %"], [
+                [m, s["corpora"], f"{s['files']:.1f}", f"{s['dirs']:.1f}", f"{100 * s['nested']:.0f}",
+                 f"{100 * s['empty']:.0f}"] for m, s in results["shapes"].items()]),
             "",
         ]
     parts += ["## Accounting", "", results.get("accounting", ""), ""]
