@@ -523,6 +523,7 @@ class WarmStartSection(Section):
 
     enabled: bool = spec(True)
     sft_preset: str = spec("embedded")  # a configs/sft.py preset (checked by config_validation)
+    sft_steps: int = spec(0, lo=0)  # the warm start's SFT steps; 0 = the preset's train.num_steps
 
 
 @dataclasses.dataclass(frozen=True)

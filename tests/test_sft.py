@@ -196,6 +196,23 @@ def test_warm_start_tokenizer_and_demonstrations_do_not_depend_on_the_runs_tasks
     assert out[0] == out[1]
 
 
+def test_the_warm_start_runs_the_sft_steps_a_grpo_run_asks_for(tmp_path):
+    """`warm_start.sft_steps` sets the warm start's SFT steps (and so where its schedule ends); 0 keeps the
+    preset's; a negative count names the key."""
+    from configs import grpo
+    from librarian_jax import config_validation
+
+    c = grpo.get_config("noisy")
+    c.workdir = str(tmp_path / "run")
+    assert supervised.warm_start_config(config_validation.validate(c, num_devices=1)).train.num_steps == 150
+    c.warm_start.sft_steps = 80
+    sft_settings = supervised.warm_start_config(config_validation.validate(c, num_devices=1))
+    assert sft_settings.train.num_steps == 80 and sft_settings.workdir == str(tmp_path / "run" / "warm_start")
+    c.warm_start.sft_steps = -1
+    with pytest.raises(config_validation.ConfigError, match=r"config\.warm_start\.sft_steps: must be >= 0"):
+        config_validation.validate(c, num_devices=1)
+
+
 def test_sft_config_errors_name_the_key(tmp_path):
     from librarian_jax.config_validation import ConfigError
 

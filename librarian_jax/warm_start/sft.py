@@ -258,6 +258,8 @@ def warm_start_config(settings: GRPOConfig) -> SFTConfig:
     require_typed(settings, GRPOConfig, "warm_start.sft.warm_start_config")
     grpo = settings.to_dict()
     preset = SFTConfig.parse(sft_configs.get_config(settings.warm_start.sft_preset)).to_dict()
+    if settings.warm_start.sft_steps:  # the schedule (warmup, cosine decay) spans the steps asked for
+        preset["train"]["num_steps"] = settings.warm_start.sft_steps
     shared = {k: grpo[k] for k in ("seed", "preset", "builder_thinking", "model", "rollout", "roles", "mesh")}
     # the run's world, the preset's packing; the demonstrations, not a conversations file
     data = {**grpo["data"], "packing": preset["data"]["packing"], "path": ""}
