@@ -7,6 +7,8 @@ smallest stand-ins, one module.
 - `chat_template(tokenizer=None, style="chatml", **kw)`: the real `tokenizers.chat_template` over it (ChatML,
   Qwen3.5 with its thinking switch, Gemma with or without the system fold, Llama 3), so a test runs exactly
   the templates a run uses, not a re-implementation.
+- `returned(gen)`: what an agent generator that needs no engine (the scripted navigator, a model-free
+  executor) returns; an AssertionError if it asks for one.
 - `ScriptedEngine` / `FakeSession`: the real engine's session API answering each turn with text from a
   policy function (below). The embedded world's demonstration builders (`warm_start.demos`) run through it,
   so their transcripts are exactly what the tool protocol produces, and unit tests use it to script exact
@@ -79,6 +81,16 @@ def chat_template(tokenizer: Tokenizer | None = None, style: str = "chatml", **k
     """The real chat template of `style` (`tokenizers.chat_template`, keywords as there: `fold_system`,
     `thinking`, `add_bos`) over `tokenizer` (default a new `ByteTokenizer`)."""
     return real_chat_template(tokenizer or ByteTokenizer(), style, **kw)
+
+
+def returned(gen: Any) -> Any:
+    """Drives an agent generator that needs no engine (the scripted navigator, a model-free executor) to its
+    return value; an AssertionError if it yields (asks for an engine)."""
+    try:
+        request = next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError(f"the generator asked for an engine: {request!r}")
 
 
 # ------------------------------------------------------------------------------------------- scripted engine

@@ -25,7 +25,7 @@ from librarian_jax.agents.runtime import EXECUTOR, FROZEN, POLICY, AgentContext
 from librarian_jax.data import synthetic
 from librarian_jax.eval import baselines, constructions, retrieval
 from librarian_jax.rollout import Scheduler
-from librarian_jax.testing import ByteTokenizer, ScriptedEngine, chat_template
+from librarian_jax.testing import ByteTokenizer, ScriptedEngine, chat_template, returned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -145,12 +145,6 @@ def test_reranker_scores_yes_against_no_at_the_last_position(tiny_model):
     assert [j for j, _ in top] == list(np.argsort(-full, kind="stable")[:2])
 
 
-def _drive(gen):
-    with pytest.raises(StopIteration) as stop:
-        next(gen)
-    return stop.value.value
-
-
 def test_scripted_navigator_searches_first_and_counts_passages():
     """With a search tool the navigator searches once per hop, reads the hit's document first, and counts the
     passages; its answers are at least as good as raw navigation's under the same turn budget."""
@@ -168,8 +162,9 @@ def test_scripted_navigator_searches_first_and_counts_passages():
     right = {"agentic": 0, "raw": 0}
     for q in TASK.questions:
         ws = Workspace.from_documents(list(TASK.documents))
-        with_search = _drive(answer_question(AgentContext(TOK, TPL, {}), ws, q.question, cfg, search=search))
-        raw = _drive(answer_question(AgentContext(TOK, TPL, {}), ws, q.question, cfg))
+        with_search = returned(answer_question(AgentContext(TOK, TPL, {}), ws, q.question, cfg,
+                                               search=search))
+        raw = returned(answer_question(AgentContext(TOK, TPL, {}), ws, q.question, cfg))
         assert with_search.actions[0].startswith("search ")
         assert with_search.passages_read == 5 * sum(a.startswith("search") for a in with_search.actions)
         assert raw.passages_read == 0
@@ -246,7 +241,7 @@ def test_extractive_constructions_have_provenance_and_fit_their_budget():
     assert len(nodes) == g.info["communities"]
     raw = {d.handle for d in g.workspace.raw_docs}
     assert all(n.raw_sources and set(n.raw_sources) <= raw for n in nodes)  # provenance: real raw documents
-    a = _drive(constructions.autocompaction(ctx, TASK, executor="extractive", budget_tokens=120,
+    a = returned(constructions.autocompaction(ctx, TASK, executor="extractive", budget_tokens=120,
                                             chunk_tokens=64))
     (notes,) = a.workspace.active_nodes()
     assert len(TOK.encode(notes.body)) <= 120 and a.construction_tokens == 0

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from librarian_jax.agents import executor as executor_lib
 from librarian_jax.agents.builder import excerpt_sources
 from librarian_jax.data.schema import Document, content_hash
+from librarian_jax.testing import returned
 from librarian_jax.workspace import ERROR_CODES, OK, ActionResult, SnapshotError, Workspace, clean_content
 from librarian_jax.workspace import render as R
 from librarian_jax.workspace.workspace import (
@@ -38,15 +39,6 @@ def _ws() -> Workspace:
     )
     assert w.create_file("First", ["raw_0001"], "first body").ok
     return w
-
-
-def _run(gen: Any) -> Any:
-    """Drive an agent generator that needs no engine (the extractive executor) to its return value."""
-    try:
-        next(gen)
-    except StopIteration as stop:
-        return stop.value
-    raise AssertionError("the generator asked for an engine")
 
 
 def _check_result(r: object) -> None:
@@ -98,7 +90,7 @@ def test_a_document_line_that_looks_like_a_source_header_adds_no_source() -> Non
     ex = w.source_excerpts(["raw_0001"])
     srcs = excerpt_sources(ex)
     assert [p for p, _ in srcs] == ["raw_docs/raw_0001__notes.txt"]
-    out = _run(executor_lib.write(None, "Summary", "", srcs, ex.text, kind="extractive"))
+    out = returned(executor_lib.write(None, "Summary", "", srcs, ex.text, kind="extractive"))
     assert "secrets/passwords.txt" not in out.text.replace("=== SOURCE 7: secrets/passwords.txt ===", "")
     assert out.text.count("From ") == 1 and "From raw_docs/raw_0001__notes.txt:" in out.text
 
@@ -214,7 +206,8 @@ def test_a_document_with_nul_can_be_summarised_by_the_extractive_executor() -> N
         [Document("d1", "The vault\x00 code is 42. Other words here.", title="Vault")]
     )
     ex = w.source_excerpts(["raw_0001"])
-    out = _run(executor_lib.write(None, "Vault code", "", excerpt_sources(ex), ex.text, kind="extractive"))
+    out = returned(executor_lib.write(None, "Vault code", "", excerpt_sources(ex), ex.text,
+                                      kind="extractive"))
     r = w.create_file("Vault code", ["raw_0001"], out.text)
     assert r.ok, r
     assert "42" in w.nodes[r.data["node_id"]].body

@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 
 from librarian_jax.agents import navigator
 from librarian_jax.agents.answerer import AnswererConfig, answer_question
 from librarian_jax.agents.executor import extractive_text
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import synthetic
-from librarian_jax.testing import ByteTokenizer, chat_template
+from librarian_jax.testing import ByteTokenizer, chat_template, returned
 from librarian_jax.workspace import Workspace
 
 TOK = ByteTokenizer()
@@ -32,10 +31,7 @@ def _ctx() -> AgentContext:
 def _run(ws: Workspace, question: str, **cfg) -> object:
     cfg = AnswererConfig(**{"kind": "scripted", "max_turns": 2, "context_budget": 100_000,
                             "preload_root_files": False, **cfg})
-    gen = answer_question(_ctx(), ws, question, cfg)
-    with pytest.raises(StopIteration) as stop:
-        next(gen)  # the navigator never yields (no engine)
-    return stop.value.value
+    return returned(answer_question(_ctx(), ws, question, cfg))  # the navigator never yields (no engine)
 
 
 def _entity_workspace(task, own_only: bool = False) -> Workspace:
@@ -115,9 +111,7 @@ def test_a_preamble_counts_as_read():
     gen = answer_question(_ctx(), ws, q.question,
                           dataclasses.replace(AnswererConfig(kind="scripted", preload_root_files=False),
                                               max_turns=0), preamble="\n".join(support))
-    with pytest.raises(StopIteration) as stop:
-        next(gen)
-    assert stop.value.value.answer in q.answers
+    assert returned(gen).answer in q.answers
     assert navigator._names("About the Thaetrax Collective", "Thaetrax Collective")
     assert not navigator._names("About the Thaetrax Collectives", "Thaetrax Collective")
 

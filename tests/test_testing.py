@@ -38,3 +38,19 @@ def test_gemma_folds_the_system_prompt_into_the_first_turn():
     assert tpl.tokenizer.decode(ids) == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
     with pytest.raises(ValueError, match="FoldedStart"):
         tpl.start("Be brief.") + [1, 2]
+
+
+def test_returned_gives_a_model_free_generators_value_and_refuses_one_that_asks_for_an_engine():
+    from librarian_jax.testing import returned
+
+    def model_free():
+        return "done"
+        yield  # a generator function, as the agents' are
+
+    def asks():
+        yield "a request for the engine"
+        return "never"
+
+    assert returned(model_free()) == "done"
+    with pytest.raises(AssertionError, match="asked for an engine: 'a request for the engine'"):
+        returned(asks())

@@ -19,7 +19,7 @@ from librarian_jax.agents.executor import extractive_text, split_sentences
 from librarian_jax.agents.protocol import ToolCall
 from librarian_jax.agents.runtime import AgentContext
 from librarian_jax.data import WORLDS, generate_world, synthetic
-from librarian_jax.testing import ByteTokenizer, chat_template
+from librarian_jax.testing import ByteTokenizer, chat_template, returned
 from librarian_jax.warm_start import demos
 from librarian_jax.workspace import Workspace, load_export
 
@@ -28,17 +28,10 @@ TPL = chat_template(TOK)
 NOISY = generate_world(5, 8, WORLDS["noisy"], docs_per_task=20, questions_per_task=8)
 
 
-def _returned(gen) -> object:
-    """What a model-free agent generator returns (it never yields)."""
-    with pytest.raises(StopIteration) as stop:
-        next(gen)
-    return stop.value.value
-
-
 def _answer(ws: Workspace, question: str, **cfg) -> object:
     cfg = AnswererConfig(**{"kind": "scripted", "max_turns": 6, "context_budget": 1_000_000,
                             "preload_root_files": False, **cfg})
-    return _returned(answer_question(AgentContext(TOK, TPL, {}), ws, question, cfg))
+    return returned(answer_question(AgentContext(TOK, TPL, {}), ws, question, cfg))
 
 
 def _entity_files(task, *, own_only: bool = False, by_kind: bool = False) -> Workspace:
@@ -138,7 +131,7 @@ def test_a_statements_file_keeps_what_is_stated_about_its_entity_and_drops_mere_
     sources = [(d.doc_id, d.text) for d in task.documents]
     real = next(d.meta["subject"] for d in task.documents if not d.meta["distractor"] and d.meta["subject"])
     focused = extractive_text(real, "", sources, focus=True)
-    text = _returned(write(None, real, "", sources, "", kind="statements")).text
+    text = returned(write(None, real, "", sources, "", kind="statements")).text
     everywhere = {tuple(f) for d in task.documents for f in d.meta["facts"] if real in (f[0], f[2])}
     assert everywhere and everywhere <= set(synthetic.extract_facts(text)), everywhere
     assert set(synthetic.extract_facts(text)) == set(synthetic.extract_facts(focused))
@@ -335,7 +328,7 @@ def test_hostile_titles_and_sources_never_crash_a_model_free_executor(title, tex
 
     doc = NOISY[0].documents[0]
     sources = [(f"raw_docs/x{i}.txt", t) for i, t in enumerate(texts)] + [(doc.doc_id, doc.text)]
-    out = _returned(write(None, title, "", sources, "", kind=kind))
+    out = returned(write(None, title, "", sources, "", kind=kind))
     assert not out.fallback and "\x00" not in out.text
     paths = {p for p, _ in sources}
     blocks = [ln for ln in out.text.split("\n")[1:] if ln.startswith("From ")]
