@@ -901,7 +901,7 @@ class BuildConfig(Section):
     COMMAND: ClassVar[str] = "build"
     command: str = spec("build", choices=("build",))
     run: str = spec("")  # the training workdir whose builder to use
-    step: int = spec(-1, lo=-1)  # -1 = newest committed checkpoint
+    step: int = spec(-1, lo=-1)  # -1 = newest committed checkpoint; 0 = the run's starting weights
     builder: str = spec("")  # "" = the run's checkpoint; "hf:/path" for a Hugging Face model
     train_preset: str = spec("embedded")  # configs/grpo.py preset for rollout settings without a run
     out: str = spec("")  # the export directory (must not hold a previous export's files)

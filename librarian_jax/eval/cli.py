@@ -372,8 +372,8 @@ class Models:
 
     def builder(self, label: str, plan: Plan) -> Any:
         """The weights of builder method `label`."""
-        if label == "base" or (label == "trained" and plan.step == 0 and not plan.settings.builder):
-            return self.base  # step 0: the run's starting weights
+        if label == "base" or (label == "trained" and plan.step == 0):  # step 0 (`plan_eval`): the run's
+            return self.base  # starting weights
         if label == "trained":
             if plan.settings.builder.startswith("hf:"):
                 return models.load_hf(
