@@ -238,11 +238,27 @@ def resume(run: Run, ck: Any) -> None:
         data_state = by_process[jax.process_index()]  # this process's own iterator state
     if data_state is not None:
         run.data_iter.set_state(data_state)
-    run.validation_curve = [(int(s), float(a)) for s, a in
-                            restored.meta.get("extra", {}).get("validation_curve", [])]
+    run.validation_curve = validation_curve_of(restored.meta, ck.directory)
     run.push_weights()
     run.step = restored.step
     logging.info("resumed from step %d", run.step)
+
+
+def validation_curve_of(meta: Any, where: str = "") -> list[tuple[int, float]]:
+    """The (step, accuracy) points a checkpoint's meta carries (`extra.validation_curve`, `eval.select`).
+    A meta without them gives []; one whose points are not (step >= 0, accuracy in [0, 1]) pairs gives []
+    with a warning naming `where`: the resumed run then chooses among the steps it evaluates from here on."""
+    extra = meta.get("extra") if isinstance(meta, dict) else None
+    raw = extra.get("validation_curve", []) if isinstance(extra, dict) else []
+    try:
+        curve = [(int(s), float(a)) for s, a in raw]
+    except (TypeError, ValueError):
+        curve = None
+    if curve is None or any(s < 0 or not 0.0 <= a <= 1.0 for s, a in curve):
+        logging.warning("checkpoint meta in %s: validation_curve is not (step, accuracy) pairs (%.80r); "
+                        "choosing among the steps evaluated after the resume only", where or "?", raw)
+        return []
+    return curve
 
 
 def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:

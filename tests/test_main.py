@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from librarian_jax import config_validation as cv
 
@@ -285,3 +287,23 @@ def _tree(root: str) -> dict[str, str]:
             with open(p, encoding="utf-8", errors="replace") as f:
                 out[os.path.relpath(p, root)] = f.read()
     return out
+
+
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=5)
+_JSON = st.recursive(_SCALARS, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=5), kids, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(curve=_JSON, extra=st.booleans())
+def test_a_resumed_runs_validation_curve_from_any_meta_is_pairs_or_nothing(curve, extra):
+    """Whatever a checkpoint's meta holds where the validation curve goes (a hand-edited or foreign meta),
+    resuming reads (step >= 0, accuracy in [0, 1]) pairs or nothing, never an exception."""
+    from librarian_jax.training import validation_curve_of
+
+    meta = {"extra": {"validation_curve": curve}} if extra else {"extra": curve}
+    out = validation_curve_of(meta, "ckpt/3")
+    assert isinstance(out, list)
+    assert all(type(s) is int and s >= 0 and type(a) is float and 0.0 <= a <= 1.0 for s, a in out)
+    assert validation_curve_of({"extra": {"validation_curve": [[0, 0.5], [4, 1]]}}) == [(0, 0.5), (4, 1.0)]
+    assert validation_curve_of({"extra": {"validation_curve": [[0, 0.5], [4, 1.5]]}}) == []
