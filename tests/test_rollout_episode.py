@@ -181,6 +181,26 @@ def test_schedule_and_reward_arithmetic():
     assert fit_to_engines(RolloutConfig(answerer=unset), engines).answerer.context_budget == 1000
 
 
+def test_a_reward_over_hidden_and_reuse_questions_asks_both_and_evaluation_the_hidden_ones():
+    """`terminal_questions="hidden+reuse"` (the noisy preset's denser reward): the terminal reward is the mean
+    over the hidden and the reuse questions; `eval_config` asks the hidden ones, as every report does."""
+    from librarian_jax.rollout.jobs import eval_config, questions_of
+
+    hidden, reuse = TASK.questions
+    task = dataclasses.replace(TASK, questions=(hidden,), reuse_questions=(reuse,))
+    script = [format_call("create_file", {"title": "Capital notes", "input_paths": [RAW[0]]}),
+              format_call("stop")]
+    terminal = {}
+    for which in ("hidden", "reuse", "hidden+reuse", "reuse_if_any"):
+        (rec,), _, _ = run(config(terminal_questions=which, max_probes=0), script=script, tasks=(task,))
+        terminal[which] = rec.terminal_reward
+    # the workspace answers the capital (hidden) and not the sky's colour (reuse)
+    assert terminal == {"hidden": 1.0, "reuse": 0.0, "hidden+reuse": 0.5, "reuse_if_any": 0.0}
+    evaluated = eval_config(config(terminal_questions="hidden+reuse"))
+    assert evaluated.terminal_questions == "hidden" and questions_of(task, evaluated) == (hidden,)
+    assert eval_config(config(terminal_questions="reuse_if_any")).terminal_questions == "reuse_if_any"
+
+
 def test_batch_probes_are_batched_and_records_are_exact(tmp_path):
     tasks = [TASK, CorpusTask("t1", DOCS, TASK.questions)]
     recs, policy, frozen = run(config(), tasks=tasks, group=3)

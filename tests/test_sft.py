@@ -186,14 +186,15 @@ def test_sft_learns_resumes_and_is_a_grpo_start(tmp_path):
 
 def test_warm_start_tokenizer_and_demonstrations_do_not_depend_on_the_runs_tasks(tmp_path):
     # trained on the demonstrations' worlds only: no held-out text reaches the warm start, and runs that
-    # differ only in their world size or split share one tokenizer and one set of demonstrations
+    # differ only in their world size, split or reward questions (the reuse questions a noisy run's reward
+    # asks) share one tokenizer and one set of demonstrations
     out = []
-    for i, (num_tasks, heldout) in enumerate(((4, 0.25), (9, 0.5))):
+    for i, (num_tasks, heldout, reuse) in enumerate(((4, 0.25, 0), (9, 0.5, 0), (4, 0.25, 6))):
         c = _sft_config(str(tmp_path / f"w{i}"), 1)
-        c.data.update(num_tasks=num_tasks, heldout_fraction=heldout)
+        c.data.update(num_tasks=num_tasks, heldout_fraction=heldout, reuse_questions_per_task=reuse)
         convs, tok = supervised.embedded_demonstrations(supervised.validate(c))
         out.append((os.path.basename(tok.path), [cv["messages"] for cv in convs]))
-    assert out[0] == out[1]
+    assert out[0] == out[1] == out[2]
 
 
 def test_the_warm_start_runs_the_sft_steps_a_grpo_run_asks_for(tmp_path):

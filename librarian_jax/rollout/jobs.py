@@ -48,7 +48,9 @@ def eval_config(
 ) -> R.RolloutConfig:
     """The rollout config for evaluation: no probes, final snapshots kept, the builder's temperature as
     given, greedy answer repeats made once (and recorded n times, at the original's cost); with
-    `answer_temperature` > 0 every repeat is its own answer sampled at that temperature."""
+    `answer_temperature` > 0 every repeat is its own answer sampled at that temperature. A reward over every
+    question a training corpus has (`terminal_questions="hidden+reuse"`) is evaluated on the hidden ones, the
+    questions every method and report ask."""
     a = dataclasses.replace(config.answerer, **(answerer or {}))
     sampled = float(answer_temperature) > 0
     return dataclasses.replace(
@@ -61,6 +63,8 @@ def eval_config(
         snapshot_raw_text=False,
         repeat_mode="sample" if sampled else "greedy_once",
         repeat_temperature=float(answer_temperature) if sampled else config.repeat_temperature,
+        terminal_questions="hidden" if config.terminal_questions == "hidden+reuse" else
+        config.terminal_questions,
     )
 
 

@@ -13,10 +13,11 @@ probe's, or 0 without one), updated at every probe whether or not its delta paid
 
 At Stop or at the turn limit the terminal reward is the mean correctness of `terminal_repeats` answerer runs
 per question of the terminal set (`terminal_questions`: `"reuse_if_any"` = the task's reuse questions when
-it has them, else its hidden questions — the paper's main run; `"hidden"`; `"reuse"`). Ending without Stop
-(the turn limit, or a full context) costs `no_stop_penalty` (0.1) on the last turn's reward. Every malformed
-tool call costs `builder.malformed_penalty` (0.05) on its turn's reward. The episode's total reward is
-`sum(turn_rewards) + terminal_reward`.
+it has them, else its hidden questions — the paper's main run; `"hidden"`; `"reuse"`; `"hidden+reuse"` =
+both, a denser reward on training corpora whose evaluation asks the hidden ones, `rollout.jobs.eval_config`).
+Ending without Stop (the turn limit, or a full context) costs `no_stop_penalty` (0.1) on the last turn's
+reward. Every malformed tool call costs `builder.malformed_penalty` (0.05) on its turn's reward. The
+episode's total reward is `sum(turn_rewards) + terminal_reward`.
 
 Repeats (`repeat_mode`): R greedy answerer runs of one question are R copies of one run, so they are never
 paid R times. `"greedy_once"` (default; the paper's answerer is greedy): with a greedy answerer (temperature
@@ -43,7 +44,7 @@ from librarian_jax.agents.builder import RAW_LISTINGS, BuilderConfig
 from librarian_jax.agents.executor import EXECUTOR_KINDS
 from librarian_jax.agents.prompt_text import PROMPT_NAMES
 
-TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse")
+TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse", "hidden+reuse")
 REPEAT_MODES = ("greedy_once", "sample")
 
 
@@ -198,4 +199,6 @@ def terminal_question_set(task: Any, config: RolloutConfig) -> tuple[Any, ...]:
         return hidden
     if config.terminal_questions == "reuse":
         return reuse
+    if config.terminal_questions == "hidden+reuse":
+        return hidden + reuse
     return reuse if reuse else hidden

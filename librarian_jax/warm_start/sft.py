@@ -195,13 +195,14 @@ DEMO_SEED_OFFSET = 7919  # the demonstrations' worlds are seeded apart from the 
 def demo_tasks(config: SFTConfig) -> list[Any]:
     """The worlds the demonstrations are made on: `demos.num_tasks` synthetic tasks of the run's world and
     sizes, seeded apart from the run's tasks (ids `synth-<seed + 7919>-...`), so no held-out corpus is ever
-    shown."""
+    shown. They carry the hidden questions only: the scripted demonstrations do not read questions, and a
+    run's reuse questions (`data.reuse_questions_per_task`, the noisy preset's denser reward) would change the
+    tokenizer trained on these worlds' texts, and so the warm start, for nothing."""
     require_typed(config, SFTConfig, "warm_start.sft.demo_tasks")
     d = config.data
     return data.generate_world(config.seed + DEMO_SEED_OFFSET, config.demos.num_tasks, data.WORLDS[d.world],
                                docs_per_task=d.docs_per_task, min_words=d.min_words, max_words=d.max_words,
-                               questions_per_task=d.questions_per_task,
-                               reuse_questions_per_task=d.reuse_questions_per_task)
+                               questions_per_task=d.questions_per_task, reuse_questions_per_task=0)
 
 
 def demo_tokenizer(config: SFTConfig, pool: Sequence[Any]) -> Any:
