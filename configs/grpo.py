@@ -55,7 +55,7 @@ def _base() -> ml_collections.ConfigDict:
         min_words=40,
         max_words=80,
         questions_per_task=4,   # half multi-hop (facts in >= 2 documents)
-        reuse_questions_per_task=0,
+        reuse_questions_per_task=0,  # more, drawn after those: what rollout.terminal_questions may ask
         heldout_fraction=0.4,   # tasks kept out of training (by task-id hash), for eval
         # The paper's data protocol (docs/paper-settings.md, Data); the defaults leave the data as loaded.
         split_file="",          # task-id file deciding train / held-out instead of the hash: held-out ids
@@ -221,9 +221,9 @@ def _noisy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # the reward asks every question a training corpus has: its 8 hidden ones and 24 more (reuse questions,
     # drawn after them, so the hidden ones and the documents are the same); evaluation asks the 8 hidden ones
     # (rollout.jobs.eval_config). With 8 a misplaced entity cost a build reward only when a question named
-    # it; with 32 most entities are asked about, and GRPO lifted seed 2's warm start 80.2 -> 86.7% where the
-    # 8-question reward's last step gave 82.7 and the step chosen was the warm start's (BENCHMARKS.md
-    # 2026-12-06 (ninth))
+    # it; with 32 most entities are asked about: five seeds ahead of their warm starts on 4 (on 2 with 8),
+    # pooled +6.4 [+3.2, +9.7] points (+4.7 [+2.1, +7.4]); seed 2 80.2 -> 86.7%, where the 8-question
+    # reward's last step gave 82.7 and the warm start was kept (BENCHMARKS.md 2026-12-06 (ninth))
     c.data.reuse_questions_per_task = 24
     c.rollout.terminal_questions = "hidden+reuse"
     # the builder lists the raw documents compactly and names them all raw_docs; its files hold what the
