@@ -250,15 +250,19 @@ def validation_curve_of(meta: Any, where: str = "") -> list[tuple[int, float]]:
     with a warning naming `where`: the resumed run then chooses among the steps it evaluates from here on."""
     extra = meta.get("extra") if isinstance(meta, dict) else None
     raw = extra.get("validation_curve", []) if isinstance(extra, dict) else []
-    try:
-        curve = [(int(s), float(a)) for s, a in raw]
-    except (TypeError, ValueError):
-        curve = None
-    if curve is None or any(s < 0 or not 0.0 <= a <= 1.0 for s, a in curve):
+
+    def point(p: Any) -> bool:  # [step, accuracy] as JSON writes it: no strings, booleans or infinities
+        if not isinstance(p, list | tuple) or len(p) != 2 or any(isinstance(x, bool) for x in p):
+            return False
+        step, accuracy = p
+        return (isinstance(step, int) and step >= 0 and isinstance(accuracy, int | float)
+                and 0.0 <= accuracy <= 1.0)
+
+    if not isinstance(raw, list | tuple) or not all(point(p) for p in raw):
         logging.warning("checkpoint meta in %s: validation_curve is not (step, accuracy) pairs (%.80r); "
                         "choosing among the steps evaluated after the resume only", where or "?", raw)
         return []
-    return curve
+    return [(int(s), float(a)) for s, a in raw]
 
 
 def train_one_step(run: Run) -> tuple[list[Any], dict[str, float]]:

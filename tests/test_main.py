@@ -307,3 +307,6 @@ def test_a_resumed_runs_validation_curve_from_any_meta_is_pairs_or_nothing(curve
     assert all(type(s) is int and s >= 0 and type(a) is float and 0.0 <= a <= 1.0 for s, a in out)
     assert validation_curve_of({"extra": {"validation_curve": [[0, 0.5], [4, 1]]}}) == [(0, 0.5), (4, 1.0)]
     assert validation_curve_of({"extra": {"validation_curve": [[0, 0.5], [4, 1.5]]}}) == []
+    # nothing that only unpacks like a pair: strings, dict keys, booleans; an infinite step neither
+    for forged in (["01"], {"10": 1}, [[True, 0.5]], [[0, False]], [[float("inf"), 0.5]], [[1.0, 0.5]]):
+        assert validation_curve_of({"extra": {"validation_curve": forged}}) == [], forged
