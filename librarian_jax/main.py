@@ -18,12 +18,17 @@ import sys
 import traceback
 from typing import Any
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from librarian_jax import host_memory
 
-from librarian_jax import cli_flags, compile_cache, config_validation, distributed
-from librarian_jax.models.hf_io import HFLoadError
-from librarian_jax.rl.train_step import NonFiniteUpdates
+if __name__ == "__main__":  # first, before JAX loads: glibc reads its malloc tunables when a process starts
+    host_memory.reexec_with_huge_pages()
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from librarian_jax import cli_flags, compile_cache, config_validation, distributed  # noqa: E402
+from librarian_jax.models.hf_io import HFLoadError  # noqa: E402
+from librarian_jax.rl.train_step import NonFiniteUpdates  # noqa: E402
 
 # Defined once per process (a test that imports this module next to `python -m` must not define them twice).
 if "config" not in flags.FLAGS:
@@ -66,6 +71,7 @@ def _quiet_library_info_logs() -> None:
 
 def main(argv: list[str]) -> None:
     _quiet_library_info_logs()
+    logging.info("host memory: %s", host_memory.describe())
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = flags.FLAGS["config"].value

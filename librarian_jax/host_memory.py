@@ -1,0 +1,96 @@
+"""Host memory for XLA:CPU: glibc's malloc backed by transparent huge pages.
+
+XLA:CPU takes a compiled program's temporaries (activations, gradients in flight) as one buffer from malloc
+each time the program runs: 2.6 GiB for the noisy warm start's SFT step (8 rows of 1,856 tokens). glibc
+hands a buffer that large out with mmap and returns it with munmap afterwards, so every step faults it in
+again, 4 KiB at a time: ~150,000 page faults a second, a third of the CPU time spent in the kernel on 2
+cores. With the glibc tunable `glibc.malloc.hugetlb=1` (glibc >= 2.35) malloc asks the kernel for
+transparent huge pages on its mappings (madvise), 2 MiB at a time: the noisy SFT step took 3.2 s instead of
+~4.9 (BENCHMARKS.md, 2026-12-07). Results are the same to the bit (only where the bytes live changes).
+
+glibc reads its tunables once, when a process starts, so the commands (`python -m librarian_jax.main`)
+call `reexec_with_huge_pages()` first thing: it re-executes the same command line once with the tunable
+added to `GLIBC_TUNABLES`, where it helps: Linux with glibc >= 2.35 and transparent huge pages in "madvise"
+mode (with "always" every mapping has them already; with "never" the tunable does nothing). It leaves the
+process alone when `GLIBC_TUNABLES` already sets `glibc.malloc.hugetlb` (the user's choice wins) or
+`LIBRARIAN_JAX_HUGE_PAGES=0`. A re-executed process keeps its pid, arguments and environment.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+
+TUNABLE = "glibc.malloc.hugetlb"
+OPT_OUT = "LIBRARIAN_JAX_HUGE_PAGES"
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_MODE_FILE) -> str:
+    """The kernel's transparent-huge-page mode, the bracketed word of `path` ("always", "madvise", "never"),
+    or "" where the file is absent or unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """(major, minor) of the C library this Python runs on when it is glibc, else None."""
+    lib, version = platform.libc_ver()
+    if lib != "glibc":
+        return None
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def tunables_with_huge_pages(environ: Mapping[str, str], *, system: str, glibc: tuple[int, int] | None,
+                             thp: str) -> str | None:
+    """The `GLIBC_TUNABLES` value to re-execute with, or None to leave the process as it is (see the module
+    doc for when)."""
+    if environ.get(OPT_OUT, "") == "0" or system != "Linux" or glibc is None or glibc < (2, 35):
+        return None
+    if thp != "madvise":
+        return None
+    current = environ.get("GLIBC_TUNABLES", "")
+    if any(part.split("=", 1)[0] == TUNABLE for part in current.split(":")):
+        return None
+    return f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"
+
+
+def describe(environ: Mapping[str, str] | None = None) -> str:
+    """One line for a run's log: whether malloc uses huge pages here, and why not when it does not."""
+    environ = os.environ if environ is None else environ
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if f"{TUNABLE}=1" in tunables.split(":"):
+        return f"malloc on transparent huge pages (GLIBC_TUNABLES={tunables})"
+    mode = thp_mode()
+    if mode == "always":
+        return "transparent huge pages for every mapping (the kernel's mode 'always')"
+    why = ("LIBRARIAN_JAX_HUGE_PAGES=0" if environ.get(OPT_OUT, "") == "0" else
+           f"GLIBC_TUNABLES={tunables}" if TUNABLE in tunables else
+           f"transparent huge pages {mode or 'unavailable'}, glibc {glibc_version() or 'absent'}")
+    return f"4 KiB pages ({why})"
+
+
+def reexec_with_huge_pages(argv: Sequence[str] | None = None) -> None:
+    """Re-executes this Python command (`sys.orig_argv`, or `argv` when given: the interpreter's own
+    arguments included) with huge-page malloc where it helps; returns without doing anything otherwise. Call
+    it before anything has started threads or opened files worth keeping."""
+    tunables = tunables_with_huge_pages(os.environ, system=platform.system(), glibc=glibc_version(),
+                                        thp=thp_mode())
+    if tunables is None or not sys.executable:
+        return
+    args = list(sys.orig_argv if argv is None else argv)
+    env = dict(os.environ, GLIBC_TUNABLES=tunables)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *args[1:]], env)

@@ -1,0 +1,84 @@
+"""`librarian_jax.host_memory`: when the commands re-execute with huge-page malloc, and that it helps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from librarian_jax import host_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINUX = dict(system="Linux", glibc=(2, 36), thp="madvise")
+
+# Re-executes (as main does), then faults in a 256 MiB buffer from malloc and prints the tunables it runs
+# with and the minor page faults that took.
+_PROBE = """
+import os, resource, sys
+from librarian_jax import host_memory
+host_memory.reexec_with_huge_pages()
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ctypes.memset(libc.malloc(256 << 20), 1, 256 << 20)  # not numpy: it asks for huge pages itself
+print(os.environ.get("GLIBC_TUNABLES", ""), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before,
+      sys.argv[1:], sep="|")
+"""
+
+
+def test_the_tunable_is_added_only_where_it_helps_and_the_user_has_not_chosen():
+    assert host_memory.tunables_with_huge_pages({}, **LINUX) == "glibc.malloc.hugetlb=1"
+    # the user's other tunables are kept
+    assert host_memory.tunables_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **LINUX) == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    # the user's own setting of it wins (either value), as does the opt-out
+    for given in ("glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
+        assert host_memory.tunables_with_huge_pages({"GLIBC_TUNABLES": given}, **LINUX) is None, given
+    assert host_memory.tunables_with_huge_pages({"LIBRARIAN_JAX_HUGE_PAGES": "0"}, **LINUX) is None
+    # a longer tunable that contains the name is not it
+    assert host_memory.tunables_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlbx=1"}, **LINUX) == \
+        "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1"
+    # nowhere it would not help: other systems, other C libraries, old glibc, THP always / never / absent
+    for other in (dict(system="Darwin"), dict(glibc=None), dict(glibc=(2, 34)), dict(thp="always"),
+                  dict(thp="never"), dict(thp="")):
+        assert host_memory.tunables_with_huge_pages({}, **{**LINUX, **other}) is None, other
+
+
+def test_the_kernels_mode_is_the_bracketed_word(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert host_memory.thp_mode(str(f)) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert host_memory.thp_mode(str(f)) == "always"
+    f.write_text("garbage\n")
+    assert host_memory.thp_mode(str(f)) == ""
+    assert host_memory.thp_mode(str(tmp_path / "absent")) == ""
+
+
+@pytest.mark.skipif(host_memory.tunables_with_huge_pages(
+    {}, system=os.uname().sysname, glibc=host_memory.glibc_version(), thp=host_memory.thp_mode()) is None,
+    reason="this machine's kernel or C library gives the tunable nothing to do")
+def test_a_reexecuted_process_faults_in_large_buffers_by_huge_pages():
+    """The same command line runs again with the tunable (its arguments kept), and a 256 MiB buffer takes a
+    few hundred page faults instead of 65,536; with the opt-out it is left alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LIBRARIAN_JAX_HUGE_PAGES")}
+    runs = {}
+    for name, extra in (("huge", {}), ("opted out", {"LIBRARIAN_JAX_HUGE_PAGES": "0"})):
+        out = subprocess.run([sys.executable, "-c", _PROBE, "--a=1", "b"], cwd=ROOT, env={**env, **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        tunables, faults, args = out.stdout.strip().split("|")
+        runs[name] = (tunables, int(faults), args)
+    assert runs["huge"][0] == "glibc.malloc.hugetlb=1" and runs["huge"][2] == "['--a=1', 'b']"
+    assert runs["opted out"][0] == ""
+    assert runs["opted out"][1] >= 60_000  # 4 KiB pages
+    assert runs["huge"][1] < 5_000, runs
+
+
+def test_the_log_line_says_which_pages_and_why():
+    assert "huge pages" in host_memory.describe({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert host_memory.describe({"LIBRARIAN_JAX_HUGE_PAGES": "0"}).endswith("(LIBRARIAN_JAX_HUGE_PAGES=0)") \
+        or host_memory.thp_mode() == "always"
