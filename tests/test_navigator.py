@@ -62,6 +62,11 @@ def test_facts_extracted_from_documents_are_exactly_the_stated_facts():
     for task in WORLD:
         for d in task.documents:
             assert set(synthetic.extract_facts(d.text)) == {tuple(f) for f in d.meta["facts"]}
+    # remembered per text, yet each caller gets its own list
+    text = WORLD[0].documents[0].text
+    first = synthetic.extract_facts(text)
+    first.clear()
+    assert synthetic.extract_facts(text) == list(synthetic._extract_facts.__wrapped__(text)) != []
 
 
 def test_navigator_reads_only_through_tools_and_counts_tokens():

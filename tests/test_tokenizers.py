@@ -416,6 +416,28 @@ def test_tokenizers_pickle_by_path(request, backend):
     assert clone.encode(TEXTS[4]) == tok.encode(TEXTS[4])
 
 
+@pytest.mark.parametrize("backend", ["sp_chatml", "hf_qwen"])
+def test_encode_remembers_texts_yet_hands_out_fresh_lists(request, backend, monkeypatch):
+    """`encode`'s memo: the same ids as the backend's own encoding the second time, a list the caller may
+    change without changing the next answer, at most ENCODE_MEMO_ENTRIES texts, long texts never kept."""
+    from librarian_jax.tokenizers import tokenizer as tokenizer_mod
+
+    tok = request.getfixturevalue(backend)
+    text = TEXTS[4]
+    first = tok.encode(text)
+    assert first == tok._encode_uncached(text)
+    first.append(-1)
+    assert tok.encode(text) == tok._encode_uncached(text)
+    monkeypatch.setattr(tokenizer_mod, "ENCODE_MEMO_ENTRIES", 3)
+    monkeypatch.setattr(tokenizer_mod, "ENCODE_MEMO_MAX_CHARS", 40)
+    tok._encoded.clear()
+    for i in range(10):
+        assert tok.encode(f"line {i} of a text") == tok._encode_uncached(f"line {i} of a text")
+        assert len(tok._encoded) <= 3
+    tok.encode("x" * 41)
+    assert "x" * 41 not in tok._encoded
+
+
 def test_chatml_text_format(hf_qwen):
     chat = chat_template(hf_qwen)
     assert chat.style == "chatml" and not chat.add_bos

@@ -17,6 +17,7 @@ the same seed whatever the Python hash seed and whatever `num_tasks` is. Names c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import re
@@ -945,13 +946,19 @@ DESCRIBE_FORMS = _DESCRIBE
 def extract_facts(text: str) -> list[tuple[str, str, str]]:
     """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
     written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a
-    reader got: raw documents, synthetic files written from them, retrieved passages."""
+    reader got: raw documents, synthetic files written from them, retrieved passages. Remembered for the
+    last 8,192 texts: the scripted answerer reads the same files for every question of a corpus."""
+    return list(_extract_facts(text))
+
+
+@functools.lru_cache(maxsize=8192)
+def _extract_facts(text: str) -> tuple[tuple[str, str, str], ...]:
     found: list[tuple[int, tuple[str, str, str]]] = []
     for rel, rx in _STATEMENT_RES:
         for m in rx.finditer(text):
             found.append((m.start(), (m.group("S"), rel, m.group("O"))))
     found.sort(key=lambda x: x[0])
-    return list(dict.fromkeys(f for _, f in found))
+    return tuple(dict.fromkeys(f for _, f in found))
 
 
 def _template_regex(template: str) -> re.Pattern[str]:

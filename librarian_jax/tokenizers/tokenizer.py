@@ -64,6 +64,10 @@ def _trie_regex(tokens: Iterable[str]) -> re.Pattern[str] | None:
     return re.compile(build(trie))
 
 
+ENCODE_MEMO_ENTRIES = 8192  # texts whose ids `Tokenizer.encode` keeps
+ENCODE_MEMO_MAX_CHARS = 65536  # longer texts are encoded each time
+
+
 class Tokenizer(abc.ABC):
     """Text <-> token ids. Subclasses provide the plain-text backend; this class handles atomic tokens.
 
@@ -96,6 +100,7 @@ class Tokenizer(abc.ABC):
         self._atomic_text = {i: tok for tok, i in self._atomic.items()}
         self._atomic_re = _trie_regex(self._atomic)
         self.special_ids = frozenset(special_ids)
+        self._encoded: dict[str, tuple[int, ...]] = {}  # `encode`'s memo (see there)
 
     # ---- backend hooks -------------------------------------------------------------------------------------
     @property
@@ -143,9 +148,24 @@ class Tokenizer(abc.ABC):
         return parts
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no BOS/EOS added); special-token strings in the text become their ids."""
+        """Token ids of `text` (no BOS/EOS added); special-token strings in the text become their ids.
+
+        Remembered: agents encode the same texts again and again (the scripted answerer counts the tokens of
+        every file it reads, for each of a corpus's questions, in each episode of a group), so the ids of up
+        to `ENCODE_MEMO_ENTRIES` texts of at most `ENCODE_MEMO_MAX_CHARS` characters are kept; a fresh list
+        is returned each time."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = tuple(self._encode_uncached(text))
+            if len(text) <= ENCODE_MEMO_MAX_CHARS:
+                if len(self._encoded) >= ENCODE_MEMO_ENTRIES:
+                    self._encoded.clear()  # full: start over (atomic, so threads may share a tokenizer)
+                self._encoded[text] = ids
+        return list(ids)
+
+    def _encode_uncached(self, text: str) -> list[int]:
         parts = self.split_atomic(text)
         plain = [p for p in parts if isinstance(p, str)]
         encoded = iter(self._encode_plain(plain)) if plain else iter(())
