@@ -21,15 +21,15 @@ export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
 # under the same flags. The probe prints the flag only where this XLA knows it and XLA_FLAGS does not name it.
 SUITE_CODEGEN_FLAG="$("$PY" tests/production_codegen.py 2>/dev/null || true)"
 if [ -n "$SUITE_CODEGEN_FLAG" ]; then export XLA_FLAGS="${XLA_FLAGS} ${SUITE_CODEGEN_FLAG}"; fi
-# One persistent compilation cache for the whole suite, new each run: both workers and every process a test
-# starts (commands, launches) read what another test already compiled (tests/conftest.py turns it on in the
-# workers). A test that measures the cache itself passes its own directory.
 # The commands' huge-page malloc (librarian_jax/host_memory.py), for the whole suite at once: its workers and
 # every process a test starts (which then do not re-execute themselves), unless GLIBC_TUNABLES already names it.
 case ":${GLIBC_TUNABLES:-}:" in
   *:glibc.malloc.hugetlb=*) ;;
   *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
 esac
+# One persistent compilation cache for the whole suite, new each run: both workers and every process a test
+# starts (commands, launches) read what another test already compiled (tests/conftest.py turns it on in the
+# workers). A test that measures the cache itself passes its own directory.
 SUITE_TMP="$(mktemp -d)"
 trap 'rm -rf "$SUITE_TMP"' EXIT
 export LIBRARIAN_JAX_COMPILATION_CACHE="${LIBRARIAN_JAX_SUITE_CACHE:-$SUITE_TMP/jax_compilation_cache}"

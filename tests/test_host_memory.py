@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -59,11 +60,11 @@ def test_the_kernels_mode_is_the_bracketed_word(tmp_path):
 
 
 @pytest.mark.skipif(host_memory.tunables_with_huge_pages(
-    {}, system=os.uname().sysname, glibc=host_memory.glibc_version(), thp=host_memory.thp_mode()) is None,
+    {}, system=platform.system(), glibc=host_memory.glibc_version(), thp=host_memory.thp_mode()) is None,
     reason="this machine's kernel or C library gives the tunable nothing to do")
 def test_a_reexecuted_process_faults_in_large_buffers_by_huge_pages():
     """The same command line runs again with the tunable (its arguments kept), and a 256 MiB buffer takes a
-    few hundred page faults instead of 65,536; with the opt-out it is left alone."""
+    few hundred page faults instead of 65,536 (at least 4x fewer); with the opt-out it is left alone."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LIBRARIAN_JAX_HUGE_PAGES")}
     runs = {}
     for name, extra in (("huge", {}), ("opted out", {"LIBRARIAN_JAX_HUGE_PAGES": "0"})):
@@ -75,7 +76,8 @@ def test_a_reexecuted_process_faults_in_large_buffers_by_huge_pages():
     assert runs["huge"][0] == "glibc.malloc.hugetlb=1" and runs["huge"][2] == "['--a=1', 'b']"
     assert runs["opted out"][0] == ""
     assert runs["opted out"][1] >= 60_000  # 4 KiB pages
-    assert runs["huge"][1] < 5_000, runs
+    assert runs["huge"][1] * 4 < runs["opted out"][1], runs  # ~640 here: 2 MiB at a time where the kernel
+    # has them (a fragmented machine may fall back to some 4 KiB pages, hence not an exact figure)
 
 
 def test_the_log_line_says_which_pages_and_why():
