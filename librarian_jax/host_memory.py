@@ -61,9 +61,14 @@ def tunables_with_huge_pages(environ: Mapping[str, str], *, system: str, glibc: 
     if thp != "madvise":
         return None
     current = environ.get("GLIBC_TUNABLES", "")
-    if any(part.split("=", 1)[0] == TUNABLE for part in current.split(":")):
+    if names_tunable(current):
         return None
     return f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"
+
+
+def names_tunable(tunables: str) -> bool:
+    """Whether a `GLIBC_TUNABLES` string sets `glibc.malloc.hugetlb` (any value; a longer name is not it)."""
+    return any(part.split("=", 1)[0] == TUNABLE for part in tunables.split(":"))
 
 
 def describe(environ: Mapping[str, str] | None = None) -> str:
@@ -76,7 +81,7 @@ def describe(environ: Mapping[str, str] | None = None) -> str:
     if mode == "always":
         return "transparent huge pages for every mapping (the kernel's mode 'always')"
     why = ("LIBRARIAN_JAX_HUGE_PAGES=0" if environ.get(OPT_OUT, "") == "0" else
-           f"GLIBC_TUNABLES={tunables}" if TUNABLE in tunables else
+           f"GLIBC_TUNABLES={tunables}" if names_tunable(tunables) else
            f"transparent huge pages {mode or 'unavailable'}, glibc {glibc_version() or 'absent'}")
     return f"4 KiB pages ({why})"
 
