@@ -75,7 +75,7 @@ def test_main_command_enables_it(tmp_path):
     code = ("import sys, jax\n"
             "from absl import flags\n"
             "from librarian_jax import main\n"
-            "argv = ['main', '--config=configs/grpo.py', '--dry_run',\n"
+            "argv = ['main', '--config=configs/grpo.py:embedded', '--dry_run',\n"
             f"        '--compilation_cache_dir={cache_dir}']\n"
             "flags.FLAGS(argv)\n"
             "main.main(argv[:1])\n"
@@ -173,8 +173,8 @@ def _dry_run_compile(cache_dir: str) -> tuple[int, int, str]:
     """`main --config=configs/grpo.py --dry_run --compile` in a fresh process: (programs it compiled, read
     from the persistent cache, its output)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py", "--dry_run",
-                          "--compile", f"--compilation_cache_dir={cache_dir}"], cwd=root,
+    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py:embedded",
+                          "--dry_run", "--compile", f"--compilation_cache_dir={cache_dir}"], cwd=root,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -61,11 +61,11 @@ def test_a_key_the_schema_does_not_declare_fails_in_the_config_file_and_at_start
     base.lock()
     with pytest.raises(KeyError, match="learning_rat"):
         base.train.update(learning_rat=1e-3)  # what configs/*.py do while they set values
-    c = grpo.get_config()
+    c = grpo.get_config("embedded")
     c.train.learning_rat = 1e-3
     with pytest.raises(S.ConfigError, match=r"config\.train: unknown keys \['learning_rat'\]"):
         S.GRPOConfig.parse(c)
-    c = grpo.get_config()
+    c = grpo.get_config("embedded")
     c.roles.judge.weights = "x"
     with pytest.raises(S.ConfigError, match=r"config\.roles\.judge: unknown keys \['weights'\]"):
         S.GRPOConfig.parse(c)

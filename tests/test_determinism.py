@@ -33,7 +33,7 @@ from librarian_jax import cluster, training
 from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import train_step as ts
 
-cfg = grpo.get_config()
+cfg = grpo.get_config("embedded")
 cfg.train.num_steps = 2
 cfg = GRPOConfig.parse(cfg)
 class Tok:

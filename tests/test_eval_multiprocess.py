@@ -26,7 +26,7 @@ import pytest
 from multiproc import free_port, launch_env, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start_classic")  # the classic world's warm start
 NUM_CORPORA = 5  # uneven over 2 processes: [0, 3) and [3, 5)
 BATCH_TASKS = 2  # process 1's share starts inside a chunk (corpus 3 of chunk [2, 4))
 SAMPLES = 2  # sampled constructions per corpus
@@ -217,7 +217,7 @@ def _run_dir(path: str) -> str:
     from librarian_jax import inputs
     from librarian_jax.config_schema import GRPOConfig
 
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.workdir = path
     cfg.warm_start.enabled = False
     cfg.model.update(init="orbax", path=FIXTURE, tokenizer=os.path.join(FIXTURE, "tokenizer.model"))

@@ -31,7 +31,7 @@ TOK = types.SimpleNamespace(vocab_size=64)
 def _save_run(tmp_path, lora_rank: int):
     """A run dir with config.json and one checkpoint of a trainer on an (8, 1, 1) mesh whose trainable
     params were moved away from their initial values."""
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.workdir = str(tmp_path)
     cfg.model.lora_rank = lora_rank
     with open(tmp_path / "config.json", "w") as f:

@@ -342,7 +342,7 @@ def test_a_bad_setting_stops_the_run_before_any_work(tmp_path, key, value, messa
     from librarian_jax import training
     from librarian_jax.config_validation import ConfigError
 
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.workdir = str(tmp_path / "workdir")
     node = cfg
     *parents, leaf = key.split(".")
@@ -359,7 +359,7 @@ def test_unknown_keys_are_found_with_the_closest_known_one():
     from configs import grpo
     from librarian_jax import cli_flags
 
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     assert cli_flags.unknown_key(cfg, "train.num_steps") is None
     assert cli_flags.unknown_key(cfg, "train.num_stepz") == (
         "config.train.num_stepz: unknown key (did you mean config.train.num_steps?)")
@@ -374,7 +374,7 @@ def test_an_unknown_key_on_the_command_line_is_one_line_and_exit_2():
     import sys
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py",
+    out = subprocess.run([sys.executable, "-m", "librarian_jax.main", "--config=configs/grpo.py:embedded",
                           "--config.train.num_stepz=3", "--dry_run"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -396,7 +396,7 @@ def eval_run(tmp_path_factory):
     from librarian_jax.eval import restore
 
     run_dir = tmp_path_factory.mktemp("eval_run")
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.workdir = str(run_dir)
     (run_dir / "config.json").write_text(cfg.to_json_best_effort())
     cfg = GRPOConfig.parse(cfg)

@@ -31,7 +31,7 @@ import pytest
 from multiproc import free_port, launch_env, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start")
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start_classic")  # the classic world's warm start
 STEPS = 4
 HEARTBEAT_S = 10
 TOL = 2e-5  # params: the launch-to-launch summation order of XLA:CPU's reductions (see the test)
@@ -39,8 +39,9 @@ TOL = 2e-5  # params: the launch-to-launch summation order of XLA:CPU's reductio
 
 def _flags(workdir: str) -> list[str]:
     return [
-        "--config=configs/grpo.py", f"--config.workdir={workdir}", "--config.warm_start.enabled=False",
-        # the fixture is the embedded default's warm start (tests/make_warm_start_fixture.py): its preset
+        "--config=configs/grpo.py:embedded", f"--config.workdir={workdir}",
+        "--config.warm_start.enabled=False",
+        # the fixture is the classic world's warm start (tests/make_warm_start_fixture.py): its preset
         "--config.model.init=orbax", f"--config.model.path={FIXTURE}",
         f"--config.model.tokenizer={os.path.join(FIXTURE, 'tokenizer.model')}",
         "--config.eval.every=0", "--config.eval.final_methods=",
@@ -136,7 +137,7 @@ def test_two_processes_train_resume_after_a_kill_and_match_one_process(tmp_path)
     with open(log, "w") as f:
         launcher = subprocess.run(
             ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={free_port()}",
-             f"--python={sys.executable}", "--", *_flags(full)[1:]],
+             f"--python={sys.executable}", "--config=configs/grpo.py:embedded", "--", *_flags(full)[1:]],
             cwd=ROOT, env=_env(cache, 4), stdout=f, stderr=subprocess.STDOUT, timeout=900)
     assert launcher.returncode == 0, open(log).read()[-3000:]
     assert _committed(full)[-1] == STEPS
@@ -208,7 +209,7 @@ FAST_STEPS = 2  # the fast test's run: killed after step 1, resumed for step 2
 
 
 def _fast_flags(workdir: str) -> list[str]:
-    """The fast test's run (no --config: the launcher gives it): the GRPO test's world and fixture with
+    """The fast test's run (its --config is the launcher's argument): the GRPO test's world and fixture with
     half the episodes (group 2), FAST_STEPS steps, short budgets and short sessions."""
     flags = [f"--config.train.num_steps={FAST_STEPS}" if f.startswith("--config.train.num_steps=") else f
              for f in _flags(workdir)[1:]]
@@ -228,7 +229,7 @@ def _launch_local(workdir: str, env: dict[str, str], log: str) -> subprocess.Pop
     with open(log, "w") as f:
         return subprocess.Popen(
             ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={free_port()}",
-             f"--python={sys.executable}", "--", *_fast_flags(workdir)],
+             f"--python={sys.executable}", "--config=configs/grpo.py:embedded", "--", *_fast_flags(workdir)],
             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
@@ -295,7 +296,7 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     assert sorted(map(os.path.basename, written)) == [f"step_{FAST_STEPS}.jsonl",
                                                       f"step_{FAST_STEPS}.p1.jsonl"]
     slog = str(tmp_path / "single.log")
-    one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py", *_fast_flags(single)])
+    one = _start(single, cache, None, 0, slog, ["--config=configs/grpo.py:embedded", *_fast_flags(single)])
     wait_all([one], [slog], 900)
     for step in range(1, FAST_STEPS + 1):
         assert _episodes(run, step) == _episodes(single, step), step
@@ -309,7 +310,7 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
 def _sft_flags(workdir: str) -> list[str]:
     """configs/sft.py on a tiny model: 6 demonstrations, a global batch of 8 rows (4 per process), 4 steps."""
     return [
-        "--config=configs/sft.py", f"--config.workdir={workdir}", "--config.model.preset=tiny",
+        "--config=configs/sft.py:embedded", f"--config.workdir={workdir}", "--config.model.preset=tiny",
         "--config.model.tokenizer_vocab_size=2048", "--config.data.num_tasks=4",
         "--config.data.docs_per_task=4", "--config.data.min_words=20", "--config.data.max_words=30",
         "--config.data.questions_per_task=1", "--config.data.heldout_fraction=0.25",

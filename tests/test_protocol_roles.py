@@ -58,7 +58,7 @@ def test_paper_preset_roles_budgets_and_reward(tmp_path):
 
 
 def test_roles_naming_the_same_weights_share_one_engine():
-    c = grpo.get_config()
+    c = grpo.get_config("embedded")
     c.rollout.update(frozen_slots=2, max_seq_len=256)
     c.roles.executor.update(init="random", preset="tiny", slots=3)
     settings = GRPOConfig.parse(c)
@@ -92,7 +92,7 @@ def adapted(model) -> set[str]:
 ])
 def test_lora_adapts_every_linear_layer_of_every_layer_type(family, preset, over, want):
     model = models.Transformer(models.get_preset(preset, **over), rngs=nnx.Rngs(0))
-    pattern = grpo.get_config().model.lora_module_path
+    pattern = grpo.get_config("embedded").model.lora_module_path
     assert pattern == train_step.LORA_ALL_LINEAR
     got = adapted(train_step.apply_lora(model, 2, 4.0, pattern))
     assert got == want, family

@@ -148,9 +148,9 @@ def test_grpo_config_validation_of_train_keys():
         # no preset holds [rows, seq, vocab] logits; a real model's run also rematerialises its activations
         assert c.train.logits_chunk > 0, preset
         assert c.model.preset == "tiny" or ts.remat_mode(c.train.remat) != "none", preset
-    c = grpo.get_config()
+    c = grpo.get_config("embedded")
     for key, bad, msg in [("logits_chunk", -4, "must be >= 0"), ("remat", "layers", "must be one of")]:
-        c2 = grpo.get_config()
+        c2 = grpo.get_config("embedded")
         c2.train[key] = bad
         with pytest.raises(cv.ConfigError, match=rf"config.train.{key}: {msg}"):
             cv.validate(c2, num_devices=1)

@@ -232,6 +232,6 @@ def test_scan_by_depth():
     from configs import grpo
     from librarian_jax import config_schema
 
-    c = grpo.get_config()
+    c = grpo.get_config("embedded")
     c.train.scan_min_layers = 2
     assert config_schema.schema_for(c).parse(c).train.trainer_config(1.0).scan_min_layers == 2

@@ -146,7 +146,7 @@ def test_batch_seq_pads_a_batch_to_its_longest_row():
 
 
 def _sft_config(workdir: str, steps: int):
-    c = sft_configs.get_config()
+    c = sft_configs.get_config("embedded")
     c.workdir = workdir
     c.model.preset = "tiny"
     c.model.tokenizer_vocab_size = 2048

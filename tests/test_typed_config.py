@@ -26,11 +26,11 @@ from librarian_jax.warm_start import sft as supervised
 
 
 def _grpo():
-    return grpo.get_config()
+    return grpo.get_config("embedded")
 
 
 def _sft():
-    return sft_configs.get_config()
+    return sft_configs.get_config("embedded")
 
 
 HELPERS = {
@@ -153,7 +153,7 @@ def test_no_command_reads_its_configdict_after_validation(tmp_path, monkeypatch,
     assert recorded.model.init == "orbax" and not recorded.warm_start.enabled
 
     # sft: the command on its own
-    s = sft_configs.get_config()
+    s = sft_configs.get_config("embedded")
     s.workdir = str(tmp_path / "sft")
     s.model.update(preset="tiny", tokenizer_vocab_size=2048)
     s.data.update(num_tasks=2, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1)

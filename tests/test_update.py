@@ -350,7 +350,7 @@ def test_update_tasks_mix_into_training_and_run_as_update_episodes():
     from librarian_jax.config_schema import GRPOConfig
     from librarian_jax.data.pipeline import TaskPipeline
 
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.data.update(num_tasks=16, update_fraction=0.5)
     settings = GRPOConfig.parse(cfg)
     train, _ = inputs.build_tasks(settings)

@@ -157,9 +157,10 @@ class Setup:
 
 def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0, build_max_turns: int = 0,
                    answerer_max_turns: int = 0) -> Setup:
-    """The embedded world (`configs/grpo.py`) with a scripted builder of `style`; 0 = the config's value."""
+    """The classic embedded world (`configs/grpo.py:embedded`) with a scripted builder of `style`; 0 = the
+    config's value."""
     grpo = importlib.import_module("configs.grpo")
-    cfg = grpo.get_config()
+    cfg = grpo.get_config("embedded")
     cfg.workdir = workdir
     cfg.rollout.builder.compaction = "none"  # the scripted plans read the first prompt
     if docs_per_task:  # a larger corpus: an answerer context that holds its first prompt (README, root)
