@@ -1,6 +1,6 @@
 """Supervised fine-tuning (the warm start before GRPO) on chat conversations.
 
-    python -m librarian_jax.main --config=configs/sft.py       # embedded: demonstrations, tiny model
+    python -m librarian_jax.main --config=configs/sft.py       # noisy (default): demonstrations, tiny model
     python -m librarian_jax.main --config=configs/sft.py --config.data.path=convs.jsonl \\
         --config.model.preset=qwen3_5_4b --config.model.init=hf --config.model.path=/ckpt/Qwen3.5-4B \\
         --config.model.lora_rank=32 --config.workdir=/runs/sft
@@ -25,7 +25,7 @@ PRESETS = grpo.PRESETS
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-    """The SFT config for `preset` (None = "embedded"); see the module doc."""
+    """The SFT config for `preset` (None = configs/grpo.py's DEFAULT_PRESET, "noisy"); see the module doc."""
     g = grpo.get_config(preset)
     c = config_schema.SFTConfig().to_config_dict()
     c.lock()  # only the schema's keys: setting another is a KeyError here

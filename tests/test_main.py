@@ -31,8 +31,11 @@ def test_default_and_paper_presets():
     mod = grpo()
     c = mod.get_config()
     cv.validate(c, num_devices=1)
-    assert c.preset == "embedded" and c.model.preset == "tiny" and c.model.init == "random"
-    assert c.warm_start.enabled and c.rollout.answerer.kind == "scripted" and c.eval.final_methods
+    # the default is the noisy world (issue 40), its own warm start; the classic world stays a preset
+    assert c.preset == "noisy" and c.model.preset == "tiny" and c.model.init == "random"
+    assert c.warm_start.enabled and c.warm_start.sft_preset == "noisy" and c.data.world == "noisy"
+    assert c.rollout.answerer.kind == "scripted" and c.eval.final_methods and c.eval.select == "validation"
+    assert mod.get_config("embedded").data.world == "classic"
     for name in ("qwen3_5_4b", "gemma3_4b"):
         p = mod.get_config(name)
         assert (p.model.preset, p.model.lora_rank) == (name, 32)
@@ -42,14 +45,14 @@ def test_default_and_paper_presets():
         assert 1e-5 <= p.train.learning_rate <= 4e-5
         with pytest.raises(cv.ConfigError, match=r"config\.(model|roles\.executor)\.path: required when"):
             cv.validate(p, num_devices=8)
-    with pytest.raises(ValueError, match="unknown preset 'nope'; known: \\['embedded'"):
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known: \\['noisy', 'embedded'"):
         mod.get_config("nope")
 
 
 def test_train_keys_reach_the_trainer_config():
     from librarian_jax import training
 
-    c = grpo().get_config()
+    c = grpo().get_config("embedded")
     c.train.logits_chunk, c.train.remat, c.train.micro_batches = 256, "layer", 2
     c.train.moe_aux_loss_coef, c.train.micro_batch_rows = 0.01, 3
     t = training.train_config(cv.validate(c, num_devices=1))
@@ -77,7 +80,7 @@ def test_train_keys_reach_the_trainer_config():
     ("eval.select", "validation", r"config\.eval\.validation_tasks: must be > 0 with eval\.select"),
 ])
 def test_validation_names_the_bad_key(key, value, message):
-    c = grpo().get_config()
+    c = grpo().get_config("embedded")
     section, _, name = key.rpartition(".")
     node = c
     for part in section.split("."):
@@ -88,7 +91,7 @@ def test_validation_names_the_bad_key(key, value, message):
 
 
 def test_validation_of_mesh_and_unknown_rollout_keys():
-    c = grpo().get_config()
+    c = grpo().get_config("embedded")
     c.mesh.shape.update(data=3, fsdp=-1)
     with pytest.raises(cv.ConfigError, match=r"config\.mesh\.shape: .*8 devices not divisible by 3"):
         cv.validate(c, num_devices=8)
@@ -98,7 +101,7 @@ def test_validation_of_mesh_and_unknown_rollout_keys():
     c.mesh.shape.update(data=0, fsdp=1)
     with pytest.raises(cv.ConfigError, match=r"config\.mesh\.shape\.data: must be a positive integer or -1"):
         cv.validate(c, num_devices=8)
-    c = grpo().get_config()
+    c = grpo().get_config("embedded")
     c.rollout.builder.bogus = 1
     with pytest.raises(cv.ConfigError, match=r"config\.rollout: .*unknown key builder\.'bogus'"):
         cv.validate(c, num_devices=1)
@@ -115,12 +118,12 @@ def test_cli_reports_bad_key_and_dry_run():
                           "--config.train.num_steps=7", "--config.workdir=/tmp/somewhere"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "GRPO preset 'embedded': model tiny (random init, full fine-tuning)" in dry.stdout
+    assert "GRPO preset 'noisy': model tiny (random init, full fine-tuning)" in dry.stdout
     assert "7 steps of 4 tasks x group 4" in dry.stdout and "workdir /tmp/somewhere" in dry.stdout
 
 
 def tiny_run_config(workdir: str, num_steps: int):
-    c = grpo().get_config()
+    c = grpo().get_config("embedded")
     c.workdir = workdir
     c.warm_start.enabled = False
     c.eval.update(every=0, final_methods="")
