@@ -120,6 +120,31 @@ def test_eval_writes_every_section_and_plot(run_dir):
     assert "hierarchy ablation" in figures and f"bm25 k={rb['ks']['bm25']}" in figures
 
 
+def test_step_0_builds_once_for_trained_and_base(run_dir, monkeypatch):
+    """Step 0 (a run whose validation kept the warm start): `trained` and `base` are the same weights, so a
+    greedy builder's constructions are made once and reused, and both methods' answers are the same."""
+    calls = []
+    real = jobs.build_workspaces
+
+    def counted(label, *args, **kwargs):
+        calls.append(label)
+        return real(label, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "build_workspaces", counted)
+    results = cli.run_eval(_eval_cfg(run_dir, name="step0", step=0, methods="trained,base,raw",
+                                     ablation=dict(enabled=False)))
+    assert calls == ["trained"]
+    out = os.path.join(run_dir, "eval", "step0")
+    rows = [json.loads(x) for x in open(os.path.join(out, "questions.jsonl"))]
+
+    def of(method):
+        return [{k: v for k, v in r.items() if k != "method"} for r in rows if r["method"] == method]
+
+    assert of("trained") == of("base") and of("trained")
+    assert results["accuracy"]["trained"]["accuracy"] == results["accuracy"]["base"]["accuracy"]
+    assert results["workspaces"] == {"trained": 2, "base": 2}
+
+
 def test_bad_eval_inputs_fail_before_any_model_loads(run_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"config\.methods: unknown method 'dense'"):
         cli.plan_eval(_eval_cfg(run_dir, methods="trained,dense"))

@@ -474,26 +474,39 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     sections: list[tuple[str, list[rjobs.Job]]] = []
     built_by: dict[str, list[rjobs.Built]] = {}
     timing = {"load_s": t_load - t_start}
+    weights_of: dict[str, Any] = {}
     for label in plan.methods:
         if label in baselines.METHODS:
             continue
         t0 = time.perf_counter()
         distributed.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
-        models.set_policy(models.builder(label, plan))
-        built = rjobs.build_workspaces(
-            label,
-            mine,
-            models.engines,
-            tokenizer,
-            cfg,
-            templates=models.templates,
-            group_size=group,
-            seed=c.seed,
-            batch_tasks=c.batch_tasks,
-            reset=models.reset,
-            progress=progress,
-            start=part.start,
-        )
+        weights = models.builder(label, plan)
+        # a greedy builder on the same weights as an earlier method's (the step chosen is 0: `trained` is the
+        # warm start, `base`) builds the same workspaces: that method's constructions, copied, not built again
+        twin = next((m for m, w in weights_of.items() if w is weights), None) if greedy_builder else None
+        weights_of[label] = weights
+        if twin is not None:
+            logging.info("eval: %s has %s's weights and a greedy builder: its constructions reused", label,
+                         twin)
+            built = [dataclasses.replace(b, method=label,
+                                         workspace=None if b.workspace is None else b.workspace.copy())
+                     for b in built_by[twin]]
+        else:
+            models.set_policy(weights)
+            built = rjobs.build_workspaces(
+                label,
+                mine,
+                models.engines,
+                tokenizer,
+                cfg,
+                templates=models.templates,
+                group_size=group,
+                seed=c.seed,
+                batch_tasks=c.batch_tasks,
+                reset=models.reset,
+                progress=progress,
+                start=part.start,
+            )
         built_by[label] = built
         sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
         timing[f"build_{label}_s"] = time.perf_counter() - t0
