@@ -3,11 +3,12 @@
     python -m librarian_jax.bench.update                       # scripted builders (no model), 16 corpora
     python -m librarian_jax.bench.update --run=/tmp/librarian_jax/grpo   # a trained run's builder
 
-For each held-out corpus of the embedded world (`configs/grpo.py`'s data; the run's held-out split with
-`--run`): the builder builds a workspace (the OLD one); the corpus is mutated (`data.mutate.mutate_task`: a
-seeded `--fraction` of the documents removed, as many changed, as many added; `--questions` questions asked
-again from the NEW corpus, half of them supported by a changed or added document); then three workspaces of
-the new corpus are answered by the run's answerer (the embedded default: the scripted navigator):
+For each held-out corpus of the classic embedded world (`configs/grpo.py:embedded`'s data; the run's held-out
+split with `--run`): the builder builds a workspace (the OLD one); the corpus is mutated
+(`data.mutate.mutate_task`: a seeded `--fraction` of the documents removed, as many changed, as many added;
+`--questions` questions asked again from the NEW corpus, half of them supported by a changed or added
+document); then three workspaces of the new corpus are answered by the run's answerer (the classic preset's:
+the scripted navigator):
 
 - `stale`: the old workspace left as it was (its raw documents the old ones; no construction tokens);
 - `rebuild`: a full build of the new corpus;

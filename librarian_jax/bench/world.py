@@ -1,7 +1,7 @@
 """The synthetic world's design check: which structure helps the run's answerer, against retrieval.
 
     python -m librarian_jax.bench.world --ks=2,3,5,8                     # the noisy preset's world
-    python -m librarian_jax.bench.world --config=configs/grpo.py         # the default (classic) world
+    python -m librarian_jax.bench.world --config=configs/grpo.py:embedded  # the classic world
     python -m librarian_jax.bench.world --config.data.docs_per_task=40 --corpora=16 --ks=1,2,3,5,8
 
 Every warm-start demonstration style builds a workspace for each of `--corpora` held-out corpora of the
