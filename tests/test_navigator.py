@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 
 from librarian_jax.agents import navigator
@@ -22,6 +24,11 @@ from librarian_jax.workspace import Workspace
 TOK = ByteTokenizer()
 TPL = chat_template(TOK)
 WORLD = synthetic.generate_world(3, 12, docs_per_task=6, min_words=40, max_words=80, questions_per_task=4)
+# every statement form of the world, filled in, and some of its other sentences: pieces of random texts
+_OBJECTS = {"role": "nurse", "year": "1999"}
+SENTENCES = [t.format(S="Ann Lee", O=_OBJECTS.get(synthetic.RELATIONS[rel][1], "Ola Ny"), A="an engineer")
+             for rel, forms in synthetic._STATEMENTS.items() for t in forms]
+SENTENCES += sorted({s.strip() + ". " for d in WORLD[0].documents for s in d.text.split(". ")})[:20]
 
 
 def _ctx() -> AgentContext:
@@ -67,6 +74,39 @@ def test_facts_extracted_from_documents_are_exactly_the_stated_facts():
     first = synthetic.extract_facts(text)
     first.clear()
     assert synthetic.extract_facts(text) == list(synthetic._extract_facts.__wrapped__(text)) != []
+
+
+def _facts_of_whole_text(text: str) -> list[tuple[str, str, str]]:
+    """`extract_facts` as it was written first: every statement regex over the whole text, in order of
+    appearance, duplicates removed (no line split, no anchor test, no cache)."""
+    found = [(m.start(), (m.group("S"), rel, m.group("O")))
+             for rel, rx in synthetic._STATEMENT_RES for m in rx.finditer(text)]
+    found.sort(key=lambda x: x[0])
+    return list(dict.fromkeys(f for _, f in found))
+
+
+NOISY = synthetic.generate_world(5, 3, synthetic.WORLDS["noisy"], questions_per_task=8)
+
+
+def test_facts_line_by_line_equal_those_of_the_whole_text():
+    """The scripted answerer's texts (documents, files, a prompt of a question then preloaded files) give the
+    same facts in the same order read line by line with the anchors as read whole."""
+    for task in (*WORLD, *NOISY):
+        docs = [d.text for d in task.documents]
+        for text in (*docs, "\n".join(docs), "\n\n".join(f"## {d.title}\n{d.text}" for d in task.documents),
+                     task.questions[0].question + "\n\n" + "\n".join(reversed(docs)),
+                     extractive_text(task.documents[0].title, "",
+                                     [(d.doc_id, d.text) for d in task.documents], focus=True)):
+            assert synthetic.extract_facts(text) == _facts_of_whole_text(text), text[:200]
+            assert synthetic._extract_facts.__wrapped__(text) == tuple(_facts_of_whole_text(text))
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from([*SENTENCES, "\n", " ", "\n\n", "x", "Ann", ". ", "Ola Ny"]),
+                           max_size=25))
+def test_facts_of_any_text_line_by_line_equal_those_of_the_whole_text(pieces):
+    text = "".join(pieces)
+    assert list(synthetic._extract_facts.__wrapped__(text)) == _facts_of_whole_text(text)
 
 
 def test_navigator_reads_only_through_tools_and_counts_tokens():

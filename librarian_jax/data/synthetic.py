@@ -928,6 +928,11 @@ def _statement_regex(template: str, relation: str) -> re.Pattern[str]:
 _STATEMENT_RES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (rel, _statement_regex(t, rel)) for rel, templates in _STATEMENTS.items() for t in templates
 )
+# Each statement regex's longest literal run (a match contains it, so a line without it has no match), in
+# `_STATEMENT_RES`' order. No statement form spans a line: names, roles and years hold no newline.
+_STATEMENT_ANCHORS: tuple[str, ...] = tuple(
+    max(re.split(r"\{[SOA]\}", t), key=len) for templates in _STATEMENTS.values() for t in templates
+)
 
 
 def statement_spans(text: str) -> list[tuple[tuple[str, str, str], int, int]]:
@@ -947,16 +952,27 @@ def extract_facts(text: str) -> list[tuple[str, str, str]]:
     """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
     written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a
     reader got: raw documents, synthetic files written from them, retrieved passages. Remembered for the
-    last 8,192 texts: the scripted answerer reads the same files for every question of a corpus."""
+    last 8,192 texts, and line by line for the last 65,536 lines: the scripted answerer reads the same files
+    for every question of a corpus, and its first prompt (the question, then the preloaded files) differs
+    only in the question's line."""
     return list(_extract_facts(text))
 
 
 @functools.lru_cache(maxsize=8192)
 def _extract_facts(text: str) -> tuple[tuple[str, str, str], ...]:
+    # a statement never spans a line, so the text's facts are its lines' in order (first occurrence kept)
+    if "\n" not in text:
+        return _line_facts(text)
+    return tuple(dict.fromkeys(f for line in text.split("\n") for f in _line_facts(line)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _line_facts(line: str) -> tuple[tuple[str, str, str], ...]:
     found: list[tuple[int, tuple[str, str, str]]] = []
-    for rel, rx in _STATEMENT_RES:
-        for m in rx.finditer(text):
-            found.append((m.start(), (m.group("S"), rel, m.group("O"))))
+    for (rel, rx), anchor in zip(_STATEMENT_RES, _STATEMENT_ANCHORS, strict=True):
+        if anchor in line:
+            for m in rx.finditer(line):
+                found.append((m.start(), (m.group("S"), rel, m.group("O"))))
     found.sort(key=lambda x: x[0])
     return tuple(dict.fromkeys(f for _, f in found))
 
