@@ -877,7 +877,8 @@ class EvalConfig(Section):
     ablation: AblationSection = _section(AblationSection)
     bootstrap: BootstrapSection = _section(BootstrapSection)
     cost_qs: str = spec("1,10,20,50")
-    batch_tasks: int = spec(8, lo=1)  # corpora per scheduler batch (one progress-bar tick)
+    # corpora per scheduler batch (one progress-bar tick); 0 = as many as the builder engine's slots hold
+    batch_tasks: int = spec(0, lo=0)  # (`rollout.jobs.batch_tasks_for`)
     export_workspaces: bool = spec(True)
     engine: EngineSizesSection = _section(EngineSizesSection)
     roles: EvalRolesSection = _section(EvalRolesSection)  # explicit overrides of the run's roles

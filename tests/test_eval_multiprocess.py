@@ -206,6 +206,40 @@ def test_periodic_eval_on_two_processes_returns_the_one_process_records_and_metr
         assert len({r["tokens_read"] for r in one_records}) > 1  # the seeds show in the records
 
 
+def test_builds_fill_the_builder_engines_slots(monkeypatch):
+    """`batch_tasks` 0 (configs/eval.py's default) builds as many corpora at once as the builder's engine has
+    slots for (it decodes every slot each round); training's periodic evaluation does the same."""
+    from types import SimpleNamespace
+
+    from librarian_jax import data
+    from librarian_jax.eval import pipeline
+    from librarian_jax.rollout import jobs
+
+    assert [jobs.batch_tasks_for(*a) for a in [(0, 16, 1), (0, 16, 3), (0, 2, 4), (5, 16, 1), (0, 0, 1)]] == [
+        16, 5, 1, 5, jobs.DEFAULT_BATCH_TASKS]
+    from configs import eval as eval_config
+    assert eval_config.get_config().batch_tasks == 0
+
+    tasks = data.generate_world(6, 14, docs_per_task=2, min_words=20, max_words=30, questions_per_task=1)
+    sizes: list[int] = []
+    fake = _fake_run_batch({})
+    monkeypatch.setattr(jobs, "run_batch", lambda batch, *a, **kw: sizes.append(len(batch)) or fake(batch, *a,
+                                                                                                         **kw))
+
+    def answer_jobs(jobs_, engines, tokenizer, config, **kw):
+        return [[{"question_id": q.question_id, "repeat": 0, "answer": "", "correct": 1, "prompt_tokens": 1,
+                  "generated_tokens": 1, "turns": 1, "forced": False}
+                 for q in pipeline.questions_of(j.task, config)] for j in jobs_]
+
+    monkeypatch.setattr(pipeline, "answer_jobs", answer_jobs)
+    for slots, want in ((16, [14]), (4, [4, 4, 4, 2]), (None, [8, 6])):
+        sizes.clear()
+        engines = {} if slots is None else {"policy": SimpleNamespace(num_slots=slots)}
+        pipeline.periodic_eval(tasks, engines, None, pipeline.R.RolloutConfig(), seed=1,
+                               templates={"policy": None})
+        assert sizes == want, (slots, sizes)
+
+
 # ------------------------------------------------------------------------------ 2 processes vs 1
 
 

@@ -246,6 +246,7 @@ def baseline_sections(
     *,
     timing: dict[str, float],
     tune: Callable[[RetrievalModels], dict[str, int]] | None = None,
+    batch_tasks: int = 8,
 ) -> tuple[list[rjobs.Job], dict[str, list[rjobs.Built]], dict[str, Any]]:
     """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
     constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
@@ -264,7 +265,7 @@ def baseline_sections(
         if m in methods:
             t0 = time.perf_counter()
             built_by[m] = construct(m, tasks, models_.engines, tokenizer, config, c,
-                                    templates=models_.templates, seed=c.seed, batch_tasks=c.batch_tasks,
+                                    templates=models_.templates, seed=c.seed, batch_tasks=batch_tasks,
                                     reset=models_.reset)
             timing[f"build_{m}_s"] = time.perf_counter() - t0
     simple = [m for m in methods if m in METHODS and m not in CONSTRUCTED]

@@ -468,6 +468,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
     # protocol), or (a sampling builder, greedy answers) each sample its own construction + answer
     one_build = greedy_builder or sampled_answers
     group = 1 if one_build else c.samples
+    batch = rjobs.batch_tasks_for(c.batch_tasks, models.sizes["slots"], group)  # corpora per build batch
     repeats = c.samples if one_build else 1
     # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
     # processes' records of a section, concatenated in process order, are that section's records
@@ -502,7 +503,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
                 templates=models.templates,
                 group_size=group,
                 seed=c.seed,
-                batch_tasks=c.batch_tasks,
+                batch_tasks=batch,
                 reset=models.reset,
                 progress=progress,
                 start=part.start,
@@ -541,7 +542,7 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
 
     # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
     base_jobs, constructed, retrieval_models = baselines.baseline_sections(
-        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing, tune=tune)
+        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing, tune=tune, batch_tasks=batch)
     built_by.update(constructed)
     sections.append(("baselines", base_jobs))
     ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from librarian_jax import distributed
+from librarian_jax.agents.runtime import POLICY
 from librarian_jax.eval import retrieval, stats
 from librarian_jax.rollout import rewards as R
 from librarian_jax.rollout.jobs import (  # the entry points callers (eval.cli, bench.update) name here
@@ -30,6 +31,7 @@ from librarian_jax.rollout.jobs import (  # the entry points callers (eval.cli, 
     Job,
     answer_jobs,
     answer_rng,
+    batch_tasks_for,
     build_workspaces,
     eval_config,
     questions_of,
@@ -158,7 +160,8 @@ def periodic_eval(
     t0 = time.perf_counter()
     built = build_workspaces(
         "trained", tasks[part], lambda: engines, tokenizer, cfg, templates=templates, seed=seed,
-        progress=False, start=part.start,
+        batch_tasks=batch_tasks_for(0, getattr(engines.get(POLICY), "num_slots", 0)), progress=False,
+        start=part.start,
     )
     t1 = time.perf_counter()
     jobs = [Job.of(b, repeats) for b in built]

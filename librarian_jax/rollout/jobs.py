@@ -185,6 +185,21 @@ def _strip(task: Any) -> Any:
     return dataclasses.replace(task, questions=(), reuse_questions=())
 
 
+DEFAULT_BATCH_TASKS = 8  # `build_workspaces`' corpora per scheduler batch when nothing says otherwise
+
+
+def batch_tasks_for(requested: int, slots: int, group_size: int = 1) -> int:
+    """Corpora per scheduler batch of `build_workspaces`: `requested`, or with 0 as many as `slots` builder
+    slots hold at `group_size` episodes a corpus (at least 1; DEFAULT_BATCH_TASKS when `slots` is 0,
+    unknown). The builder's engine decodes all its slots every round, busy or idle, so a full batch costs
+    little more than a half-full one; a greedy build gave the same workspaces either way (31 noisy corpora,
+    16 or 8 at once). Sampled builds draw their episode seeds per batch (`build_workspaces`), so theirs
+    change with it."""
+    if requested > 0:
+        return requested
+    return max(1, slots // max(1, group_size)) if slots > 0 else DEFAULT_BATCH_TASKS
+
+
 def build_workspaces(
     method: str,
     tasks: Sequence[Any],
@@ -195,7 +210,7 @@ def build_workspaces(
     templates: Mapping[str, Any],
     group_size: int = 1,
     seed: int = 0,
-    batch_tasks: int = 8,
+    batch_tasks: int = DEFAULT_BATCH_TASKS,
     reset: Callable[[], None] | None = None,
     progress: bool = True,
     start: int = 0,
