@@ -202,7 +202,7 @@ def construct(
     *,
     templates: dict[str, Any],
     seed: int = 0,
-    batch_tasks: int = 8,
+    batch_tasks: int = rjobs.DEFAULT_BATCH_TASKS,
     reset: Callable[[], None] | None = None,
 ) -> list[rjobs.Built]:
     """GraphRAG's or AutoCompaction's workspace for each corpus (`eval.constructions`), written by the run's
@@ -246,7 +246,7 @@ def baseline_sections(
     *,
     timing: dict[str, float],
     tune: Callable[[RetrievalModels], dict[str, int]] | None = None,
-    batch_tasks: int = 8,
+    batch_tasks: int = rjobs.DEFAULT_BATCH_TASKS,
 ) -> tuple[list[rjobs.Job], dict[str, list[rjobs.Built]], dict[str, Any]]:
     """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
     constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
