@@ -93,7 +93,9 @@ def test_facts_line_by_line_equal_those_of_the_whole_text():
     same facts in the same order read line by line with the anchors as read whole."""
     for task in (*WORLD, *NOISY):
         docs = [d.text for d in task.documents]
-        for text in (*docs, "\n".join(docs), "\n\n".join(f"## {d.title}\n{d.text}" for d in task.documents),
+        # one line per document, then every document on one line (longer than the cached lines)
+        for text in (*docs, "\n".join(docs), " ".join(docs),
+                     "\n\n".join(f"## {d.title}\n{d.text}" for d in task.documents),
                      task.questions[0].question + "\n\n" + "\n".join(reversed(docs)),
                      extractive_text(task.documents[0].title, "",
                                      [(d.doc_id, d.text) for d in task.documents], focus=True)):

@@ -952,9 +952,9 @@ def extract_facts(text: str) -> list[tuple[str, str, str]]:
     """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
     written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a
     reader got: raw documents, synthetic files written from them, retrieved passages. Remembered for the
-    last 8,192 texts, and line by line for the last 65,536 lines: the scripted answerer reads the same files
-    for every question of a corpus, and its first prompt (the question, then the preloaded files) differs
-    only in the question's line."""
+    last 8,192 texts, and line by line for the last 32,768 lines of up to 2,048 characters: the scripted
+    answerer reads the same files for every question of a corpus, and its first prompt (the question, then
+    the preloaded files) differs only in the question's line."""
     return list(_extract_facts(text))
 
 
@@ -966,8 +966,17 @@ def _extract_facts(text: str) -> tuple[tuple[str, str, str], ...]:
     return tuple(dict.fromkeys(f for line in text.split("\n") for f in _line_facts(line)))
 
 
-@functools.lru_cache(maxsize=65536)
 def _line_facts(line: str) -> tuple[tuple[str, str, str], ...]:
+    # the cache holds lines up to 2,048 characters (32,768 of them: <= 64 MiB, whatever a model writes)
+    return _short_line_facts(line) if len(line) <= 2048 else _facts_of_line(line)
+
+
+@functools.lru_cache(maxsize=32768)
+def _short_line_facts(line: str) -> tuple[tuple[str, str, str], ...]:
+    return _facts_of_line(line)
+
+
+def _facts_of_line(line: str) -> tuple[tuple[str, str, str], ...]:
     found: list[tuple[int, tuple[str, str, str]]] = []
     for (rel, rx), anchor in zip(_STATEMENT_RES, _STATEMENT_ANCHORS, strict=True):
         if anchor in line:
