@@ -103,8 +103,9 @@ def describe(environ: Mapping[str, str] | None = None) -> str:
     """One line for a run's log: whether malloc uses huge pages here, and why not when it does not."""
     environ = os.environ if environ is None else environ
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if f"{TUNABLE}=1" in tunables.split(":"):
-        heap = all(f"{n}={v}" in tunables.split(":") for n, v in HEAP_TUNABLES)
+    parts = tunables.split(":")
+    if f"{TUNABLE}=1" in parts:
+        heap = all(f"{n}={v}" in parts for n, v in HEAP_TUNABLES)
         return (f"malloc on transparent huge pages{', one arena, freed memory kept' if heap else ''} "
                 f"(GLIBC_TUNABLES={tunables})")
     mode = thp_mode()
