@@ -172,3 +172,36 @@ def test_a_summary_is_read_before_the_originals():
     q = task.questions[0]
     out = _run(ws, q.question, max_turns=1)
     assert out.files_read and not out.files_read[0].startswith("raw_docs/")
+
+
+def test_first_prompt_encodes_the_text_before_its_question_apart_with_the_same_ids(tmp_path, monkeypatch):
+    """Every question's first prompt after the same README, listing and preloaded files: encoded in two
+    parts (the part before the question once per workspace) on a SentencePiece model that splits words at
+    spaces, giving the ids (and the navigator's token counts) of the whole text."""
+    from librarian_jax.agents.answer_start import first_prompt, first_prompt_ids
+    from librarian_jax.tokenizers import chat_template as make_template
+    from librarian_jax.tokenizers import load_tokenizer, train_sentencepiece
+
+    task = WORLD[0]
+    texts = [d.text for t in WORLD for d in t.documents] + [q.question for t in WORLD for q in t.questions]
+    tok = load_tokenizer(train_sentencepiece(texts, tmp_path / "sp.model", vocab_size=700))
+    tpl = make_template(tok)
+    ctx = AgentContext(tok, tpl, {})
+    ws = _entity_workspace(task)
+    cfg = AnswererConfig(kind="scripted", max_turns=2, context_budget=4000, preload_root_files=True)
+    joins = []
+    real = type(tok).splits_between
+    monkeypatch.setattr(type(tok), "splits_between",
+                        lambda self, h, t: joins.append(real(self, h, t)) or joins[-1])
+    counted = []
+    for q in task.questions:
+        system, user, preloaded = first_prompt(ctx, ws, q.question, cfg)
+        assert preloaded  # the shared head holds files, not only the listing
+        whole = tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant")
+        assert first_prompt_ids(tpl, system, user, q.question) == whole
+        counted.append(returned(answer_question(ctx, ws, q.question, cfg)).prompt_tokens)
+    assert joins and all(joins)  # each question's prompt was joined, not encoded whole
+    monkeypatch.setattr(type(tok), "splits_between", lambda self, h, t: False)
+    tok._encoded.clear()
+    assert counted == [returned(answer_question(ctx, ws, q.question, cfg)).prompt_tokens
+                       for q in task.questions]

@@ -408,6 +408,66 @@ def test_turn_by_turn_equality_on_random_conversations(request, backend, fold):
     check()
 
 
+# Text that mixes the corpus's characters with special-token strings, so joins fall next to them too.
+joined_text = st.lists(st.one_of(corpus_text, st.sampled_from(SPECIALS)), max_size=4).map("".join)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_encode_joined_equals_the_whole_texts_encoding(request, backend):
+    """`encode_joined(head, tail)` is `encode(head + tail)` wherever it is asked, and takes the halves'
+    encodings exactly where `splits_between` says the tokenizer cannot merge across the join (our trained
+    SentencePiece models: a space after a non-space character)."""
+    tok = request.getfixturevalue(backend)
+    split = []
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(joined_text, st.sampled_from(["", " ", "  ", " \n", "\n "]), joined_text)
+    def check(head, glue, rest):
+        tail = glue + rest
+        if tok.splits_between(head, tail):
+            split.append(1)
+            assert tok.encode(head) + tok.encode(tail) == tok.encode(head + tail), (head, tail)
+        assert tok.encode_joined(head, tail) == tok.encode(head + tail)
+
+    check()
+    if isinstance(tok, SentencePieceTokenizer):
+        assert len(split) > 50  # the property above was exercised, not skipped
+        assert tok.splits_between("Question:", " who") and not tok.splits_between("Question: ", " who")
+        assert not tok.splits_between("Question:", "who") and not tok.splits_between("", " who")
+    else:
+        assert not split  # tokenizer.json backends claim no join: the whole text is encoded
+
+
+def test_splits_between_needs_a_model_without_pieces_across_words(tmp_path):
+    """A SentencePiece model whose pieces may cross a space (trained without splitting at whitespace), or
+    that adds a dummy-prefix space, claims no join: its `encode_joined` encodes the whole text."""
+    lines = [line for t in CORPUS for line in t.splitlines() if line.strip()]
+    for name, extra in (("across", {"split_by_whitespace": False, "normalization_rule_name": "identity",
+                                    "add_dummy_prefix": False, "remove_extra_whitespaces": False}),
+                        ("dummy", {})):
+        prefix = str(tmp_path / name)
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=400,
+                                       model_type="bpe", byte_fallback=True, num_threads=1, minloglevel=2,
+                                       **extra)
+        tok = load_tokenizer(prefix + ".model")
+        assert not tok.splits_between("the river", " north"), name
+        assert tok.encode_joined("the river", " north") == tok.encode("the river north")
+
+
+@pytest.mark.parametrize(("backend", "fold"), [("sp_chatml", False), ("sp_gemma", False), ("sp_gemma", True),
+                                               ("hf_qwen", False)])
+def test_turn_joined_equals_turn(request, backend, fold):
+    tok = request.getfixturevalue(backend)
+    chat = chat_template(tok, fold_system=fold)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.sampled_from(["user", "assistant", "tool"]), corpus_text, corpus_text)
+    def check(role, head, rest):
+        assert chat.turn_joined(role, head, " " + rest) == chat.turn(role, head + " " + rest)
+
+    check()
+
+
 @pytest.mark.parametrize("backend", ["sp_chatml", "hf_qwen"])
 def test_tokenizers_pickle_by_path(request, backend):
     tok = request.getfixturevalue(backend)

@@ -167,6 +167,17 @@ def first_prompt(
     return answerer_system(search=search), user, preloaded
 
 
+def first_prompt_ids(template: Any, system: str, user: str, question: str) -> list[int]:
+    """The ids an answerer's session starts with (`first_prompt`'s texts): the system turn, the user turn,
+    the assistant's opening. The user turn's text before its question is the same for every question of a
+    workspace (README, listing, preloaded files), so it is encoded apart from the question, once
+    (`ChatTemplate.turn_joined`; the same ids as encoding the turn whole)."""
+    at = user.rfind(" " + question) if question else -1
+    joined = getattr(template, "turn_joined", None)
+    turn = joined("user", user[:at], user[at:]) if at > 0 and joined else template.turn("user", user)
+    return template.start(system) + turn + template.open_turn("assistant")
+
+
 def answerer_system(*, search: bool = False) -> str:
     """The answerer's system text (instructions and tools; `search`: with the search tool)."""
     return prompt_text.render("answerer_system",

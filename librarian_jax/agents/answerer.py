@@ -42,6 +42,7 @@ from librarian_jax.agents.answer_start import (  # noqa: F401 - the answerer's n
     answerer_system,
     cut_words,
     first_prompt,
+    first_prompt_ids,
     preload_files,
     preload_text,
     render_hits,
@@ -102,7 +103,7 @@ def answer_question(
     tools = SEARCH_ANSWERER_TOOLS if search is not None else ANSWERER_TOOLS
     system, user, preloaded = first_prompt(ctx, workspace, question, cfg, preamble=preamble,
                                            search=search is not None)
-    log = SessionLog(ctx, ANSWERER, tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    log = SessionLog(ctx, ANSWERER, first_prompt_ids(tpl, system, user, question))
     actions: list[str] = []
     files_read: list[str] = []
     passages = int(preamble_passages)

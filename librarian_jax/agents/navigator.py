@@ -42,6 +42,7 @@ from librarian_jax.agents.answer_start import (
     Search,
     cut_words,
     first_prompt,
+    first_prompt_ids,
     render_hits,
 )
 from librarian_jax.agents.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_response
@@ -106,9 +107,9 @@ class _Reader:
             if path not in self.entries:
                 self.entries[path] = (m.group("kind").strip(), m.group("title"))
 
-    def count_prompt(self, system: str, user: str) -> None:
-        tpl = self.template
-        self.prompt_tokens += len(tpl.start(system) + tpl.turn("user", user) + tpl.open_turn("assistant"))
+    def count_prompt(self, system: str, user: str, question: str = "") -> None:
+        """Counts the first prompt's tokens (`first_prompt_ids`; `question`: the question ending `user`)."""
+        self.prompt_tokens += len(first_prompt_ids(self.template, system, user, question))
 
     # -- acting ---------------------------------------------------------------------------------------------
     def room(self, reads: int) -> bool:
@@ -220,7 +221,7 @@ def navigate(
     reader.passages = int(preamble_passages)
     system, user, preloaded = first_prompt(ctx, workspace, question, config, preamble=preamble,
                                            search=search is not None)
-    reader.count_prompt(system, user)
+    reader.count_prompt(system, user, question)
     reader.see(user)
     parsed = parse_question(question)
     aggregate = parse_aggregate(question) if parsed is None else None

@@ -278,6 +278,21 @@ class ChatTemplate:
         self._role(role)
         return self._ids(lambda sys: self._turn_text(role, content, sys), system)
 
+    def turn_joined(self, role: str, head: str, tail: str) -> list[int]:
+        """`turn(role, head + tail)`, the same ids, with the turn's text encoded by
+        `Tokenizer.encode_joined` at the end of `head`: many turns that start alike (an answerer's first
+        prompt for each of a corpus's questions) encode their common start once. A template that folds a
+        system prompt into its first turn, or that changes the content (trimming it, wrapping a tool
+        result), encodes the whole turn."""
+        content = head + tail
+        opening = self._open_text(role) if not self.fold_system else ""
+        text = self._turn_text(role, content)
+        if self.fold_system or not text.startswith(opening + content):
+            return self.turn(role, content)
+        self._role(role)
+        cut = len(opening) + len(head)
+        return self.tokenizer.encode_joined(text[:cut], text[cut:])
+
     def open_turn(self, role: str, *, system: str | None = None) -> list[int]:
         """The prefix a model continues from (e.g. `<|im_start|>assistant\\n`); `system` as in `turn`."""
         self._role(role)

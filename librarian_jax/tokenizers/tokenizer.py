@@ -165,6 +165,20 @@ class Tokenizer(abc.ABC):
                 self._encoded[text] = ids
         return list(ids)
 
+    def encode_joined(self, head: str, tail: str) -> list[int]:
+        """`encode(head + tail)`, made of `encode(head)` and `encode(tail)` (each remembered) where no token
+        can span the end of `head` (`splits_between`), else of the whole text: prompts that differ only in
+        their ends (a corpus's questions after the same README, listing and preloaded files) encode their
+        shared head once."""
+        if self.splits_between(head, tail):
+            return self.encode(head) + self.encode(tail)
+        return self.encode(head + tail)
+
+    def splits_between(self, head: str, tail: str) -> bool:
+        """Whether `encode(head + tail) == encode(head) + encode(tail)` is certain from how the backend
+        segments text (not from trying it). The base class knows no such place: False."""
+        return False
+
     def _encode_uncached(self, text: str) -> list[int]:
         parts = self.split_atomic(text)
         plain = [p for p in parts if isinstance(p, str)]
@@ -234,6 +248,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise TokenizerError(f"{path} is not a valid SentencePiece model: it has no pieces")
         self._sp = sp
         user_defined = _sp_user_defined_ids(proto, sp)
+        self._space_starts_word = _sp_space_starts_word(proto)
 
         def maybe(i: int) -> int | None:
             return i if i >= 0 else None
@@ -268,6 +283,13 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode_plain(self, segments: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self._sp.encode(segments, out_type=int)]
 
+    def splits_between(self, head: str, tail: str) -> bool:
+        """True where `tail` starts with a space and `head` ends with a character that is not whitespace,
+        for a model that starts a word at such a space and has no piece across one
+        (`_sp_space_starts_word`): SentencePiece then segments the words on either side apart. (Special
+        tokens hold no whitespace, so none spans that space either.)"""
+        return self._space_starts_word and tail[:1] == " " and head[-1:].strip() != ""
+
     def _decode_plain(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
 
@@ -281,6 +303,28 @@ class SentencePieceTokenizer(Tokenizer):
         if not 0 <= token_id < self.vocab_size:
             raise IndexError(f"token id {token_id} is outside [0, {self.vocab_size}) of {self.path}")
         return self._sp.id_to_piece(token_id)
+
+
+def _sp_space_starts_word(proto: bytes) -> bool:
+    """Whether a space after a non-space character always starts a new word that no piece reaches across,
+    so that `encode(a + b) == encode(a) + encode(b)` when `b` starts with such a space: a BPE model trained
+    with `split_by_whitespace` and the space as a word's prefix ("▁"), text normalised by "identity" only
+    (each space is one "▁", none added, removed or merged: no dummy prefix, no extra-whitespace removal),
+    and no piece holding a "▁" after another character (checked on the vocabulary itself; whitespace-only
+    pieces such as "▁▁" only begin a word). This project's `tokenizers.training` models are such; without
+    protobuf, or for any other model, False (the whole text is encoded)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # pragma: no cover - protobuf is normally present
+        return False
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    t, n = model.trainer_spec, model.normalizer_spec
+    if (t.model_type != sentencepiece_model_pb2.TrainerSpec.BPE or not t.split_by_whitespace
+            or t.treat_whitespace_as_suffix or n.name != "identity" or n.add_dummy_prefix
+            or n.remove_extra_whitespaces or not n.escape_whitespaces):
+        return False
+    return not any("\u2581" in p.piece.lstrip("\u2581") for p in model.pieces)
 
 
 def _sp_user_defined_ids(proto: bytes, sp: Any) -> set[int]:
