@@ -190,6 +190,26 @@ def test_extractive_executor_is_deterministic_and_relevant():
     assert extractive_text("T", "", []) == "T"
 
 
+def test_remembered_readings_hand_out_fresh_values():
+    """`split_sentences` and `content_words` remember texts (up to READ_MEMO_MAX_CHARS), yet a caller that
+    changes what it got changes nothing for the next one; longer texts read the same."""
+    from librarian_jax.agents import executor
+
+    text = "Orlen Vask founded the lab. It moved to Tarn City!\nTITLE: skipped"
+    first = split_sentences(text)
+    first.append("changed")
+    assert split_sentences(text) == ["Orlen Vask founded the lab.", "It moved to Tarn City!"]
+    words = executor.content_words(text)
+    words.add("changed")
+    assert executor.content_words(text) == {"orlen", "vask", "founded", "lab", "moved", "tarn", "city",
+                                            "title", "skipped"}
+    long = "x" * executor.READ_MEMO_MAX_CHARS + ". Orlen Vask."
+    before = executor._split_sentences.cache_info().currsize
+    assert split_sentences(long) == ["x" * executor.READ_MEMO_MAX_CHARS + ".", "Orlen Vask."]
+    assert executor.content_words(long) == {"x" * executor.READ_MEMO_MAX_CHARS, "orlen", "vask"}
+    assert executor._split_sentences.cache_info().currsize == before  # not remembered
+
+
 def test_excerpt_sources_come_from_the_structured_source_list():
     from librarian_jax.data.schema import Document
     from librarian_jax.workspace import Workspace

@@ -24,6 +24,7 @@ source holding such characters can still be summarised.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 
@@ -59,18 +60,37 @@ class ExecutorOutput:
     fallback: bool = False
 
 
+# The extractive executor reads the same sources and sentences again for every file a builder writes from
+# them (every episode of a group, every demonstration), so both readings below are remembered: up to this many
+# texts each, of at most this many characters (longer ones are read each time).
+READ_MEMO_ENTRIES = 32_768
+READ_MEMO_MAX_CHARS = 16_384
+
+
 def content_words(text: str) -> set[str]:
-    return {w for w in _WORD.findall(text.lower()) if w not in _STOP and len(w) > 1}
+    """The lower-cased words of `text` (letters and digits) but stop words and single characters."""
+    return set(_content_words(text) if len(text) <= READ_MEMO_MAX_CHARS else _content_words.__wrapped__(text))
+
+
+@functools.lru_cache(maxsize=READ_MEMO_ENTRIES)
+def _content_words(text: str) -> frozenset[str]:
+    return frozenset(w for w in _WORD.findall(text.lower()) if w not in _STOP and len(w) > 1)
 
 
 def split_sentences(text: str) -> list[str]:
     """Sentences of a source body, skipping header lines (`TITLE: ...`, markdown headings) and blanks."""
+    return list(_split_sentences(text) if len(text) <= READ_MEMO_MAX_CHARS
+                else _split_sentences.__wrapped__(text))
+
+
+@functools.lru_cache(maxsize=READ_MEMO_ENTRIES)
+def _split_sentences(text: str) -> tuple[str, ...]:
     out = []
     for piece in _SENT_SPLIT.split(text):
         piece = piece.strip()
         if piece and not _HEADER_LINE.match(piece):
             out.append(" ".join(piece.split()))
-    return out
+    return tuple(out)
 
 
 def extractive_text(
