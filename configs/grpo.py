@@ -7,7 +7,7 @@
 
 Presets: `noisy` (the default: tiny model, SentencePiece tokenizer trained on the warm start's synthetic
 worlds and cached under the workdir, the noisy synthetic world of docs/world.md, where the trained builder
-beats retrieval; 9-20 minutes on 2 CPU cores), `embedded` (the same tiny run on the classic 6-document world,
+beats retrieval; 7-20 minutes on 2 CPU cores), `embedded` (the same tiny run on the classic 6-document world,
 where retrieval answers everything; 6-12 minutes), `qwen3_5_4b` and `gemma3_4b` (the
 paper's main-run settings: LoRA rank 32, lr 2e-5 (the paper sweeps 1e-5..4e-5), 16 tasks x group 4, <= 4096
 new tokens per builder turn, PPO clip 0.8/1.2, H = 32 builder turns, 4 probe repeats).
