@@ -172,10 +172,9 @@ def first_prompt_ids(template: Any, system: str, user: str, question: str) -> li
     the assistant's opening. The user turn's text before its question is the same for every question of a
     workspace (README, listing, preloaded files), so it is encoded apart from the question, once
     (`ChatTemplate.turn_joined`; the same ids as encoding the turn whole)."""
-    at = user.rfind(" " + question) if question else -1
-    joined = getattr(template, "turn_joined", None)
-    turn = joined("user", user[:at], user[at:]) if at > 0 and joined else template.turn("user", user)
-    return template.start(system) + turn + template.open_turn("assistant")
+    at = max(user.rfind(" " + question), 0) if question else 0
+    return (template.start(system) + template.turn_joined("user", user[:at], user[at:])
+            + template.open_turn("assistant"))
 
 
 def answerer_system(*, search: bool = False) -> str:

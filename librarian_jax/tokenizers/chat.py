@@ -285,9 +285,11 @@ class ChatTemplate:
         system prompt into its first turn, or that changes the content (trimming it, wrapping a tool
         result), encodes the whole turn."""
         content = head + tail
-        opening = self._open_text(role) if not self.fold_system else ""
+        if self.fold_system:
+            return self.turn(role, content)
+        opening = self._open_text(role)
         text = self._turn_text(role, content)
-        if self.fold_system or not text.startswith(opening + content):
+        if not text.startswith(opening + content):
             return self.turn(role, content)
         self._role(role)
         cut = len(opening) + len(head)

@@ -247,8 +247,9 @@ class SentencePieceTokenizer(Tokenizer):
         if sp.get_piece_size() == 0:
             raise TokenizerError(f"{path} is not a valid SentencePiece model: it has no pieces")
         self._sp = sp
-        user_defined = _sp_user_defined_ids(proto, sp)
-        self._space_starts_word = _sp_space_starts_word(proto)
+        model = _sp_model_proto(proto)
+        user_defined = _sp_user_defined_ids(model, sp)
+        self._space_starts_word = _sp_space_starts_word(model)
 
         def maybe(i: int) -> int | None:
             return i if i >= 0 else None
@@ -305,45 +306,47 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.id_to_piece(token_id)
 
 
-def _sp_space_starts_word(proto: bytes) -> bool:
+def _sp_model_proto(proto: bytes) -> Any:
+    """The parsed SentencePiece `ModelProto` of a model file's bytes, or None without protobuf."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # pragma: no cover - protobuf is normally present
+        return None
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    return model
+
+
+def _sp_space_starts_word(model: Any) -> bool:
     """Whether a space after a non-space character always starts a new word that no piece reaches across,
     so that `encode(a + b) == encode(a) + encode(b)` when `b` starts with such a space: a BPE model trained
     with `split_by_whitespace` and the space as a word's prefix ("▁"), text normalised by "identity" only
     (each space is one "▁", none added, removed or merged: no dummy prefix, no extra-whitespace removal),
     and no piece holding a "▁" after another character (checked on the vocabulary itself; whitespace-only
     pieces such as "▁▁" only begin a word). This project's `tokenizers.training` models are such; without
-    protobuf, or for any other model, False (the whole text is encoded)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except ImportError:  # pragma: no cover - protobuf is normally present
+    protobuf (`model` None), or for any other model, False (the whole text is encoded)."""
+    if model is None:  # pragma: no cover - protobuf is normally present
         return False
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(proto)
     t, n = model.trainer_spec, model.normalizer_spec
-    if (t.model_type != sentencepiece_model_pb2.TrainerSpec.BPE or not t.split_by_whitespace
-            or t.treat_whitespace_as_suffix or n.name != "identity" or n.add_dummy_prefix
-            or n.remove_extra_whitespaces or not n.escape_whitespaces):
+    if (t.model_type != t.BPE or not t.split_by_whitespace or t.treat_whitespace_as_suffix
+            or n.name != "identity" or n.add_dummy_prefix or n.remove_extra_whitespaces
+            or not n.escape_whitespaces):
         return False
     return not any("\u2581" in p.piece.lstrip("\u2581") for p in model.pieces)
 
 
-def _sp_user_defined_ids(proto: bytes, sp: Any) -> set[int]:
-    """Ids of USER_DEFINED pieces, read from the model proto (heuristic fallback without protobuf)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-
-        model = sentencepiece_model_pb2.ModelProto()
-        model.ParseFromString(proto)
-        user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
-        return {i for i, p in enumerate(model.pieces) if p.type == user_defined}
-    except ImportError:  # pragma: no cover - protobuf is normally present
-        # User-defined pieces carry score 0 while learned pieces score below 0.
-        return {
-            i
-            for i in range(sp.get_piece_size())
-            if sp.get_score(i) == 0.0
-            and not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
-        }
+def _sp_user_defined_ids(model: Any, sp: Any) -> set[int]:
+    """Ids of USER_DEFINED pieces, read from the parsed model proto (heuristic fallback without protobuf:
+    `model` None)."""
+    if model is not None:
+        return {i for i, p in enumerate(model.pieces) if p.type == p.USER_DEFINED}
+    # without protobuf (normally present): user-defined pieces score 0, learned pieces below 0
+    return {  # pragma: no cover
+        i
+        for i in range(sp.get_piece_size())
+        if sp.get_score(i) == 0.0
+        and not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
+    }
 
 
 class HFTokenizer(Tokenizer):
