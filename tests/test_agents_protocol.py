@@ -266,3 +266,21 @@ def test_calls_inside_thinking_are_not_calls():
     assert len(p.calls) == 1
     p = parse_tool_calls(f"<think>{call}", BUILDER_TOOLS)
     assert [e.code for e in p.errors] == ["no_tool_call"]
+
+
+def test_short_texts_remembers_short_texts_only():
+    """`text_memo.short_texts`: a text up to max_chars is computed once, a longer one every time."""
+    from librarian_jax import text_memo
+
+    calls = []
+
+    @text_memo.short_texts(entries=2, max_chars=5)
+    def upper(text: str) -> str:
+        calls.append(text)
+        return text.upper()
+
+    assert [upper(t) for t in ("ab", "ab", "abcdef", "abcdef")] == ["AB", "AB", "ABCDEF", "ABCDEF"]
+    assert calls == ["ab", "abcdef", "abcdef"]
+    assert upper.cache_info().currsize == 1 and upper.__name__ == "upper"
+    upper("cd"), upper("ef"), upper("ab")  # two entries: "ab" was pushed out
+    assert calls[-1] == "ab" and upper.cache_info().currsize == 2

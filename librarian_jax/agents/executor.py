@@ -24,10 +24,10 @@ source holding such characters can still be summarised.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable, Sequence
 
+from librarian_jax import text_memo
 from librarian_jax.agents import prompt_text
 from librarian_jax.agents.runtime import EXECUTOR, AgentContext, AgentGen, Sampling, SessionLog
 from librarian_jax.data.synthetic import extract_facts
@@ -69,21 +69,20 @@ READ_MEMO_MAX_CHARS = 16_384
 
 def content_words(text: str) -> set[str]:
     """The lower-cased words of `text` (letters and digits) but stop words and single characters."""
-    return set(_content_words(text) if len(text) <= READ_MEMO_MAX_CHARS else _content_words.__wrapped__(text))
+    return set(_content_words(text))
 
 
-@functools.lru_cache(maxsize=READ_MEMO_ENTRIES)
+@text_memo.short_texts(READ_MEMO_ENTRIES, READ_MEMO_MAX_CHARS)
 def _content_words(text: str) -> frozenset[str]:
     return frozenset(w for w in _WORD.findall(text.lower()) if w not in _STOP and len(w) > 1)
 
 
 def split_sentences(text: str) -> list[str]:
     """Sentences of a source body, skipping header lines (`TITLE: ...`, markdown headings) and blanks."""
-    return list(_split_sentences(text) if len(text) <= READ_MEMO_MAX_CHARS
-                else _split_sentences.__wrapped__(text))
+    return list(_split_sentences(text))
 
 
-@functools.lru_cache(maxsize=READ_MEMO_ENTRIES)
+@text_memo.short_texts(READ_MEMO_ENTRIES, READ_MEMO_MAX_CHARS)
 def _split_sentences(text: str) -> tuple[str, ...]:
     out = []
     for piece in _SENT_SPLIT.split(text):

@@ -26,6 +26,7 @@ from typing import Any
 
 from absl import logging
 
+from librarian_jax import text_memo
 from librarian_jax.data.schema import CorpusTask, Document, Question
 
 # ----------------------------------------------------------------------------------------------------------
@@ -966,17 +967,8 @@ def _extract_facts(text: str) -> tuple[tuple[str, str, str], ...]:
     return tuple(dict.fromkeys(f for line in text.split("\n") for f in _line_facts(line)))
 
 
+@text_memo.short_texts(entries=32768, max_chars=2048)  # <= 64 MiB of lines, whatever a model writes
 def _line_facts(line: str) -> tuple[tuple[str, str, str], ...]:
-    # the cache holds lines up to 2,048 characters (32,768 of them: <= 64 MiB, whatever a model writes)
-    return _short_line_facts(line) if len(line) <= 2048 else _facts_of_line(line)
-
-
-@functools.lru_cache(maxsize=32768)
-def _short_line_facts(line: str) -> tuple[tuple[str, str, str], ...]:
-    return _facts_of_line(line)
-
-
-def _facts_of_line(line: str) -> tuple[tuple[str, str, str], ...]:
     found: list[tuple[int, tuple[str, str, str]]] = []
     for (rel, rx), anchor in zip(_STATEMENT_RES, _STATEMENT_ANCHORS, strict=True):
         if anchor in line:
