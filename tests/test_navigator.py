@@ -101,6 +101,12 @@ def test_facts_line_by_line_equal_those_of_the_whole_text():
                                      [(d.doc_id, d.text) for d in task.documents], focus=True)):
             assert synthetic.extract_facts(text) == _facts_of_whole_text(text), text[:200]
             assert synthetic._extract_facts.__wrapped__(text) == tuple(_facts_of_whole_text(text))
+    # a text longer than the memo keeps (65,536 characters): the same facts, read each time, not remembered
+    long = "\n".join(d.text for t in (*WORLD, *NOISY) for d in t.documents)
+    long = "\n".join([long] * (65_536 // len(long) + 1))
+    before = synthetic._extract_facts.cache_info().currsize
+    assert len(long) > 65_536 and synthetic.extract_facts(long) == _facts_of_whole_text(long)
+    assert synthetic._extract_facts.cache_info().currsize == before
 
 
 @hypothesis.settings(max_examples=300, deadline=None)

@@ -17,7 +17,6 @@ the same seed whatever the Python hash seed and whatever `num_tasks` is. Names c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import random
 import re
@@ -953,13 +952,14 @@ def extract_facts(text: str) -> list[tuple[str, str, str]]:
     """Every `(subject, relation, object)` the text states in one of the world's statement forms (names as
     written, an article-less role, a year), in order of appearance, duplicates removed. Works on any text a
     reader got: raw documents, synthetic files written from them, retrieved passages. Remembered for the
-    last 8,192 texts, and line by line for the last 32,768 lines of up to 2,048 characters: the scripted
-    answerer reads the same files for every question of a corpus, and its first prompt (the question, then
-    the preloaded files) differs only in the question's line."""
+    last 8,192 texts of up to 65,536 characters, and line by line for the last 32,768 lines of up to 2,048
+    characters (`text_memo.short_texts`: bounded whatever a model writes): the scripted answerer reads the
+    same files for every question of a corpus, and its first prompt (the question, then the preloaded
+    files) differs only in the question's line."""
     return list(_extract_facts(text))
 
 
-@functools.lru_cache(maxsize=8192)
+@text_memo.short_texts(entries=8192, max_chars=65536)
 def _extract_facts(text: str) -> tuple[tuple[str, str, str], ...]:
     # a statement never spans a line, so the text's facts are its lines' in order (first occurrence kept)
     if "\n" not in text:
