@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
 # world, grain pipelines), `compile_cache` (JAX's persistent cache switch) and `storage` (local or gs://
 # paths) import nothing above them, so every layer may read them.
 LAYERS: list[tuple[str, ...]] = [
-    ("segment", "data", "compile_cache", "storage", "xla_flags", "host_memory"),
+    ("segment", "data", "compile_cache", "storage", "xla_flags", "host_memory", "text_memo"),
     ("models",),
     ("tokenizers",),
     ("engine",),
