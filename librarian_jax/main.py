@@ -26,7 +26,7 @@ if __name__ == "__main__":  # first, before JAX loads: glibc reads its malloc tu
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from librarian_jax import cli_flags, compile_cache, config_validation, distributed  # noqa: E402
+from librarian_jax import cli_flags, compile_cache, config_schema, config_validation, distributed  # noqa: E402
 from librarian_jax.models.hf_io import HFLoadError  # noqa: E402
 from librarian_jax.rl.train_step import NonFiniteUpdates  # noqa: E402
 
@@ -84,6 +84,9 @@ def main(argv: list[str]) -> None:
         if command not in COMMANDS:
             raise config_validation.ConfigError(
                 f"config.command: must be one of {list(COMMANDS)}, got {command!r}")
+        # every key's type, bounds and choices (the schema, pure Python) before the command's modules are
+        # imported: a bad setting answers in about two seconds, before the JAX backend starts or compiles
+        config_schema.schema_for(config).parse(config)
         extra = {}
         if flags.FLAGS.compile:
             if command != "train" or not flags.FLAGS.dry_run:

@@ -33,7 +33,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import bm25s
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,11 +88,16 @@ class BM25Index:
     """bm25s (Lucene BM25, English stopwords) over passages. `tokens` stays 0: no model reads anything."""
 
     def __init__(self, chunks: Sequence[Passage]):
+        # imported here, not with this module: importing bm25s runs a jitted `top_k`, which starts the JAX
+        # backend and compiles, and every command imports this module before it checks its config
+        import bm25s
+
         py_logging.getLogger("bm25s").setLevel(py_logging.WARNING)
         self.chunks = list(chunks)
         self.tokens = 0
+        self._tokenize = bm25s.tokenize
         self._bm25 = bm25s.BM25()
-        self._bm25.index(bm25s.tokenize([c.text for c in self.chunks], stopwords="en", show_progress=False),
+        self._bm25.index(self._tokenize([c.text for c in self.chunks], stopwords="en", show_progress=False),
                          show_progress=False)
 
     def search(self, query: str, k: int) -> list[tuple[int, float]]:
@@ -101,7 +105,7 @@ class BM25Index:
         k = min(int(k), len(self.chunks))
         if k <= 0:
             return []
-        docs, scores = self._bm25.retrieve(bm25s.tokenize([query], stopwords="en", show_progress=False),
+        docs, scores = self._bm25.retrieve(self._tokenize([query], stopwords="en", show_progress=False),
                                            k=k, show_progress=False)
         return [(int(j), float(s)) for j, s in zip(docs[0], scores[0], strict=True)]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging as py_logging
 
-import bm25s
 import numpy as np
 
 from librarian_jax.workspace import README, Workspace
@@ -34,7 +33,10 @@ class SearchIndex:
     """The index over one workspace, built once (the workspace is served read-only)."""
 
     def __init__(self, workspace: Workspace, passage_lines: int = PASSAGE_LINES):
+        import bm25s  # here, not with this module: importing it starts the JAX backend (a jitted top_k)
+
         py_logging.getLogger("bm25s").setLevel(py_logging.WARNING)
+        self._tokenize = bm25s.tokenize
         self.passages: list[tuple[str, int, int, str]] = []  # path, first line, last line, text
         files = {p: t for p, t in workspace.files().items() if p != README}
         self._snippets: list[str] = []  # each passage's text without header lines (for the snippet)
@@ -48,12 +50,12 @@ class SearchIndex:
         self.num_files = len(files)
         self._retriever = bm25s.BM25()
         corpus = [f"{p}\n{t}" for p, _, _, t in self.passages]  # a path's words find its file too
-        tokens = bm25s.tokenize(corpus, stopwords="en", show_progress=False)
+        tokens = self._tokenize(corpus, stopwords="en", show_progress=False)
         self._retriever.index(tokens, show_progress=False)
 
     def search(self, query: str, k: int) -> list[Hit]:
         """Up to `k` passages with a positive score for `query`, best first (ties in corpus order)."""
-        words = bm25s.tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0]
+        words = self._tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0]
         if not self.passages or not words:
             return []
         scores = np.asarray(self._retriever.get_scores(words), dtype=np.float64)
