@@ -298,12 +298,40 @@ def wait_for_all(name: str, timeout_s: float | None = None) -> None:
     `name` must be new for each meeting (e.g. carry the step)."""
     if not is_multi():
         return
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
     if timeout_s is None:
         timeout_s = float(os.environ.get(SYNC_TIMEOUT_ENV, DEFAULT_SYNC_TIMEOUT_S))
-    client.wait_at_barrier(f"librarian_jax/{name}", int(timeout_s * 1000))
+    _client().wait_at_barrier(f"librarian_jax/{name}", int(timeout_s * 1000))
+
+
+def post(key: str, obj: Any) -> None:
+    """Puts this process's JSON-serialisable `obj` under `key/<process>` in JAX's coordination service (its
+    key-value store: no device collective, so any thread may call it while the main thread computes).
+    Pair with `read_posts`; `key` must be new for each exchange. One process: nothing to do."""
+    if is_multi():
+        _client().key_value_set(f"librarian_jax/{key}/{jax.process_index()}", json.dumps(obj))
+
+
+def read_posts(key: str, timeout_s: float | None = None) -> list[Any]:
+    """Every process's `post(key, obj)`, in process order, waiting for each up to `timeout_s`
+    (`LIBRARIAN_SYNC_TIMEOUT_S`): the coordination service's error names the key that did not arrive, and a
+    dead process stops the job sooner (heartbeat). The entries are deleted once read, so call it on one
+    process only. One process: nothing was posted, `[]`."""
+    if not is_multi():
+        return []
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(SYNC_TIMEOUT_ENV, DEFAULT_SYNC_TIMEOUT_S))
+    client, out = _client(), []
+    for p in range(jax.process_count()):
+        name = f"librarian_jax/{key}/{p}"
+        out.append(json.loads(client.blocking_key_value_get(name, int(timeout_s * 1000))))
+        client.key_value_delete(name)
+    return out
+
+
+def _client() -> Any:
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
 
 
 def abort(message: str, code: int = 1) -> None:

@@ -376,6 +376,82 @@ def test_sft_on_two_processes_resumes_after_a_kill_and_matches_one_process(tmp_p
     assert moved > 10 * TOL, moved
 
 
+_SHARDED = """
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from librarian_jax import checkpoint, distributed
+assert distributed.initialize()
+mesh = Mesh(np.array(jax.devices()), ("fsdp",))  # 2 processes x 4 devices, as the trainer's fsdp mesh
+SPECS = {"embed": P("fsdp"), "w": P(None, "fsdp"), "norm": P()}  # norm: replicated, written by both
+
+def state(step):
+    rng = np.random.default_rng(step)  # random floats: a damaged byte decodes to a wrong value, no error
+    shapes = {"embed": (64, 96), "w": (96, 64), "norm": (32,)}
+    host = {k: rng.normal(size=shape).astype(np.float32) for k, shape in shapes.items()}
+    put = lambda v, spec: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda i: v[i])
+    params = {k: put(v, SPECS[k]) for k, v in host.items()}
+    opt = {"mu": {k: put(2 * v, SPECS[k]) for k, v in host.items()}, "count": put(np.int32(step), P())}
+    return params, opt, host
+
+mode, directory = sys.argv[1], sys.argv[2]
+ck = checkpoint.Checkpointer(directory)
+if mode == "save":
+    for step in (1, 2):
+        params, opt, _ = state(step)
+        ck.save(step, params=params, opt_state=opt, force=True)
+else:
+    params, opt, _ = state(0)
+    restored = ck.restore(params=params, opt_state=opt)
+    _, _, want = state(restored.step)
+    same = all((np.asarray(s.data) == want[k][s.index]).all()
+               for k, x in restored.params.items() for s in x.addressable_shards)
+    print(f"process {jax.process_index()}: restored step {restored.step}, bit-identical: {same}", flush=True)
+ck.close()
+"""
+
+
+def test_a_damaged_shard_of_one_host_makes_both_processes_fall_back_naming_it(tmp_path):
+    """Issue 66: a step saved by 2 processes x 4 devices (params and optimizer state sharded over all 8, one
+    array replicated), then 64 bytes of process 1's data file of the newest step overwritten. On the restart
+    both processes fall back to the step before, with the one warning naming the step, the array, the shard
+    and the process (host) that wrote it, and restore that step bit for bit. Without the shard digests the
+    damaged step restores silently (a globally sharded array was not digested before)."""
+    d = str(tmp_path / "checkpoints")
+
+    def launch(mode: str) -> list[str]:
+        port = free_port()
+        procs, logs = [], []
+        for i in range(2):
+            env = {**_env("none", 4), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+            logs.append(str(tmp_path / f"{mode}.p{i}.log"))
+            with open(logs[-1], "w") as f:
+                procs.append(subprocess.Popen([sys.executable, "-c", _SHARDED, mode, d], cwd=ROOT, env=env,
+                                              stdout=f, stderr=subprocess.STDOUT))
+        wait_all(procs, logs, 300)
+        return [open(log).read() for log in logs]
+
+    launch("save")
+    meta = json.load(open(os.path.join(d, "2", "meta", "metadata")))
+    shards = meta["digests"]["params"]["w"]["shards"]
+    assert sorted({s["process"] for s in shards.values()}) == [0, 1] and len(shards) == 8, shards
+    assert len(meta["digests"]["params"]["norm"]["shards"]) == 8  # replicated: written in slices by both
+    files = glob.glob(os.path.join(d, "2", "params", "ocdbt.process_1", "d", "*"))
+    biggest = max(files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        f.write(np.random.default_rng(0).bytes(64))
+    logs = launch("restore")
+    for i, text in enumerate(logs):
+        assert f"process {i}: restored step 1, bit-identical: True" in text, text[-3000:]
+        warning = [ln for ln in text.splitlines() if "checkpoint step 2 in" in ln]
+        assert len(warning) == 1, text[-3000:]
+        assert re.search(r"is damaged \((params|opt_state)/\S+ shard \[[0-9:,]+\] written by process 1 "
+                         r"\([^)]+\): crc32c 0x[0-9a-f]+ != 0x[0-9a-f]+ saved \(content changed on disk\) "
+                         r"\(met by process 1, [^)]+\)\); restored step 1 instead", warning[0]), warning[0]
+
+
 _WAITER = """
 import os, sys, time
 from librarian_jax import distributed

@@ -111,23 +111,21 @@ def select_step(run_dir: str, step: int | None = None, key: str = "run") -> tupl
         return step, path
     if not steps:
         raise _err(key, f"{ckpt_dir!r} holds no committed checkpoint step")
-    failed = []
+    failed: list[tuple[int, str]] = []
     while steps:
         why = step_is_readable(storage.join(ckpt_dir, str(steps[-1])))
         if not why:
             break
-        failed.append(f"step {steps[-1]}: {why}")
-        logging.warning("checkpoint step %d in %s is damaged (%s); trying the previous step", steps[-1],
-                        ckpt_dir, why)
+        failed.append((steps[-1], why))
         steps = steps[:-1]
     if not steps:
-        raise _err(key, f"no checkpoint step in {ckpt_dir!r} restores ({'; '.join(failed)})")
-    newer = [
-        n
-        for n in storage.listdir(ckpt_dir)
-        if n.isdigit() and int(n) > steps[-1]
-    ]
-    for n in newer:
+        raise _err(key, f"no checkpoint step in {ckpt_dir!r} restores "
+                        f"({'; '.join(f'step {s}: {why}' for s, why in failed)})")
+    if failed:  # one line for the fall-back, as `checkpoint.restore_params` writes it
+        logging.warning("%s; evaluating step %d", checkpoint.damaged_steps(ckpt_dir, failed), steps[-1])
+    half_written = [n for n in storage.listdir(ckpt_dir) if n.isdigit() and int(n) > steps[-1]
+                    and not checkpoint.is_committed(storage.join(ckpt_dir, n))]
+    for n in half_written:
         logging.warning(
             "checkpoint %s is half-written; evaluating step %d", storage.join(ckpt_dir, n), steps[-1]
         )
