@@ -224,13 +224,27 @@ def _fast_flags(workdir: str) -> list[str]:
             "--config.rollout.compile_ahead=False"]
 
 
-def _launch_local(workdir: str, env: dict[str, str], log: str) -> subprocess.Popen:
+def _launch_local(workdir: str, env: dict[str, str], log: str,
+                  python: str = sys.executable) -> subprocess.Popen:
     """The 2-process run through `launch/gpu_multinode.sh --local=2` (coordinator on localhost)."""
     with open(log, "w") as f:
         return subprocess.Popen(
             ["bash", os.path.join(ROOT, "launch", "gpu_multinode.sh"), "--local=2", f"--port={free_port()}",
-             f"--python={sys.executable}", "--config=configs/grpo.py:embedded", "--", *_fast_flags(workdir)],
+             f"--python={python}", "--config=configs/grpo.py:embedded", "--", *_fast_flags(workdir)],
             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _holding_python(tmp_path, process: int, step: int) -> tuple[str, dict[str, str], str]:
+    """(an interpreter for the launcher, its environment, the marker file): main under tests/pause_save.py,
+    which holds process `process`'s save of step `step` once its shards are written and creates the marker."""
+    marker = str(tmp_path / f"p{process}_wrote_step_{step}")
+    python = tmp_path / "python_holding_a_save"
+    wrapper = os.path.join(ROOT, "tests", "pause_save.py")
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{wrapper}" "$@"\n')
+    python.chmod(0o755)
+    env = {"PAUSE_SAVE_PROCESS": str(process), "PAUSE_SAVE_STEP": str(step), "PAUSE_SAVE_MARKER": marker,
+           "LIBRARIAN_JAX_HUGE_PAGES": "0"}
+    return str(python), env, marker
 
 
 def _child_with_process_id(launcher: subprocess.Popen, process_id: int) -> int:
@@ -251,11 +265,13 @@ def _child_with_process_id(launcher: subprocess.Popen, process_id: int) -> int:
 def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_process(tmp_path):
     """The suite's version of the test above (3 launches sharing one compilation cache, shorter budgets,
     group 2, FAST_STEPS = 2 steps): a 2-process run started by `launch/gpu_multinode.sh --local=2`; process 1
-    killed in step 2, after step 1 committed, and the launcher stops process 0; restarted through the
-    launcher, the run resumes from step 1 and reaches step 2 with a 1-process 8-device run's episodes (every
-    step) and params (within TOL), which the 2 updates moved far more than TOL. Not here: an uninterrupted
-    2-process run (the opt-in test above), and process 0 stopping on its own through the heartbeat
-    (`test_a_dead_process_stops_the_others_naming_it`).
+    killed (SIGKILL) while checkpoint step 2 is being written (its shards of the step on disk, the step not
+    committed: tests/pause_save.py holds its save there), and the launcher stops process 0; restarted through
+    the launcher, both processes set the torn step aside, resume from step 1 (its every shard verified) and
+    reach step 2 with a 1-process 8-device run's episodes (every step, bit for bit) and params (within TOL:
+    the order of the gradient all-reduce differs from one launch to the next), which the 2 updates moved far
+    more than TOL. Not here: an uninterrupted 2-process run (the opt-in test above), and process 0 stopping on
+    its own through the heartbeat (`test_a_dead_process_stops_the_others_naming_it`).
 
     On the restart both processes read their programs from the shared cache: process 1's process-local
     (engine) programs have keys of their own (their device assignment), which JAX alone would never write
@@ -265,12 +281,16 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
     run, single = str(tmp_path / "two"), str(tmp_path / "one")
     env = _env(cache, 4)
     log = str(tmp_path / "kill.log")
-    launcher = _launch_local(run, env, log)
+    python, hold, marker = _holding_python(tmp_path, process=1, step=FAST_STEPS)
+    launcher = _launch_local(run, {**env, **hold}, log, python)
     deadline = time.time() + 600
-    while 1 not in _committed(run):
+    while not os.path.exists(marker):
         assert time.time() < deadline and launcher.poll() is None, open(log).read()[-3000:]
         time.sleep(0.3)
-    assert 2 not in _committed(run)
+    # mid-save: process 1's shards of step 2 are in the step's tmp directory, the step is not committed
+    torn = glob.glob(os.path.join(run, "checkpoints", f"{FAST_STEPS}.orbax-checkpoint-tmp*", "*",
+                                  "ocdbt.process_1", "d", "*"))
+    assert torn and _committed(run) == [1], (torn, _committed(run))
     os.kill(_child_with_process_id(launcher, 1), signal.SIGKILL)
     assert launcher.wait(timeout=120) != 0
     with open(log) as f:
@@ -284,6 +304,10 @@ def test_two_processes_via_the_launcher_resume_after_a_kill_and_match_one_proces
         text = f.read()
     assert "resumed from step 1" in text and text.count(f"step {FAST_STEPS}/{FAST_STEPS} |") == 1, \
         text[-3000:]
+    # each process moved the torn step aside and verified step 1's shards: nothing was damaged
+    assert text.count(f"checkpoints/{FAST_STEPS}.orbax-checkpoint-tmp") >= 1 and "is incomplete" in text, \
+        text[-3000:]
+    assert "is damaged" not in text and f"{run}/checkpoints/1 has no array digests" not in text, text[-3000:]
     assert _committed(run)[-1] == FAST_STEPS
     # each process read the first launch's programs back, process 1's own engine programs included: it
     # compiles no more than process 0 does (only what step 2 meets for the first time). Before
