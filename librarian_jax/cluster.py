@@ -50,6 +50,7 @@ from librarian_jax.config_schema import (
 )
 from librarian_jax.engine import Engine
 from librarian_jax.engine import make_mesh as engine_make_mesh
+from librarian_jax.rl import train_step
 from librarian_jax.tokenizers import ChatTemplate, chat_template, detect_style, load_tokenizer
 
 PROTOCOL_FILE = "protocol.json"
@@ -62,7 +63,7 @@ PROTOCOL_FIELDS = ("weights", "architecture", "dtype", "template", "thinking", "
 # ------------------------------------------------------------------------------------------- meshes
 
 
-def _mesh_over(mesh: MeshSection, devices: list[Any], what: str) -> Any:
+def mesh_over(mesh: MeshSection, devices: list[Any], what: str) -> Any:
     """The `mesh` section's shape over `devices`."""
     require_typed(mesh, MeshSection, what)
     shape = config_validation.validate_mesh(mesh.shape, len(devices))
@@ -71,13 +72,13 @@ def _mesh_over(mesh: MeshSection, devices: list[Any], what: str) -> Any:
 
 def run_mesh(mesh: MeshSection) -> Any:
     """A config's `mesh` section over every device of every process: the trainer's mesh."""
-    return _mesh_over(mesh, jax.devices(), "cluster.run_mesh")
+    return mesh_over(mesh, jax.devices(), "cluster.run_mesh")
 
 
 def local_mesh(mesh: MeshSection) -> Any:
     """A config's `mesh` section over this process's devices (evaluation and `build`, whose engines are
     process-local and have no trainer): the same as `run_mesh` in a single-process run."""
-    return _mesh_over(mesh, jax.local_devices(), "cluster.local_mesh")
+    return mesh_over(mesh, jax.local_devices(), "cluster.local_mesh")
 
 
 def engine_mesh(mesh: Any) -> Any:
@@ -101,17 +102,40 @@ def policy_weights(config: RunConfig) -> str:
 
 
 def _check_vocab(model: Any, tokenizer: Any, key: str, what: str) -> None:
+    if tokenizer is None:  # an abstract cluster (a plan): no tokenizer is read
+        return
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(f"config.{key}: {what} has vocab_size {model.config.vocab_size}, smaller than the "
                           f"tokenizer's {tokenizer.vocab_size} (every role reads the builder's tokenizer)")
 
 
-def initial_model(config: RunConfig, mesh: Any, tokenizer: Any) -> Any:
+def model_config(init: str, preset: str, path: str, dtype: str) -> models.ModelConfig:
+    """A role's architecture without its weights: a Hugging Face folder's `config.json` (init "hf", when
+    the folder has one), else the preset's, in `dtype` when set."""
+    if init == "hf" and path and storage.isfile(storage.join(path, "config.json")):
+        return models.hf_io.read_config(path, dtype or "bfloat16")
+    return models.get_preset(preset, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
+
+
+def abstract_model(config: models.ModelConfig, lora: tuple[int, float, str] | None = None) -> Any:
+    """A `Transformer` of `config` whose arrays are shapes (`nnx.eval_shape`: nothing allocated), LoRA
+    wrapped (rank, alpha, module path) when `lora` is given: what an abstract cluster's engines and trainer
+    are built from (a plan for a topology, `planning.plan`)."""
+    def make() -> Any:
+        model = models.Transformer(config, rngs=nnx.Rngs(0))
+        return train_step.apply_lora(model, *lora) if lora else model
+
+    return nnx.eval_shape(make)
+
+
+def initial_model(config: RunConfig, mesh: Any, tokenizer: Any, *, abstract: bool = False) -> Any:
     """The policy's initial weights: random (seeded by `config.seed`), Hugging Face safetensors, or an Orbax
-    checkpoint."""
+    checkpoint; with `abstract`, their shapes only (`abstract_model`: no file but `config.json` is read)."""
     require_typed(config, RUN_SCHEMAS, "cluster.initial_model")
     m = config.model
     overrides = {"dtype": m.dtype, "param_dtype": m.dtype} if m.dtype else {}
+    if abstract:
+        return abstract_model(model_config(m.init, m.preset, m.path, m.dtype))
     if m.init == "hf":
         model = models.load_hf(m.path, dtype=m.dtype or "bfloat16", mesh=mesh)
     else:
@@ -122,10 +146,14 @@ def initial_model(config: RunConfig, mesh: Any, tokenizer: Any) -> Any:
     return model
 
 
-def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, tokenizer: Any) -> Any:
-    """The weights of one frozen role (`d` from `config_validation.resolve_roles`)."""
+def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, tokenizer: Any, *,
+               abstract: bool = False) -> Any:
+    """The weights of one frozen role (`d` from `config_validation.resolve_roles`); with `abstract`, their
+    shapes only."""
     if d["init"] == "policy":
         return base
+    if abstract:
+        return abstract_model(model_config(d["init"], d["preset"], d["path"], d["dtype"]))
     if d["init"] == "hf":
         model = models.load_hf(d["path"], dtype=d["dtype"] or "bfloat16", mesh=mesh)
     else:
@@ -141,24 +169,32 @@ def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, to
 def _role_mesh(spec: str, role: str, default: Any) -> Any:
     if not spec:
         return default
-    # engines are process-local: a role's mesh covers (some of) this process's devices
+    # engines are process-local: a role's mesh covers (some of) this process's devices (the devices of
+    # `default`, the engines' mesh: this process's, or an abstract cluster's first host's)
+    devices = jax.local_devices() if default is None else sorted(default.devices.flat, key=lambda d: d.id)
     shape = config_validation.validate_mesh(config_validation.parse_mesh_spec(spec, f"roles.{role}.mesh"),
-                                            jax.local_device_count())
-    return engine_make_mesh(shape, devices=jax.local_devices()[: int(np.prod(list(shape.values())))])
+                                            len(devices))
+    return engine_make_mesh(shape, devices=devices[: int(np.prod(list(shape.values())))])
 
 
-def build_role_engines(config: RunConfig, mesh: Any, base: Any, tokenizer: Any,
-                       roles: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """One Engine per distinct (weights, mesh) of the frozen roles: roles naming the same weights share one
-    engine and one copy of the weights (slots and max_seq_len: the largest any of its roles asks for)."""
-    require_typed(config, RUN_SCHEMAS, "cluster.build_role_engines")
+def engine_groups(roles: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    """The frozen roles grouped by engine: roles naming the same weights and mesh share one."""
     groups: dict[tuple[str, str], list[str]] = {}
     for role, d in roles.items():
         groups.setdefault((d["weights"], d["mesh"]), []).append(role)
+    return list(groups.values())
+
+
+def build_role_engines(config: RunConfig, mesh: Any, base: Any, tokenizer: Any,
+                       roles: Mapping[str, Mapping[str, Any]], *, abstract: bool = False) -> dict[str, Any]:
+    """One Engine per distinct (weights, mesh) of the frozen roles: roles naming the same weights share one
+    engine and one copy of the weights (slots and max_seq_len: the largest any of its roles asks for). With
+    `abstract` the engines are built from the roles' shapes (`Engine` on an abstract model: a plan)."""
+    require_typed(config, RUN_SCHEMAS, "cluster.build_role_engines")
     out: dict[str, Any] = {}
-    for (_, mesh_spec), members in groups.items():
-        role_mesh = _role_mesh(mesh_spec, members[0], mesh)
-        model = role_model(config, roles[members[0]], role_mesh, base, tokenizer)
+    for members in engine_groups(roles):
+        role_mesh = _role_mesh(roles[members[0]]["mesh"], members[0], mesh)
+        model = role_model(config, roles[members[0]], role_mesh, base, tokenizer, abstract=abstract)
         engine = Engine(model, max(roles[x]["slots"] for x in members),
                         max(roles[x]["max_seq_len"] for x in members), role_mesh,
                         round_steps=config.rollout.round_steps, scan_layers=config.rollout.scan_layers)
@@ -457,21 +493,26 @@ class Cluster:
 
     def protocol(self) -> dict[str, dict[str, Any]]:
         return protocol(self.config, roles=self.roles, builder_weights=self.builder_weights,
-                        templates=self.templates, policy_engine=self.policy_sizes)
+                        templates=self.templates or None, policy_engine=self.policy_sizes)
 
     def write_protocol(self, path: str) -> str:
         return write_protocol(path, self.protocol())
 
-    def programs_ahead(self, rollout: Any) -> list[tuple[str, Any]]:
-        """`(name, compile)` pairs of every program of the engines the roles of `rollout` (a
-        `rollout.RolloutConfig`) decode with (`roles_on_engines`): each distinct engine once, named by its
-        roles (`Engine.programs_ahead`). What a run compiles ahead of time."""
+    def engines_in_use(self, rollout: Any) -> list[tuple[Any, list[str]]]:
+        """(engine, its roles) for each distinct engine the roles of `rollout` (a `rollout.RolloutConfig`)
+        decode with (`roles_on_engines`), in role order."""
         used = roles_on_engines(rollout)
         by_engine: dict[int, tuple[Any, list[str]]] = {}
         for role, engine in self.engines.items():
             if role in used:
                 by_engine.setdefault(id(engine), (engine, []))[1].append(role)
-        return [(f"{'+'.join(roles)} {name}", job) for engine, roles in by_engine.values()
+        return list(by_engine.values())
+
+    def programs_ahead(self, rollout: Any) -> list[tuple[str, Any]]:
+        """`(name, lower)` pairs of every program of the engines the roles of `rollout` decode with
+        (`engines_in_use`): each distinct engine once, named by its roles (`Engine.programs_ahead`). What a
+        run compiles ahead of time, and what a plan compiles for its topology."""
+        return [(f"{'+'.join(roles)} {name}", job) for engine, roles in self.engines_in_use(rollout)
                 for name, job in engine.programs_ahead()]
 
 
@@ -493,12 +534,16 @@ def roles_on_engines(rollout: Any) -> set[str]:
 
 def build_cluster(config: RunConfig, tokenizer: Any, *, engine_mesh: Any, base: Any, policy: Any,
                   builder_weights: str | None = None, policy_slots: int = 0, policy_max_seq_len: int = 0,
-                  roles: Mapping[str, Mapping[str, Any]] | None = None, localizer: Any = None) -> Cluster:
+                  roles: Mapping[str, Mapping[str, Any]] | None = None, localizer: Any = None,
+                  abstract: bool = False) -> Cluster:
     """The cluster of `config` (validated): the builder's engine on `policy`, one engine per distinct frozen
     weights (`build_role_engines`, init "policy" serving from `base`), every role's template.
 
     `policy_slots` / `policy_max_seq_len` (0: `rollout.policy_slots` / `rollout.max_seq_len`) size the
-    builder's engine (evaluation may ask for others); `roles` defaults to `resolve_roles(config)`."""
+    builder's engine (evaluation may ask for others); `roles` defaults to `resolve_roles(config)`. With
+    `abstract` (a plan: `base` and `policy` from `abstract_model`, `engine_mesh` over a topology's devices,
+    no tokenizer) every engine is built from shapes and no template is made: its `programs_ahead` compile
+    for that topology, nothing else runs."""
     require_typed(config, RUN_SCHEMAS, "cluster.build_cluster")
     roles = {k: dict(v) for k, v in (roles or config_validation.resolve_roles(config)).items()}
     r = config.rollout
@@ -506,9 +551,9 @@ def build_cluster(config: RunConfig, tokenizer: Any, *, engine_mesh: Any, base: 
              "max_seq_len": int(policy_max_seq_len or r.max_seq_len)}
     engines = {POLICY: Engine(policy, sizes["slots"], sizes["max_seq_len"], engine_mesh,
                               round_steps=r.round_steps, scan_layers=r.scan_layers)}
-    engines.update(build_role_engines(config, engine_mesh, base, tokenizer, roles))
+    engines.update(build_role_engines(config, engine_mesh, base, tokenizer, roles, abstract=abstract))
     engines[FROZEN] = engines[ANSWERER]
-    templates = role_templates(config, tokenizer, roles)
+    templates = {} if abstract else role_templates(config, tokenizer, roles)
     cluster = Cluster(config, tokenizer, roles, engines, templates, base,
                       builder_weights or policy_weights(config), sizes, localizer, policy)
     logging.info("protocol:\n%s", protocol_table(cluster.protocol()))

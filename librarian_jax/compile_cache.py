@@ -289,7 +289,8 @@ def ahead_threads() -> int:
 
 
 class Ahead:
-    """Compiles `jobs` ((name, compile) pairs, e.g. `Engine.programs_ahead`) on `threads` worker threads, in
+    """Compiles `jobs` ((name, job) pairs, e.g. `Engine.programs_ahead`: a job lowers its program, or
+    compiles it itself) on `threads` worker threads, in
     the background: the caller goes on, and a program it calls while a worker compiles it waits for that
     compile instead of compiling it twice (JAX's caches). XLA compiles with the GIL released.
 
@@ -325,7 +326,9 @@ class Ahead:
     def _one(self, job: tuple[str, Any]) -> str | None:
         name, fn = job
         try:
-            fn()
+            out = fn()
+            if isinstance(out, jax.stages.Lowered):  # `programs_ahead` jobs lower; compiling is here
+                out.compile()
         except Exception as e:  # noqa: BLE001 - reported; the run compiles it itself when it calls it
             logging.warning("compiling ahead %s failed: %s: %s", name, type(e).__name__, e)
             return name

@@ -16,6 +16,7 @@ are in `config_validation`; file-system checks of a section's own paths are here
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import typing
@@ -53,6 +54,17 @@ RETRIEVAL_INSTRUCTION = "Given a question, retrieve passages of the documents th
 EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
 ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps",
                        "scan_layers", "compile_ahead")
+
+
+# While a command's config with a `topology` is parsed (a plan: shapes only, `planning.plan`), neither weights
+# nor data need exist: `model.path`, `roles.<role>.path` and `data.path` may be empty (a given model path's
+# config.json is read).
+_PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("librarian_jax_planning", default=False)
+
+
+def planning() -> bool:
+    """Whether the config being parsed or validated is a plan's (`topology` set): no weights are read."""
+    return _PLANNING.get()
 
 
 class ConfigError(ValueError):
@@ -135,8 +147,13 @@ class Section:
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ConfigError(f"config{'.' + key if key else ''}: unknown keys {unknown}; known: {names}")
-        out = cls(**cls.parse_fields(d, names, key))
-        out.check(key)
+        token = _PLANNING.set(True) if not key and d.get("topology") else None
+        try:
+            out = cls(**cls.parse_fields(d, names, key))
+            out.check(key)
+        finally:
+            if token is not None:
+                _PLANNING.reset(token)
         return out
 
     @classmethod
@@ -190,7 +207,7 @@ class ModelSection(Section):
     template: str = spec("", choices=("", *CHAT_STYLES))  # the builder's chat template; "" = as for a role
 
     def check(self, key: str) -> None:
-        if self.init in ("hf", "orbax"):
+        if self.init in ("hf", "orbax") and not planning():
             if not self.path:
                 what = "Hugging Face safetensors folder" if self.init == "hf" else "Orbax checkpoint"
                 raise config_error(f"{key}.path", f"required when model.init={self.init!r} (a {what})")
@@ -246,7 +263,7 @@ class DataSection(Section):
             raise config_error(f"{key}.update_fraction", "update tasks regenerate questions from the changed "
                                "corpus: only data.source='synthetic' has them")
         if self.source == "file":
-            if not self.path:
+            if not self.path and not planning():  # a plan reads no data
                 raise config_error(f"{key}.path", "required when data.source='file' (a tasks file or folder)")
             _existing_path(self.path, f"{key}.path")
         else:
@@ -611,6 +628,43 @@ class DemosSection(Section):
             _check_value(float, share, f"{key}.mix.{style}", {"lo": 0.0})
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanWorkloadSection(Section):
+    """The workload one projected GRPO step is made of (`planning.plan.project`), per episode unless said.
+    Defaults: the paper's reported figures where it reports them (`../shared/reference/`: 178,926 builder
+    tokens a corpus, prompts re-sent each turn; 9,346 tokens an answerer read a query; <= 4 probes of 4
+    answers), assumptions where it does not (new tokens a turn, executor calls, rows); 0 = the run's own
+    setting (tasks a batch, group size, builder turns, probe repeats); -1 probes = `rollout.max_probes`."""
+
+    tasks_per_step: int = spec(0, lo=0)  # 0 = data.tasks_per_batch
+    group_size: int = spec(0, lo=0)  # 0 = rollout.group_size
+    builder_turns: int = spec(0, lo=0)  # 0 = rollout.builder.max_turns
+    builder_new_tokens_per_turn: int = spec(512, lo=1)  # assumed: the paper reports no output length
+    builder_prefill_tokens: int = spec(178_926, lo=0)  # the paper's construction tokens a corpus
+    probes_per_episode: int = spec(-1, lo=-1)  # -1 = rollout.max_probes (the terminal answers added)
+    answer_repeats: int = spec(0, lo=0)  # 0 = rollout.probe_repeats
+    answerer_read_tokens: int = spec(9_346, lo=0)  # the paper's RL-builder answer tokens a query
+    answerer_new_tokens: int = spec(1_024, lo=1)  # assumed: ~27 actions a query (26.9 files read) + answer
+    executor_calls_per_episode: int = spec(16, lo=0)  # assumed: half the turns create or merge
+    executor_prompt_tokens: int = spec(4_000, lo=0)  # <= 16,000 characters of sources a call
+    executor_new_tokens: int = spec(512, lo=1)  # the authors' executor cap
+    rows_per_episode: int = spec(2, lo=1)  # assumed: one compaction a build (a row per segment)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSection(Section):
+    """`--dry_run --compile` with `topology` (`planning.plan`): which programs to compile and the step's
+    workload."""
+
+    roles: str = spec("")  # comma-separated: builder, answerer, executor, compaction, judge, trainer, sft
+    # "" = every program; "largest" = each engine's largest prefill, decode and copy and each trainer's
+    # longest bucket and optimizer (what sets the peak); else comma-separated name patterns ("decode,update")
+    programs: str = spec("")
+    threads: int = spec(0, lo=0)  # compile threads; 0 = the host's cores
+    require_fit: bool = spec(False)  # exit 2 (one line) when the plan does not fit or a program fails
+    workload: PlanWorkloadSection = _section(PlanWorkloadSection)
+
+
 # ------------------------------------------------------------------------------------------- commands
 
 
@@ -642,6 +696,10 @@ class GRPOConfig(Section):
     roles: RolesSection = _section(RolesSection)
     mesh: MeshSection = _section(MeshSection)
     checkpoint: CheckpointSection = _section(CheckpointSection)
+    # an accelerator type (v5p-8, v5p-128, v6e-64, v5litepod-256, v4-32, tpu7x-16) or topology (v5p:2x2x1):
+    # with --dry_run --compile, the plan for that slice (planning.plan) instead of compiling for this host
+    topology: str = spec("")
+    plan: PlanSection = _section(PlanSection)
 
     def check(self, key: str) -> None:
         if self.seeds:
@@ -684,6 +742,10 @@ class SFTConfig(Section):
     mesh: MeshSection = _section(MeshSection)
     checkpoint: CheckpointSection = _section(CheckpointSection)
     demos: DemosSection = _section(DemosSection)
+    # an accelerator type (v5p-8, v5p-128, v6e-64, v5litepod-256, v4-32, tpu7x-16) or topology (v5p:2x2x1):
+    # with --dry_run --compile, the plan for that slice (planning.plan) instead of compiling for this host
+    topology: str = spec("")
+    plan: PlanSection = _section(PlanSection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -883,6 +945,10 @@ class EvalConfig(Section):
     engine: EngineSizesSection = _section(EngineSizesSection)
     roles: EvalRolesSection = _section(EvalRolesSection)  # explicit overrides of the run's roles
     mesh: MeshSection = _section(MeshSection)
+    # an accelerator type (v5p-8, v5p-128, v6e-64, v5litepod-256, v4-32, tpu7x-16) or topology (v5p:2x2x1):
+    # with --dry_run --compile, the plan for that slice (planning.plan) instead of compiling for this host
+    topology: str = spec("")
+    plan: PlanSection = _section(PlanSection)
 
     def check(self, key: str) -> None:
         if not parse_methods(self.methods, "methods"):
@@ -916,6 +982,10 @@ class BuildConfig(Section):
     data: BuildDataSection = _section(BuildDataSection)
     engine: EngineSizesSection = _section(EngineSizesSection)
     mesh: MeshSection = _section(MeshSection)
+    # an accelerator type (v5p-8, v5p-128, v6e-64, v5litepod-256, v4-32, tpu7x-16) or topology (v5p:2x2x1):
+    # with --dry_run --compile, the plan for that slice (planning.plan) instead of compiling for this host
+    topology: str = spec("")
+    plan: PlanSection = _section(PlanSection)
 
 
 # config.command -> its schema (main dispatches on the same names)

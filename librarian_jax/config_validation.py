@@ -32,6 +32,7 @@ from librarian_jax.config_schema import (
     validate_mesh,
 )
 from librarian_jax.models import PRESETS as MODEL_PRESETS
+from librarian_jax.planning import topology
 
 __all__ = ["ConfigError", "parse_mesh_spec", "resolve_roles", "validate", "validate_common", "validate_mesh",
            "validate_roles"]
@@ -42,7 +43,7 @@ def validate(config: Any, num_devices: int | None = None) -> GRPOConfig:
     """Checks every key the GRPO command reads; returns the typed config. Raises ConfigError naming the
     first bad key."""
     parsed = GRPOConfig.parse(config)
-    num_devices = jax.device_count() if num_devices is None else num_devices
+    num_devices = plan_devices(parsed, num_devices)
     validate_mesh(parsed.mesh.shape, num_devices)
     validate_roles(parsed, num_devices)
     if parsed.warm_start.enabled:
@@ -52,6 +53,17 @@ def validate(config: Any, num_devices: int | None = None) -> GRPOConfig:
             raise _err("warm_start.sft_preset", f"must be one of {sorted(sft_configs.PRESETS)}, "
                        f"got {parsed.warm_start.sft_preset!r}")
     return parsed
+
+
+def plan_devices(parsed: Any, num_devices: int | None = None) -> int:
+    """The devices `parsed`'s mesh must cover: its `topology`'s (a plan: `planning.topology`; a topology
+    that does not resolve is a ConfigError naming it), else `num_devices`, else this host's."""
+    if getattr(parsed, "topology", ""):
+        try:
+            return len(topology.parse(parsed.topology).devices())
+        except topology.TopologyError as e:
+            raise _err("topology", str(e)) from None
+    return jax.device_count() if num_devices is None else num_devices
 
 
 # the sections every command that builds a model shares (SFT's data section adds `packing`)
@@ -130,7 +142,7 @@ def validate_roles(config: RunConfig, num_devices: int | None = None) -> dict[st
         k = f"roles.{role}"
         if d["init"] not in ROLE_INITS:
             raise _err(f"{k}.init", f"must be one of {list(ROLE_INITS)}, got {d['init']!r}")
-        if d["init"] in ("hf", "orbax"):
+        if d["init"] in ("hf", "orbax") and not config.topology:  # a plan reads no weights
             if not d["path"]:
                 raise _err(f"{k}.path", f"required when {k}.init={d['init']!r}")
             if not os.path.exists(d["path"]):

@@ -2,6 +2,8 @@
 
     python -m librarian_jax.main --config=configs/grpo.py [--config.train.num_steps=N --config.workdir=DIR]
     python -m librarian_jax.main --config=configs/grpo.py:qwen3_5_4b --config.model.path=... --dry_run
+    python -m librarian_jax.main --config=configs/grpo.py:qwen3_5_4b --dry_run --compile \\
+        --config.topology=v5p-64
     python -m librarian_jax.main --config=configs/sft.py | configs/eval.py | configs/build.py
 
 `config.command` picks the command: "train" (`training.train_command`, GRPO), "sft"
@@ -34,8 +36,10 @@ from librarian_jax.rl.train_step import NonFiniteUpdates  # noqa: E402
 if "config" not in flags.FLAGS:
     config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/grpo.py[:preset].")
     flags.DEFINE_bool("dry_run", False, "Validate the config, say what would run, and exit.")
-    flags.DEFINE_bool("compile", False, "With --dry_run (GRPO): also build the run and compile its engines' "
-                      "programs into the persistent compilation cache, then exit (warms a cache).")
+    flags.DEFINE_bool("compile", False, "With --dry_run: compile the run's programs, then exit. With "
+                      "--config.topology=ACCEL (train, eval, build): the plan for that TPU slice, from "
+                      "shapes (WORKDIR/plan.json); without it (train): its engines' programs for this "
+                      "host, into the persistent compilation cache (warms a cache).")
 compile_cache.define_flag()
 
 
@@ -89,9 +93,9 @@ def main(argv: list[str]) -> None:
         config_schema.schema_for(config).parse(config)
         extra = {}
         if flags.FLAGS.compile:
-            if command != "train" or not flags.FLAGS.dry_run:
+            if command == "sft" or not flags.FLAGS.dry_run:
                 raise config_validation.ConfigError(
-                    "--compile: only with --dry_run, for the train command (configs/grpo.py); a run "
+                    "--compile: only with --dry_run, for the train, eval and build commands; a run "
                     "compiles its engines' programs ahead itself (rollout.compile_ahead)")
             extra["compile_programs"] = True
         _command(command)(config, dry_run=flags.FLAGS.dry_run, **extra)

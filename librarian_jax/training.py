@@ -612,6 +612,11 @@ def train_command(config: Any, dry_run: bool = False, compile_programs: bool = F
     settings = config_validation.validate(config)
     if dry_run:
         print(describe(settings))  # noqa: T201 - the CLI's answer
+        if compile_programs and settings.topology:  # the plan for a slice, from shapes (planning.plan)
+            from librarian_jax.planning import plan as plan_lib
+
+            plan_lib.run(settings, settings, storage.abspath(settings.workdir), mode="train")
+            return
         if compile_programs:
             before = compile_cache.CompileClock.get().totals()
             report = compile_ahead(settings)

@@ -17,7 +17,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "librarian_jax"
 # world, grain pipelines), `compile_cache` (JAX's persistent cache switch) and `storage` (local or gs://
 # paths) import nothing above them, so every layer may read them.
 LAYERS: list[tuple[str, ...]] = [
-    ("segment", "data", "compile_cache", "storage", "xla_flags", "host_memory", "text_memo"),
+    ("segment", "data", "compile_cache", "storage", "xla_flags", "host_memory", "text_memo",
+     "planning.topology"),
     ("models",),
     ("tokenizers",),
     ("engine",),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
      "cli_flags"),
     ("cluster",),
     ("warm_start",),
-    ("eval", "serve", "training", "bench"),
+    ("eval", "serve", "training", "bench", "planning"),
     ("main",),
     ("",),
 ]
@@ -46,6 +47,9 @@ FUNCTION_LEVEL: dict[tuple[str, str], str] = {
     ("main", "training"): _CLI,
     ("main", "warm_start.sft"): _CLI,
     ("main", "eval.cli"): _CLI,
+    # `--dry_run --compile --config.topology`: the plan (it imports training and the warm start itself)
+    ("training", "planning.plan"): "a plan's modules load only when a plan is asked for (--config.topology)",
+    ("eval.cli", "planning.plan"): "a plan's modules load only when a plan is asked for (--config.topology)",
 }
 
 

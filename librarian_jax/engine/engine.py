@@ -38,7 +38,10 @@ from librarian_jax.engine.session import Request, Session, TurnResult
 from librarian_jax.models.cache import live_len, live_lens, stack_cache
 from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import (
+    bytes_per_device,
+    is_abstract,
     normalize_rules,
+    place,
     stacked_sharding,
     state_shardings,
     tree_shardings,
@@ -226,7 +229,10 @@ class Engine:
             if bind_mesh(model, self.mesh, self.rules):
                 self.graphdef, state = nnx.split(model)
         self._param_shardings = state_shardings(state, self.mesh, self.rules)
-        self.params = jax.device_put(state, self._param_shardings)
+        # an abstract model (`nnx.eval_shape`, a plan for a topology): every array below is a shape laid out
+        # as a real engine lays it out, nothing is allocated, and only `programs_ahead` may be called
+        self.abstract = is_abstract(state)
+        self.params = place(state, self._param_shardings)
 
         if not isinstance(scan_layers, bool):
             raise ValueError(f"Engine: scan_layers must be a bool, got {scan_layers!r}")
@@ -248,7 +254,9 @@ class Engine:
                          for k in range(self._plan.period)]
             self._stacker = _layer_stacker(self.graphdef, self._plan, tuple(jax.tree.leaves(shardings)),
                                            jax.tree.structure(abstract_stack))
-            self._stacked = self._stacker(self.params)
+            self._stacked = place(abstract_stack, jax.tree.unflatten(
+                jax.tree.structure(abstract_stack), jax.tree.leaves(shardings))) if self.abstract else \
+                self._stacker(self.params)
 
         make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype)
         abstract = jax.eval_shape(make)
@@ -258,10 +266,13 @@ class Engine:
             abstract = jax.eval_shape(functools.partial(make, plan=self._plan))
         self._cache_sharding = tuple(jax.tree.leaves(shardings))
         self._cache_treedef = jax.tree.structure(abstract)
-        self.cache = _cache_allocator(
-            config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
-            self._plan,
-        )()
+        if self.abstract:
+            self.cache = place(abstract, jax.tree.unflatten(self._cache_treedef, self._cache_sharding))
+        else:
+            self.cache = _cache_allocator(
+                config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
+                self._plan,
+            )()
         # what `programs_ahead` lowers with
         self._cache_spec = jax.tree.map(compile_cache.abstract, self.cache)
 
@@ -366,6 +377,8 @@ class Engine:
 
     def step(self) -> list[TurnResult]:
         """Admits waiting turns, prefills them, runs one decode round; returns the turns that finished."""
+        if self.abstract:
+            raise RuntimeError("Engine.step: an abstract engine (built from shapes, for a plan) runs nothing")
         t0 = time.perf_counter()
         st = StepStats(host_s=(t0 - self._last_end) if self._last_end is not None else 0.0)
         self._admit(st)
@@ -462,9 +475,18 @@ class Engine:
             out.append((f"decode[{n}, attend {at}]", p.decode, self._idle_decode_args(), kw))
         return out
 
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes one device of the engine's mesh holds while the engine lives: ``weights`` (its params, plus
+        the stacked copy of the scanned layers' when scanning) and ``cache`` (every slot's K/V and recurrent
+        state), from the arrays' shardings (exact, no compile; an abstract engine's too)."""
+        weights = bytes_per_device(self.params) + (bytes_per_device(self._stacked) if self._stacked else 0)
+        return {"weights": weights, "cache": bytes_per_device(self.cache)}
+
     def warmup(self) -> float:
         """Compiles every prefill program (each chunk bucket x slot-count bucket) and the decode round, with
         inputs that change nothing (padding rows only, no active slot). Returns the seconds it took."""
+        if self.abstract:
+            raise RuntimeError("Engine.warmup: an abstract engine runs nothing (use programs_ahead)")
         t = time.perf_counter()
         for _, fn, args, kw in self._program_calls():
             if fn is self._programs.decode:
@@ -475,11 +497,12 @@ class Engine:
         return time.perf_counter() - t
 
     def programs_ahead(self) -> list[tuple[str, Callable[[], Any]]]:
-        """Every program this engine can run, as ``(name, compile)`` pairs: ``compile()`` lowers and compiles
-        that program for the engine's shapes from abstract arguments (``jax.ShapeDtypeStruct``s with the
-        params' and cache's shardings), so nothing runs and no buffer is touched: another thread may use the
-        engine meanwhile. Once compiled, the engine's own call of the program compiles nothing (JAX's
-        in-memory caches), and the persistent compilation cache keeps it for later processes.
+        """Every program this engine can run, as ``(name, lower)`` pairs: ``lower()`` lowers that program for
+        the engine's shapes from abstract arguments (``jax.ShapeDtypeStruct``s with the params' and cache's
+        shardings; ``compile_cache.Ahead`` then compiles it), so nothing runs and no buffer is touched:
+        another thread may use the engine meanwhile. Once compiled, the engine's own call of the program
+        compiles nothing (JAX's in-memory caches), and the persistent compilation cache keeps it for later
+        processes.
 
         The set: the prefill and decode programs ``warmup`` runs (``_program_calls``), and the slot-copy
         program of prefix sharing at each slot-count bucket."""
@@ -487,7 +510,7 @@ class Engine:
         cache = self._cache_spec
 
         def job(fn: Any, *args: Any, **kw: Any) -> Callable[[], Any]:
-            return lambda: fn.lower(*args, **kw).compile()
+            return lambda: fn.lower(*args, **kw)
 
         out = [(name, job(fn, params, cache, *args, **kw)) for name, fn, args, kw in self._program_calls()]
         if self.share_prefix >= 1:

@@ -136,6 +136,7 @@ def _no_run_config(c: EvalConfig) -> GRPOConfig:
     except ValueError as e:
         raise _err("train_preset", str(e)) from None
     cfg.model.update(init="hf", path=c.builder[3:], lora_rank=0)
+    cfg.topology = c.topology  # a plan reads no weights (`config_schema.planning`)
     try:
         return GRPOConfig.parse(cfg)
     except ConfigError as e:
@@ -319,6 +320,34 @@ def protocol_config(run_cfg: RunConfig, eval_cfg: EvalConfig) -> tuple[RunConfig
     return cfg, asked
 
 
+def policy_engine_sizes(eval_cfg: Any, config: RunConfig) -> dict[str, int]:
+    """The builder engine's `slots` and `max_seq_len` of an evaluation (its `engine` section, 0 = the
+    run's `rollout` sizes)."""
+    e, r = eval_cfg.engine, config.rollout
+    return {"slots": int(e.policy_slots or r.policy_slots),
+            "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
+
+
+def plan_topology(c: EvalConfig, mode: str) -> dict[str, Any]:
+    """`--dry_run --compile --config.topology=ACCEL` of an evaluation or a build (`c`: its eval keys): the
+    plan of its engines (the run's protocol with this evaluation's overrides, `protocol_config`, the
+    builder's engine at `policy_engine_sizes`) for that slice, written to the report folder's plan.json
+    (`out`, else `<run>/eval/<name>`). No weights, tasks or checkpoints are read (the run's config.json is;
+    without a run, `train_preset` with `builder=hf:` shapes)."""
+    from librarian_jax.planning import plan as plan_lib
+
+    if c.run:
+        run_dir = storage.abspath(c.run)
+        run_cfg = restore.load_run_config(run_dir)
+    else:
+        run_dir, run_cfg = "", _no_run_config(c)
+    out_dir = c.out or (storage.join(run_dir, "eval", c.name) if run_dir else "")
+    if not out_dir:
+        raise _err("out", "required without config.run (the folder plan.json goes to)")
+    cfg, _ = protocol_config(run_cfg, c)
+    return plan_lib.run(c, cfg, out_dir, mode=mode, eval_sizes=policy_engine_sizes(c, cfg))
+
+
 class Models:
     """The cluster of one evaluation: the training run's protocol rebuilt from its recorded config (every
     frozen role's weights, engine, template, context and sampling: `cluster.build_role_engines`,
@@ -328,9 +357,7 @@ class Models:
     def __init__(self, run_cfg: RunConfig, eval_cfg: EvalConfig, mesh: Any, tokenizer: Any):
         self.run_cfg, self.mesh, self.tokenizer = run_cfg, mesh, tokenizer
         self.config, self.overrides = protocol_config(run_cfg, eval_cfg)
-        e, r = eval_cfg.engine, self.config.rollout
-        self.sizes = {"slots": int(e.policy_slots or r.policy_slots),
-                      "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
+        self.sizes = policy_engine_sizes(eval_cfg, self.config)
         self.roles = config_validation.resolve_roles(self.config)
         self.templates = cluster.role_templates(self.config, tokenizer, self.roles)
         self.base = placed_copy(restore.base_model(run_cfg, mesh, tokenizer), mesh)
@@ -724,8 +751,12 @@ def evaluate_run(
 format_table = report.format_table
 
 
-def run_eval(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
-    """`main --config=configs/eval.py`: validate, then evaluate and print the table."""
+def run_eval(config: Any, dry_run: bool = False, compile_programs: bool = False) -> dict[str, Any] | None:
+    """`main --config=configs/eval.py`: validate, then evaluate and print the table; with `dry_run` and
+    `compile_programs` and `topology`, the plan of its engines for that slice (`plan_topology`)."""
+    if dry_run and compile_programs:
+        plan_topology(_topology_config(EvalConfig.parse(config)), "eval")
+        return None
     plan = plan_eval(config)
     what = (f"eval {plan.methods} of {plan.run_dir or plan.settings.builder} (step {plan.step}) -> "
             f"{plan.out_dir}")
@@ -773,23 +804,28 @@ def plan_build(config: Any) -> tuple[Plan, Any, BuildConfig]:
             load_export(c.update_from)
         except ExportError as e:
             raise _err("update_from", str(e)) from None
+    return plan_eval(_build_eval_keys(c)), task, c
+
+
+def _build_eval_keys(c: BuildConfig) -> dict[str, Any]:
+    """The eval config of a build's shared keys (run, step, builder, out, seed, engine, mesh, topology,
+    plan, ...)."""
     e = EvalConfig().to_dict()
     b = c.to_dict()
-    e.update({k: b[k] for k in sorted((set(e) & set(b)) - {"command"})})  # run, step, builder, out, seed, ...
-    e.update(
-        methods="trained",
-        name="build",
-        tasks="",
-        task_ids="",
-        samples=1,
-        num_tasks=0,
-        pass_k="1",
-        cost_qs="1",
-    )
-    return plan_eval(e), task, c
+    e.update({k: b[k] for k in sorted((set(e) & set(b)) - {"command"})})
+    e.update(methods="trained", name="build", tasks="", task_ids="", samples=1, num_tasks=0, pass_k="1",
+             cost_qs="1")
+    return e
 
 
-def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
+def _topology_config(c: EvalConfig) -> EvalConfig:
+    if not c.topology:
+        raise _err("topology", "--compile of an evaluation or a build plans for a slice: give "
+                   "--config.topology=ACCEL (e.g. v5p-8); a run compiles its own programs ahead")
+    return c
+
+
+def run_build(config: Any, dry_run: bool = False, compile_programs: bool = False) -> dict[str, Any] | None:
     """`main --config=configs/build.py`: the trained builder's workspace over `data.path`, exported to `out`
     (README.md, raw_docs/ unchanged, synthetic files with source links and hashes, manifest.json,
     build.json with the construction's tokens, turns and status).
@@ -802,6 +838,10 @@ def run_build(config: Any, dry_run: bool = False) -> dict[str, Any] | None:
     Multi-process: unlike `execute`, nothing is split. One construction is one episode, which cannot be
     shared out, so every process builds the same workspace (same seed, same weights; the restore is a
     collective) on its process-local engines and process 0 exports it; the others return None."""
+    if dry_run and compile_programs:
+        keys = _build_eval_keys(BuildConfig.parse(config))
+        plan_topology(_topology_config(EvalConfig.parse(keys)), "build")
+        return None
     plan, task, b = plan_build(config)  # `b`: the build's own keys; `plan.settings`: the eval keys it shares
     c = plan.settings
     folder = b.data.path

@@ -445,6 +445,12 @@ def _read_config(directory: str, dtype: Any) -> tuple[ModelConfig, dict[str, Any
         raise HFLoadError(f"load_hf: {path}: {msg}") from None
 
 
+def read_config(directory: str, dtype: Any = "bfloat16") -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face folder's `config.json` alone (no weights read): the shapes a
+    plan compiles with (`cluster.abstract_model`)."""
+    return _read_config(directory, dtype)[0]
+
+
 def _declared_dtype(raw: dict[str, Any]) -> str | None:
     """The dtype config.json declares for the weights (`torch_dtype`/`dtype`, top level or text_config)."""
     for d in (raw.get("text_config") or {}, raw):

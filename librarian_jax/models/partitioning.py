@@ -25,6 +25,7 @@ from typing import Any
 
 import flax.nnx as nnx
 import jax
+import numpy as np
 import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -207,3 +208,31 @@ def constrain(tree: Any, shardings: Sequence[NamedSharding] | None) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
                                         for x, s in zip(leaves, shardings, strict=True)])
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether `tree`'s array leaves are shapes without data (`jax.ShapeDtypeStruct`, e.g. a model made by
+    `nnx.eval_shape`): a plan for a topology builds engines and trainers from such trees, with no device
+    memory (planning/plan.py)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """`tree` on `shardings` (a tree of the same structure): `jax.device_put` for arrays, and for an abstract
+    tree (`is_abstract`) the same shapes and dtypes as `jax.ShapeDtypeStruct`s carrying those shardings, so
+    an abstract engine or trainer lays its state out exactly as a real one does."""
+    if not is_abstract(tree):
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of `tree` (arrays or `ShapeDtypeStruct`s with shardings): each leaf's shard
+    shape times its item size, summed (a leaf without a sharding counts whole)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(tuple(x.shape)) if sharding is not None else tuple(x.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * int(x.dtype.itemsize)
+    return total

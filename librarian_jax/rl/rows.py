@@ -84,6 +84,12 @@ class NoTrainableTokens(ValueError):
     """No segment of the batch holds a generated token (e.g. every session hit the cache limit at once)."""
 
 
+def seq_buckets(max_len: int, buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS) -> list[int]:
+    """Every row length `pick_bucket` can give rows of at most `max_len` tokens: the buckets below it,
+    then `max_len` itself (the shapes a run's update compiles for, `planning.plan`)."""
+    return sorted({b for b in buckets if b < max_len} | {int(max_len)})
+
+
 def pick_bucket(length: int, buckets: Sequence[int], max_len: int) -> int:
     """Smallest bucket >= length, capped at max_len (max_len itself when no bucket fits)."""
     for b in sorted(buckets):

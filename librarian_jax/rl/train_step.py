@@ -246,8 +246,11 @@ def data_parallel_size(mesh: Mesh | None) -> int:
 def shard_state(state: Any, mesh: Mesh | None, rules: Any = None) -> Any:
     """Places an nnx.State on `mesh` with the logical-axis rules of `models.partitioning` (the one sharding
     owner): the same shardings the policy engine gives these params, so new weights reach it without
-    resharding."""
-    return partitioning.shard_state(state, mesh, partitioning.normalize_rules(rules))
+    resharding. An abstract state (`partitioning.is_abstract`) gets those shardings as shapes."""
+    rules = partitioning.normalize_rules(rules)
+    if mesh is not None and partitioning.is_abstract(state):
+        return partitioning.place(state, partitioning.state_shardings(state, mesh, rules))
+    return partitioning.shard_state(state, mesh, rules)
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -366,15 +369,23 @@ class Trainer:
         if mesh is not None:  # MoE layers: experts run expert-parallel on this mesh (a graph-only change)
             moe_lib.bind_mesh(model, mesh, rules)
         self.graphdef, params, rest = nnx.split(model, self.wrt, ...)
+        # An abstract model (`nnx.eval_shape`: a plan for a topology) gives an abstract trainer: its params,
+        # optimizer state and reference are shapes laid out as a real trainer's (`partitioning.place`),
+        # nothing is allocated, and only `programs_ahead` / `resident_bytes` may be called.
+        self.abstract = partitioning.is_abstract(params)
+        if self.abstract and mesh is None:
+            raise ValueError("Trainer: an abstract model needs a mesh (the topology's)")
         # The trainer owns a copy of the trainable arrays (its update donates them); the caller's model and
         # any engine built from it stay valid until they receive `policy_state()`.
-        self.params = jax.tree.map(jnp.copy, shard_state(params, mesh, rules))
+        self.params = shard_state(params, mesh, rules)
+        self.params = self.params if self.abstract else jax.tree.map(jnp.copy, self.params)
         self.rest = shard_state(rest, mesh, rules)
         self.tx = make_optimizer(config.optim)
         self._schedule = make_schedule(config.optim)
         # Adam's moments laid out like the params (XLA alone would replicate them on every device)
         init_shardings = partitioning.opt_state_shardings(self.tx, self.params, mesh) if mesh else None
-        self.opt_state = jax.jit(self.tx.init, out_shardings=init_shardings)(self.params)
+        self.opt_state = partitioning.place(jax.eval_shape(self.tx.init, self.params), init_shardings) \
+            if self.abstract else jax.jit(self.tx.init, out_shardings=init_shardings)(self.params)
         # The step's outputs are pinned to these shardings (XLA would otherwise pick its own), so params keep
         # the policy engine's layout step after step and `update_params` moves nothing.
         self._out_shardings = None
@@ -385,8 +396,8 @@ class Trainer:
                 # compile the update again; not on the mesh (e.g. Adam's step count): replicated
                 return NamedSharding(mesh, partitioning.canonical_spec(x.sharding.spec) if ok else P())
 
-            self.params = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.params)
-            self.opt_state = jax.tree.map(lambda x: jax.device_put(x, on_mesh(x)), self.opt_state)
+            self.params = partitioning.place(self.params, jax.tree.map(on_mesh, self.params))
+            self.opt_state = partitioning.place(self.opt_state, jax.tree.map(on_mesh, self.opt_state))
             self._out_shardings = (tuple(on_mesh(x) for x in jax.tree.leaves(self.params)),
                                    tuple(on_mesh(x) for x in jax.tree.leaves(self.opt_state)),
                                    NamedSharding(mesh, P()))  # the accumulator's scalars
@@ -396,7 +407,9 @@ class Trainer:
         self.skipped_in_a_row = 0
         self.ref_params = None
         if config.loss.kl_beta:
-            if self.lora:  # the base model: every adapter zeroed
+            if self.abstract:  # the same shapes and layout either way
+                self.ref_params = self.params
+            elif self.lora:  # the base model: every adapter zeroed
                 self.ref_params = jax.tree.map(jnp.zeros_like, self.params)
             else:
                 self.ref_params = jax.tree.map(jnp.copy, self.params)
@@ -525,6 +538,33 @@ class Trainer:
                 out[k] = jax.device_put(v, sharding) if sharding is not None else jnp.asarray(v)
         return out
 
+    def _abstract_batch(self, rows: int, seq: int, capacity: int,
+                        m: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes and layout `_on_device` gives `rows` host rows `[m, rows / m, seq]` (with `positions`
+        `[m, rows / m, capacity]` when `capacity`), over the whole mesh (every process's rows), for lowering
+        the update ahead of time without a batch."""
+        blank = _blank_rows(rows, seq, capacity)
+        if not self.abstract:  # placed once as an update places its rows (which warms that placement too)
+            return jax.tree.map(compile_cache.abstract, self._on_device(blank, m))
+        sharding = NamedSharding(self.mesh, P(None, batch_axes(self.mesh) or None)) if self.mesh else None
+        procs = jax.process_count() if sharding is not None else 1
+        return {k: jax.ShapeDtypeStruct((m, v.shape[0] // m * procs, *v.shape[1:]), v.dtype,
+                                        sharding=sharding) for k, v in blank.items()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes one device of the trainer's mesh holds between updates, from the arrays' shardings (exact,
+        no compile): `trainable` (the params it updates: LoRA's adapters or every param), `frozen` (the rest
+        of the model: the base weights under LoRA), `optimizer` (Adam's moments and counts), `reference`
+        (the KL reference's copy; 0 without KL)."""
+        ref = 0
+        if self.ref_params is not None and self.ref_params is not self.params:
+            ref = partitioning.bytes_per_device(self.ref_params)
+        elif self.ref_params is not None:  # an abstract trainer: the copy a real one keeps
+            ref = partitioning.bytes_per_device(self.params)
+        return {"trainable": partitioning.bytes_per_device(self.params),
+                "frozen": partitioning.bytes_per_device(self.rest),
+                "optimizer": partitioning.bytes_per_device(self.opt_state), "reference": ref}
+
     def _device_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host rows `[R, S]` -> device arrays `[micro_batches, R / micro_batches, S]` (see `_host_batch`)."""
         return self._on_device(self._host_batch(arrays), self.config.micro_batches)
@@ -580,21 +620,36 @@ class Trainer:
             return seq, positions_bucket(max(most, self.min_loss_positions), seq)
         return seq, 0
 
-    def programs_ahead(self, shapes: Iterable[tuple[int, int]], *,
-                       optimizer: bool = True) -> list[tuple[str, Callable[[], Any]]]:
-        """The update's programs for batches of these `update_shape`s, as `(name, compile)` pairs (like
-        `Engine.programs_ahead`, for `compile_cache.Ahead`): `compile()` lowers and compiles a program from
-        abstract arguments (`jax.ShapeDtypeStruct`s with the arrays' shardings), so nothing runs and no
-        buffer is touched (the trainer may update meanwhile, on another thread), and an `update` of such a
-        batch later compiles nothing (JAX's in-memory caches; the persistent cache keeps it for later
-        processes). The set: the micro-batch program per shape, then (with `optimizer`) the optimizer's
-        program and the zero accumulator's, which no batch shape changes.
+    def programs_ahead(self, shapes: Iterable[tuple[int, int]], *, optimizer: bool = True,
+                       rows: int = 0) -> list[tuple[str, Callable[[], Any]]]:
+        """The update's programs for batches of these `update_shape`s, as `(name, lower)` pairs (like
+        `Engine.programs_ahead`, for `compile_cache.Ahead`, which compiles what they return): `lower()`
+        lowers a program from abstract arguments (`jax.ShapeDtypeStruct`s with the arrays' shardings), so
+        nothing runs and no buffer is touched (the trainer may update meanwhile, on another thread), and an
+        `update` of such a batch later compiles nothing (JAX's in-memory caches; the persistent cache keeps
+        it for later processes). The set: the micro-batch program per shape, then (with `optimizer`) the
+        optimizer's program and the zero accumulator's, which no batch shape changes.
 
-        Only with `micro_batch_rows > 0`: otherwise a step's program depends on its row count too, which
-        only its rollout knows; the list is then empty."""
-        if not self.config.micro_batch_rows:
-            return []
+        With `micro_batch_rows` 0 a step's one program depends on its row count too, which only its
+        rollout knows: the list is then empty, unless `rows` names it (a multiple of `row_multiple()`: the
+        SFT loop's fixed batch, a plan), and then holds `update[rows x seq, ...]` per shape."""
         config = _static_config(self.config)
+        if not self.config.micro_batch_rows:
+            if not rows:
+                return []
+            m = self.config.micro_batches
+            lr = jax.ShapeDtypeStruct((), jnp.float32)
+            opt = jax.tree.map(compile_cache.abstract, self.opt_state)
+            p, r, ref = (jax.tree.map(compile_cache.abstract, t) for t in (self.params, self.rest,
+                                                                             self.ref_params))
+
+            def whole(batch: Any) -> Callable[[], Any]:
+                return lambda: _update_step.lower(self.graphdef, config, self._out_shardings, p, opt, r, ref,
+                                                  batch, lr)
+
+            return [(f"update[{rows}x{seq}, positions {cap or 'all'}]",
+                     whole(self._abstract_batch(rows, seq, cap, m)))
+                    for seq, cap in dict.fromkeys((int(s), int(c)) for s, c in shapes)]
         # here, on the caller's thread: the arrays' shapes and layouts as they are now (an update donates
         # them); a job traces and compiles on its worker thread
         def shapes_of(tree: Any) -> Any:
@@ -603,10 +658,9 @@ class Trainer:
         params, rest, ref = shapes_of(self.params), shapes_of(self.rest), shapes_of(self.ref_params)
         opt_state = shapes_of(self.opt_state)
         rows = self.row_multiple()
-        batches = {(seq, cap): shapes_of(self._on_device(_blank_rows(rows, seq, cap), 1))
+        batches = {(seq, cap): self._abstract_batch(rows, seq, cap)
                    for seq, cap in dict.fromkeys((int(s), int(c)) for s, c in shapes)}
-        first = next(iter(batches.values()), None) or shapes_of(
-            self._on_device(_blank_rows(rows, MIN_POSITIONS, 0), 1))
+        first = next(iter(batches.values()), None) or self._abstract_batch(rows, MIN_POSITIONS, 0)
         made: dict[str, Any] = {}
         lock = threading.Lock()
 
@@ -623,17 +677,16 @@ class Trainer:
 
         def micro(batch: Any) -> Callable[[], Any]:
             return lambda: _micro_step.lower(self.graphdef, config, self._out_shardings, params, rest, ref,
-                                             batch, accumulator()[1]).compile()
+                                             batch, accumulator()[1])
 
         def apply() -> Any:
             lr = jax.ShapeDtypeStruct((), jnp.float32)
-            return _apply_step.lower(config, self._out_shardings, params, opt_state, accumulator()[1],
-                                     lr).compile()
+            return _apply_step.lower(config, self._out_shardings, params, opt_state, accumulator()[1], lr)
 
         jobs = [(f"update[{rows}x{seq}, positions {cap or 'all'}]", micro(b))
                 for (seq, cap), b in batches.items()]
         if optimizer:
-            jobs += [("optimizer", apply), ("zero accumulator", lambda: accumulator()[0].lower().compile())]
+            jobs += [("optimizer", apply), ("zero accumulator", lambda: accumulator()[0].lower())]
         return jobs
 
     def memory_analysis(self, batch: TrainBatch | Mapping[str, np.ndarray]) -> dict[str, int] | None:
