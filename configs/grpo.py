@@ -201,14 +201,25 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # frozen); the Create/Merge executor is Qwen3.5-35B-A3B (--config.roles.executor.path=...); compaction
     # and the judge share the executor's weights and engine (the paper compacts with Gemini 3.1 Flash Lite,
     # which we cannot run). Thinking is off for every frozen role; the answerer's 32,768-token budget fits.
-    c.roles.answerer.update(init="policy", slots=256, max_seq_len=32768, thinking=False)
+    # Engine slots are per host (each host holds its own engines on its 4 chips, whatever the slice): sized
+    # so that every engine's weights and cache fit a v5p chip's 95 GiB with room for the programs'
+    # temporaries (`--dry_run --compile --config.topology=v5p-8` prints the plan; BENCHMARKS.md). The
+    # answerer's 32,768-token context makes its cache the largest part: 64 slots are 16.8 GiB a chip for
+    # Qwen3.5-4B (its DeltaNet layers keep no K/V), where 256 were 67 GiB and did not fit.
     if model_preset.startswith("qwen3_5"):
+        c.roles.answerer.update(init="policy", slots=64, max_seq_len=32768, thinking=False)
         c.roles.executor.update(init="hf", preset="qwen3_5_35b_a3b", dtype="bfloat16", slots=128,
                                 max_seq_len=8192, thinking=False)
+        slots = 128
     else:  # every role reads the builder's tokenizer: a Gemma run's executor is its own base model, frozen
-        c.roles.executor.update(init="policy", slots=128, max_seq_len=8192, thinking=False)
+        # Gemma 3 keeps K/V in all 34 layers (139 KB a token, 4.3x Qwen3.5-4B's): the answerer, executor,
+        # compaction and judge share one engine (one copy of the weights) of 32 slots x 32,768 tokens, 34 GiB
+        # a v5p chip
+        c.roles.answerer.update(init="policy", slots=32, max_seq_len=32768, thinking=False)
+        c.roles.executor.update(init="policy", slots=32, max_seq_len=8192, thinking=False)
+        slots = 32
     for role in ("compaction", "judge"):  # the executor's weights and engine (no path of their own)
-        c.roles[role].update(init="executor", slots=128, max_seq_len=8192, thinking=False)
+        c.roles[role].update(init="executor", slots=slots, max_seq_len=8192, thinking=False)
     # The paper's reward and loss: probe deltas, the terminal reward and the 0.1 no-Stop penalty only; no
     # malformed-call penalty, no dual clip, no TIS (the ratio is taken against the sampler's log-probs).
     c.rollout.builder.update(compaction="model", malformed_penalty=0.0)

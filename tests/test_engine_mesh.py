@@ -88,8 +88,10 @@ def test_sharded_equals_unsharded(reference, shape):
     mesh = make_mesh(shape)
     engine = Engine(_model(0), mesh=mesh, **KW)
     k_spec = engine.cache.layers[0]["k"].sharding.spec
-    if mesh.shape["data"] > 1:
-        assert k_spec[0] == "data"  # slots spread over the data axis
+    # slots spread over the data and fsdp axes (an FSDP engine splits its slots too)
+    want = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    if want:
+        assert k_spec[0] == (want[0] if len(want) == 1 else want)
     if mesh.shape["tensor"] > 1:
         q = engine.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
         assert "tensor" in tuple(q.sharding.spec)  # 8 heads divide 2 and 8
@@ -101,13 +103,13 @@ def test_sharded_equals_unsharded(reference, shape):
 
 @needs8
 def test_scanned_sharded_equals_unsharded(reference):
-    # Engine(scan_layers=True) on a mesh: the stacked K/V keep the slot on "data" (the layer axis, 1, is
-    # replicated), the stacked weights keep their "tensor" split; same tokens as the unsharded loop
+    # Engine(scan_layers=True) on a mesh: the stacked K/V keep the slot on "data" and "fsdp" (the layer axis,
+    # 1, is replicated), the stacked weights keep their "tensor" split; same tokens as the unsharded loop
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     engine = Engine(_model(0), mesh=mesh, scan_layers=True, **KW)
     assert engine.scan_layers
     k_spec = tuple(engine.cache.groups[0]["k"].sharding.spec)
-    assert k_spec[:2] == ("data", None), k_spec
+    assert k_spec[:2] == (("data", "fsdp"), None), k_spec
     q = engine._stacked[0]["self_attn"]["q_proj"]["kernel"]
     assert q.shape[0] == CONFIG.num_layers and tuple(q.sharding.spec)[0] is None
     assert "tensor" in tuple(q.sharding.spec)

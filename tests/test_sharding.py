@@ -41,7 +41,9 @@ def test_multi_axis_rule_keeps_the_axes_that_divide():
     assert partitioning.logical_to_spec(("embed",), mesh, rules, (4,)) == P("fsdp")
     # tensor is taken by the first dimension, so heads replicate; size-1 mesh axes are never named
     assert partitioning.logical_to_spec(("embed", "heads"), mesh, rules, (6, 8)) == P("tensor", None)
-    assert partitioning.logical_to_spec(("cache_batch",), mesh, None, (4,)) == P(None)
+    # an engine's slots split over fsdp too (data is size 1 here); 6 slots do not divide by 4: replicated
+    assert partitioning.logical_to_spec(("cache_batch",), mesh, None, (4,)) == P("fsdp")
+    assert partitioning.logical_to_spec(("cache_batch",), mesh, None, (6,)) == P(None)
     # rules as (logical, mesh axes) pairs: first match wins
     assert partitioning.normalize_rules([("embed", "fsdp"), ("embed", "tensor")]) == {"embed": "fsdp"}
 
@@ -76,8 +78,8 @@ def test_params_cache_and_trainer_state_share_one_set_of_specs():
     # Adam's moments are laid out like the params they follow
     count, *moments = specs(trainer.opt_state)
     assert count == P() and moments == canonical * 2
-    # the slot cache: slots over data (size 1 here: not named), kv heads over tensor
+    # the slot cache: slots over data (size 1 here: not named) and fsdp, kv heads over tensor
     cache = models.init_cache(CONFIG, 4, 16)
     cache_want = partitioning.tree_shardings(cache, models.cache_logical_axes(CONFIG), mesh, rules)
     assert specs(engine.cache) == [s.spec for s in jax.tree.leaves(cache_want)]
-    assert engine.cache.layers[0]["k"].sharding.spec == P(None, "tensor", None, None)
+    assert engine.cache.layers[0]["k"].sharding.spec == P("fsdp", "tensor", None, None)

@@ -45,8 +45,11 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     # routed experts: over `expert`, and over `fsdp` too, so that FSDP meshes also split them (each device
     # then computes its own experts for every token of its data shard: expert parallelism, models/moe.py)
     "expert": ("expert", "fsdp"),
-    # cache
-    "cache_batch": "data",
+    # cache: an engine's slots split over data and fsdp alike. An engine's mesh is FSDP over its host's
+    # chips (weights gathered per layer); its slot cache, which the paper's answerer (256 slots x 32,768
+    # tokens) makes the largest thing a chip holds, would otherwise be replicated on every one of them, and
+    # so would each slot's compute (a TPU plan showed both: planning.plan)
+    "cache_batch": ("data", "fsdp"),
     "cache_seq": None,
     "head_dim": None,
 }
