@@ -25,6 +25,8 @@ Options (defaults from the environment variables in brackets):
   --workers=IP,IP,..  the workers' internal IPs, worker 0 first (skips the describe call)
   --env=KEY=VALUE     extra environment for main (repeatable)
   --copy-repo         first copy this checkout to WORKDIR on every worker (gcloud ... scp --recurse)
+  --install           then install it on every worker: PYTHON -m pip install -e '.[tpu]' (the TPU
+                      runtime that matches the project's jax)
   --gcloud-arg=ARG    extra argument for gcloud ssh/scp, e.g. --gcloud-arg=--internal-ip (repeatable)
   --dry-run           print the commands instead of running them
   -h, --help          this help
@@ -46,6 +48,7 @@ python="python3"
 port=8476
 workers=""
 copy_repo=0
+install=0
 dry_run=0
 envs=()
 gcloud_args=()
@@ -67,6 +70,7 @@ while (($#)); do
       ;;
     --gcloud-arg=*) gcloud_args+=("${1#*=}") ;;
     --copy-repo) copy_repo=1 ;;
+    --install) install=1 ;;
     --dry-run) dry_run=1 ;;
     -h | --help)
       usage
@@ -157,5 +161,9 @@ if ((copy_repo)); then
     --command="mkdir -p $remote_dir"
   run gcloud compute tpus tpu-vm scp --recurse "$repo_root/." "$tpu:$workdir" "${where[@]}" --worker=all \
     "${gcloud_args[@]}"
+fi
+if ((install)); then
+  run gcloud compute tpus tpu-vm ssh "$tpu" "${where[@]}" --worker=all "${gcloud_args[@]}" \
+    --command="cd $remote_dir && $(printf '%q' "$python") -m pip install -e '.[tpu]'"
 fi
 run gcloud compute tpus tpu-vm ssh "$tpu" "${where[@]}" --worker=all "${gcloud_args[@]}" --command="$remote"

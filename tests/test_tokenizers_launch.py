@@ -159,6 +159,10 @@ def test_tpu_pod_copy_repo_and_missing_arguments(fake_bin):
     assert [cmd[4] for cmd in lines] == ["ssh", "scp", "ssh"]
     assert "JAX_COORDINATOR_ADDRESS=10.1.1.1:8476 JAX_NUM_PROCESSES=1" in lines[2][-1]
     assert lines[1][5:8] == ["--recurse", f"{ROOT}/.", "t:~/librarian_jax"]
+    installed = _run(TPU, *args, "--install", "--python=/venv/bin/python", env=_env(fake_bin))
+    lines = [shlex.split(line) for line in installed.stdout.splitlines()]
+    assert [cmd[4] for cmd in lines] == ["ssh", "scp", "ssh", "ssh"]
+    assert lines[2][-1] == "--command=cd ~/librarian_jax && /venv/bin/python -m pip install -e '.[tpu]'"
     missing = _run(TPU, "--dry-run", env=_env(fake_bin))
     assert missing.returncode == 2 and "missing --tpu" in missing.stderr and "--zone" in missing.stderr
     assert _run(TPU, "--tpu=t", "--zone=z", "--env=bad", env=_env(fake_bin)).returncode == 2
