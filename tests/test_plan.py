@@ -1,7 +1,7 @@
 """The plan for a TPU slice (`planning`): accelerator types resolved as Cloud TPU counts them, abstract
 engines and trainers laid out by the real placement code, every program of the tiny preset's train and eval
-commands compiled for a 4-chip v5p by the TPU compiler on this CPU host, a planted overflow named before anything
-compiles, and the plan's figures checked against the compiled programs and the arrays' own sizes.
+commands compiled for a 4-chip v5p by the TPU compiler on this CPU host, a planted overflow named before
+anything compiles, and the plan's figures checked against the compiled programs and the arrays' own sizes.
 
 The TPU compiler comes with the test install (`jax[tpu]`, pyproject's `test` extra): these tests never skip in
 CI. Each compile is seconds even for the tiny model (the TPU compiler's fixed cost), so the configs below keep
@@ -139,14 +139,17 @@ def test_the_tiny_eval_command_plans_its_engines(tmp_path):
     settings = config_validation.validate(_config(*SMALL))
     (run / "config.json").write_text(json.dumps(settings.to_dict()))
     out = _main(None, "--config=configs/eval.py", f"--config.run={run}", "--dry_run", "--compile",
-                "--config.topology=v5p-8", "--config.engine.policy_slots=4")
+                "--config.topology=v5p-8", "--config.engine.policy_slots=4", "--config.plan.programs=largest")
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads((run / "eval" / "default" / "plan.json").read_text())
     assert plan["mode"] == "eval" and "step" not in plan
     names = {(tuple(p["roles"]), p["name"]) for p in plan["programs"]}
     assert not [p for p in plan["programs"] if p["error"]]
-    assert (("builder",), "decode[4, attend all]") in names  # eval's own builder engine size
-    assert any(r == ("answerer", "executor", "compaction", "judge") for r, _ in names)
+    # each engine's largest programs (`plan.programs=largest`), the builder's at eval's own engine size
+    assert names == {(("builder",), n) for n in ("prefill_all[4x512, attend all]", "decode[4, attend all]",
+                                                 "copy[4]")} | {
+        (("answerer", "executor", "compaction", "judge"), n)
+        for n in ("prefill_all[2x512, attend all]", "decode[2, attend all]", "copy[2]")}
     assert not any(r == ("trainer",) for r, _ in names)
 
 
@@ -243,3 +246,19 @@ def test_plan_keys_are_validated():
     built = plan_lib.build(settings, topology.parse("v5p-8"), with_sft=False)
     with pytest.raises(ConfigError, match="config.plan.roles: unknown role 'builderz'"):
         plan_lib.jobs(built, PlanSection(roles="builderz"))
+
+
+def test_copying_split_slots_compiles_without_gathering_the_cache():
+    """An engine whose slots split over the host's 4 chips copies slots (prefix sharing) without gathering
+    every slot on every chip: the TPU program's temporaries stay below the cache a chip holds (a gather on
+    the split axis needed several times it: 50 GiB for the paper builder's 64-slot copy of 8.8 GiB a chip on
+    a v5p)."""
+    accel = topology.parse("v5p-8")
+    mesh = make_mesh({"fsdp": 4}, devices=accel.devices())
+    engine = Engine(cluster.abstract_model(models.get_preset("tiny")), 8, 1024, mesh)
+    cache = engine.resident_bytes()["cache"]
+    assert engine.cache.layers[0]["k"].sharding.spec[0] == "fsdp"
+    (job,) = [fn for name, fn in engine.programs_ahead() if name == "copy[8]"]
+    stats = job().compile().memory_analysis()
+    # one-hot chunks: 0.68x the cache here; the gather it replaced: 4.2x (6.0x at 64 slots)
+    assert stats.temp_size_in_bytes < cache, (stats.temp_size_in_bytes, cache)
