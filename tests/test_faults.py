@@ -220,6 +220,34 @@ def test_every_shard_of_every_array_is_digested(run):
     assert len(opt) == len(jax.tree.leaves(ts.Trainer(_model(), CONFIG).opt_state))
 
 
+def test_a_step_with_whole_array_digests_is_still_checked(damaged):
+    """Steps saved before shard digests carry one digest per array (`{"crc32c", "shape", "dtype"}`): they
+    restore checked array by array, and a damaged one falls back."""
+    import json
+
+    d, saved, trainer = damaged
+    pure = nnx.state(_model(), nnx.Param).to_pure_dict()
+    keys = [checkpoint._keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
+    for step in (2, 3):
+        path = os.path.join(d, str(step), "meta", "metadata")
+        meta = json.load(open(path))
+        arrays = zip(keys, saved[step], strict=True)
+        meta["digests"] = {"params": {k: {"crc32c": checkpoint.crc32c(v), "shape": list(v.shape),
+                                          "dtype": str(v.dtype)} for k, v in arrays}}
+        meta.pop("hosts")
+        with open(path, "w") as f:
+            json.dump(meta, f)
+    _garbage(_largest_data_file(os.path.join(d, "3")))
+    ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 3 in .* is damaged: params/\S+: crc32c 0x"):
+        ck.restore(params=trainer.params, opt_state=trainer.opt_state, step=3)
+    restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
+    ck.close()
+    assert restored.step == 2
+    for a, b in zip(saved[2], _leaves(restored.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # ------------------------------------------------------------------------------- Hugging Face folders
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden")
