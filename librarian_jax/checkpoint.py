@@ -290,9 +290,10 @@ def _save_of(item_dir: Any) -> tuple[str, SaveDigests] | None:
 
 
 # ------------------------------------------------------------------------------------------- Orbax hooks
-# Two functions of Orbax 0.12 (`orbax.checkpoint._src`; pyproject.toml pins the minor version) are replaced by
-# ours, which call Orbax's and add one thing each. Both are looked up by name at every call inside Orbax, so
-# the replacement holds for every save and restore, also those that are not this module's.
+# Two functions of Orbax 0.12 (`orbax.checkpoint._src`; pyproject.toml pins the minor version) are replaced:
+# the array writer by one that calls it and digests beside it, the event-loop runner by its own few lines
+# plus settling the loop's tasks. Orbax looks both up by name at every call, so the replacements hold for
+# every save and restore, also those that are not this module's; a test fails if either stops taking effect.
 
 _orbax_serialize = getattr(jax_array_handlers, "_async_serialize_replica_slices", None)
 
@@ -321,9 +322,9 @@ def _run_sync_settled(coro: Any) -> Any:
     their shards in `asyncio.gather`s; when one read fails (a damaged step) the others are still running, and
     Orbax closed the loop under them: each then reported itself on stderr, at garbage collection ("Exception
     ignored in: <coroutine object _read_array_index_and_device_put>", with kilobytes of TensorStore spec),
-    from TensorStore's threads ("RuntimeError: Event loop is closed"), or at exit ("terminate called after
-    throwing an instance of ''", exit 134). Here the tasks still pending when `coro` ends are cancelled and
-    awaited, their errors collected (the failure is the one `coro` raised), and then the loop is closed."""
+    from TensorStore's threads ("RuntimeError: Event loop is closed"), or at the process's exit. Here the
+    tasks still pending when `coro` ends are cancelled and awaited, their errors collected (the failure is the
+    one `coro` raised), the loop's worker threads joined, and then the loop is closed."""
     loop = asyncio.new_event_loop()
     pending: set[asyncio.Task] = set()
 
