@@ -268,7 +268,7 @@ _ANALYSIS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "cod
 def cache_dir() -> str:
     """Where compiled programs' analyses are kept: `plans/` beside the persistent compilation cache (the
     TPU compiler's executables of a compile-only client are not written there; a plan keeps what it reads
-    of them), keyed by the lowered program, the topology and the compiler's versions."""
+    of them), keyed by the lowered program, the chip generation and the compiler's versions."""
     base = jax.config.jax_compilation_cache_dir or compile_cache.default_dir()
     return os.path.join(base, "plans")
 
@@ -278,8 +278,10 @@ def _key(lowered: Any, accel: topology_lib.Accelerator) -> str:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = ""
+    # the chip generation, not the slice: a program over the same devices compiles alike in any slice of
+    # that generation (each host's engines are the same 4-chip programs in a v5p-8 and a v5p-128)
     h = hashlib.sha256()
-    for part in (lowered.as_text(), accel.topology, accel.chip.config, jax.__version__, libtpu,
+    for part in (lowered.as_text(), accel.generation, accel.chip.config, jax.__version__, libtpu,
                  os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
                  os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "")):
         h.update(part.encode())
