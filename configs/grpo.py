@@ -190,9 +190,11 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     c.rollout.answerer.update(kind="model", max_turns=32, max_new_tokens=1024, forced_max_new_tokens=128,
                               context_budget=32768)
     # One update per rollout batch with the ratio taken against the sampler's log-probs, clipped to
-    # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch).
+    # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch). Each decoder
+    # layer rematerialised: with the whole forward rematerialised ("full") the update of one 16,384-token row
+    # a chip ran out of a v5p chip's 95 GiB when compiled for it (the plan for v5p-8, BENCHMARKS.md).
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
-                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batch_rows=1, remat="full",
+                   eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batch_rows=1, remat="layer",
                    logits_chunk=1024, max_seq_len=16384)
     c.eval.update(every=20, num_tasks=16, repeats=4, final_methods="", final_samples=0)
     c.mesh.shape.update(data=1, fsdp=-1, tensor=1)
