@@ -262,3 +262,17 @@ def test_copying_split_slots_compiles_without_gathering_the_cache():
     stats = job().compile().memory_analysis()
     # one-hot chunks: 0.68x the cache here; the gather it replaced: 4.2x (6.0x at 64 slots)
     assert stats.temp_size_in_bytes < cache, (stats.temp_size_in_bytes, cache)
+
+
+def test_a_model_path_gives_its_config_json_shapes(tmp_path):
+    """`model.path` with a Hugging Face `config.json` (and no weights beside it): the plan's engines and
+    trainer take that architecture, here the tiny preset with 3 layers and a 4,096-token vocabulary."""
+    cfg = models.get_preset("tiny").replace(num_layers=3, vocab_size=4096)
+    (tmp_path / "config.json").write_text(json.dumps(models.config_to_hf(cfg)))
+    settings = config_validation.validate(_config(*SMALL, "--config.topology=v5p-8", "--config.model.init=hf",
+                                                  f"--config.model.path={tmp_path}"))
+    built = plan_lib.build(settings, topology.parse("v5p-8"), with_sft=False)
+    for engine, _ in built.engines:
+        assert (engine.config.num_layers, engine.config.vocab_size) == (3, 4096)
+    trainer = built.trainers["trainer"][0]
+    assert len(trainer.model().layers) == 3
