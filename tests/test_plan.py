@@ -276,3 +276,16 @@ def test_a_model_path_gives_its_config_json_shapes(tmp_path):
         assert (engine.config.num_layers, engine.config.vocab_size) == (3, 4096)
     trainer = built.trainers["trainer"][0]
     assert len(trainer.model().layers) == 3
+
+
+def test_a_scanned_abstract_engine_lays_out_its_stack():
+    """With `scan_layers` the abstract engine stacks the repeating layers' shapes as a real one stacks their
+    arrays (same shapes, dtypes and shardings), so a scanned run plans too."""
+    cfg = models.get_preset("tiny")
+    mesh = make_mesh({"data": 2, "fsdp": 4}, devices=jax.devices()[:8])
+    real = Engine(models.Transformer(cfg, rngs=nnx.Rngs(0)), 4, 256, mesh, scan_layers=True)
+    shaped = Engine(cluster.abstract_model(cfg), 4, 256, mesh, scan_layers=True)
+    assert shaped.scan_layers and real.scan_layers
+    la, lb = jax.tree.leaves(real._stacked), jax.tree.leaves(shaped._stacked)
+    assert [(x.shape, x.dtype, x.sharding) for x in la] == [(x.shape, x.dtype, x.sharding) for x in lb]
+    assert real.resident_bytes() == shaped.resident_bytes()

@@ -248,7 +248,9 @@ class Engine:
         self._stacked: tuple[Any, ...] | None = None
         if self._plan is not None:
             # stacked layer k: layer k's param shardings with a replicated leading axis
-            abstract_stack = jax.eval_shape(lambda: stack_layers(list(model.layers), self._plan).states)
+            # the state as an argument (not closed over): an abstract engine's state is shapes, traced here
+            abstract_stack = jax.eval_shape(
+                lambda st: stack_layers(list(nnx.merge(self.graphdef, st).layers), self._plan).states, state)
             on_axis0 = functools.partial(stacked_sharding, axis=0)
             shardings = [jax.tree.map(on_axis0, self._param_shardings["layers"][k])
                          for k in range(self._plan.period)]
