@@ -193,6 +193,9 @@ def _paper(c: ml_collections.ConfigDict, model_preset: str) -> ml_collections.Co
     # [0.8, 1.2], as the paper's runs do (TIS is then 1: the ratio itself carries the mismatch). Each decoder
     # layer rematerialised: with the whole forward rematerialised ("full") the update of one 16,384-token row
     # a chip ran out of a v5p chip's 95 GiB when compiled for it (the plan for v5p-8, BENCHMARKS.md).
+    # The engines run their layers one by one (rollout.scan_layers=False, as the base): compiled for a v5p-8,
+    # scanned engines compiled 2.4-3.8x faster but hold a stacked copy of their layers' weights beside their
+    # state (+17.4 GiB a chip for this preset), and the preset no longer fit (BENCHMARKS.md)
     c.train.update(num_steps=200, learning_rate=2e-5, warmup_steps=5, decay="constant", eps_low=0.2,
                    eps_high=0.2, old_logprobs="sampler", advantage="paper", micro_batch_rows=1, remat="layer",
                    logits_chunk=1024, max_seq_len=16384)
