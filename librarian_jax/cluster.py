@@ -133,13 +133,13 @@ def initial_model(config: RunConfig, mesh: Any, tokenizer: Any, *, abstract: boo
     checkpoint; with `abstract`, their shapes only (`abstract_model`: no file but `config.json` is read)."""
     require_typed(config, RUN_SCHEMAS, "cluster.initial_model")
     m = config.model
-    overrides = {"dtype": m.dtype, "param_dtype": m.dtype} if m.dtype else {}
     if abstract:
         return abstract_model(model_config(m.init, m.preset, m.path, m.dtype))
     if m.init == "hf":
         model = models.load_hf(m.path, dtype=m.dtype or "bfloat16", mesh=mesh)
     else:
-        model = models.Transformer(models.get_preset(m.preset, **overrides), rngs=nnx.Rngs(config.seed))
+        cfg = model_config(m.init, m.preset, m.path, m.dtype)  # the preset's (init random / orbax)
+        model = models.Transformer(cfg, rngs=nnx.Rngs(config.seed))
         if m.init == "orbax":
             nnx.update(model, checkpoint.restore_params(m.path, nnx.state(model, nnx.Param)))
     _check_vocab(model, tokenizer, "model.preset", f"model {m.preset}")
@@ -157,8 +157,7 @@ def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, to
     if d["init"] == "hf":
         model = models.load_hf(d["path"], dtype=d["dtype"] or "bfloat16", mesh=mesh)
     else:
-        overrides = {"dtype": d["dtype"], "param_dtype": d["dtype"]} if d["dtype"] else {}
-        cfg = models.get_preset(d["preset"], **overrides)
+        cfg = model_config(d["init"], d["preset"], d["path"], d["dtype"])
         model = models.Transformer(cfg, rngs=nnx.Rngs(config.seed + 1))
         if d["init"] == "orbax":
             nnx.update(model, checkpoint.restore_params(d["path"], nnx.state(model, nnx.Param)))

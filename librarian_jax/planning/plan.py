@@ -45,7 +45,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from librarian_jax import cluster, compile_cache, config_validation, distributed, storage, training
+from librarian_jax import cluster, compile_cache, distributed, storage, training
 from librarian_jax.agents.runtime import ANSWERER, COMPACTION, EXECUTOR, FROZEN, JUDGE, POLICY
 from librarian_jax.config_schema import ConfigError, PlanSection, PlanWorkloadSection, RunConfig
 from librarian_jax.engine import make_mesh
@@ -119,41 +119,49 @@ def host_mesh(mesh: Any, process: int = 0) -> Any:
 
 
 def _sequence_buckets(trainer: Any, max_seq_len: int) -> list[tuple[int, int]]:
-    """The update's `(seq, loss-position capacity)` shapes a run reaches: each power-of-two sequence bucket up
-    to `max_seq_len` (`rl.rows` pads rows to them) at its largest capacity."""
-    out = []
-    for seq in rows_lib.seq_buckets(max_seq_len):
-        out.append(trainer.update_shape(seq, seq))
-    return list(dict.fromkeys(out))
+    """The update's `(seq, loss-position capacity)` shapes a run reaches: each sequence bucket up to
+    `max_seq_len` (`rl.rows` pads rows to them) at its largest capacity."""
+    return list(dict.fromkeys(trainer.update_shape(seq, seq) for seq in rows_lib.seq_buckets(max_seq_len)))
+
+
+def _lora(settings: RunConfig) -> tuple[int, float, str] | None:
+    m = settings.model
+    return (m.lora_rank, m.lora_alpha, m.lora_module_path) if m.lora_rank else None
+
+
+def _abstract_cluster(settings: RunConfig, accel: topology_lib.Accelerator, what: str,
+                      **sizes: int) -> tuple[Any, Any, cluster.Cluster, Any]:
+    """(the trainer's mesh over every chip, the first host's engine mesh, the cluster built from shapes, the
+    abstract policy: LoRA-wrapped as the run wraps it) of `settings` on `accel`; `sizes`: the builder
+    engine's `policy_slots` / `policy_max_seq_len` (`cluster.build_cluster`)."""
+    mesh = cluster.mesh_over(settings.mesh, accel.devices(), what)
+    emesh = host_mesh(mesh)
+    base = cluster.initial_model(settings, emesh, None, abstract=True)
+    m, lora = settings.model, _lora(settings)
+    policy = cluster.abstract_model(cluster.model_config(m.init, m.preset, m.path, m.dtype), lora) \
+        if lora else base
+    the_cluster = cluster.build_cluster(settings, None, engine_mesh=emesh, base=base, policy=policy,
+                                        abstract=True, **sizes)
+    return mesh, emesh, the_cluster, policy
 
 
 def build(settings: RunConfig, accel: topology_lib.Accelerator, *, with_sft: bool = True) -> Built:
-    """The run of `settings` (GRPO's or SFT's) on `accel`, every array a shape (module doc)."""
-    devices = accel.devices()
-    mesh = cluster.mesh_over(settings.mesh, devices, "planning.plan.build")
-    emesh = host_mesh(mesh)
-    roles = config_validation.resolve_roles(settings)
+    """The run of `settings` (GRPO's, or SFT's: its step alone) on `accel`, every array a shape (module
+    doc)."""
     m = settings.model
-    trainers: dict[str, tuple[Any, list[tuple[int, int]], int]] = {}
-    engines: list[tuple[Any, list[str]]] = []
-    the_cluster = None
-    rollout = None
-    lora = (m.lora_rank, m.lora_alpha, m.lora_module_path) if m.lora_rank else None
     arch = cluster.model_config(m.init, m.preset, m.path, m.dtype)
-    if settings.COMMAND == "train":
-        base = cluster.initial_model(settings, emesh, None, abstract=True)
-        policy = cluster.abstract_model(arch, lora) if lora else base
-        the_cluster = cluster.build_cluster(settings, None, engine_mesh=emesh, base=base, policy=policy,
-                                            roles=roles, abstract=True)
-        rollout = settings.rollout.config
-        engines = the_cluster.engines_in_use(rollout)
-        trainer = train_step.Trainer(policy, training.train_config(settings), mesh=mesh)
-        trainers[TRAINER] = (trainer, _sequence_buckets(trainer, settings.train.max_seq_len), 0)
-        if with_sft and settings.warm_start.enabled:
-            trainers[SFT] = _sft_trainer(warm_start_sft.warm_start_config(settings), mesh, arch, lora)
-    else:  # configs/sft.py
-        trainers[SFT] = _sft_trainer(settings, mesh, arch, lora)
-    return Built(accel, mesh, emesh, the_cluster, engines, trainers, rollout)
+    trainers: dict[str, tuple[Any, list[tuple[int, int]], int]] = {}
+    if settings.COMMAND != "train":  # configs/sft.py
+        mesh = cluster.mesh_over(settings.mesh, accel.devices(), "planning.plan.build")
+        trainers[SFT] = _sft_trainer(settings, mesh, arch, _lora(settings))
+        return Built(accel, mesh, host_mesh(mesh), None, [], trainers, None)
+    mesh, emesh, the_cluster, policy = _abstract_cluster(settings, accel, "planning.plan.build")
+    rollout = settings.rollout.config
+    trainer = train_step.Trainer(policy, training.train_config(settings), mesh=mesh)
+    trainers[TRAINER] = (trainer, _sequence_buckets(trainer, settings.train.max_seq_len), 0)
+    if with_sft and settings.warm_start.enabled:
+        trainers[SFT] = _sft_trainer(warm_start_sft.warm_start_config(settings), mesh, arch, _lora(settings))
+    return Built(accel, mesh, emesh, the_cluster, the_cluster.engines_in_use(rollout), trainers, rollout)
 
 
 def _sft_trainer(sft_settings: Any, mesh: Any, arch: Any,
@@ -168,16 +176,9 @@ def _sft_trainer(sft_settings: Any, mesh: Any, arch: Any,
 def build_eval(run_cfg: RunConfig, sizes: Mapping[str, int], accel: topology_lib.Accelerator) -> Built:
     """The engines of an evaluation or a build (`eval.cli.protocol_config`'s config, the builder's engine
     sized `sizes`) on the first host of `accel` (evaluation's engines are process-local; no trainer)."""
-    devices = accel.devices()
-    mesh = cluster.mesh_over(run_cfg.mesh, devices, "planning.plan.build_eval")
-    emesh = host_mesh(mesh)
-    base = cluster.initial_model(run_cfg, emesh, None, abstract=True)
-    m = run_cfg.model
-    policy = cluster.abstract_model(cluster.model_config(m.init, m.preset, m.path, m.dtype),
-                                    (m.lora_rank, m.lora_alpha, m.lora_module_path)) if m.lora_rank else base
-    the_cluster = cluster.build_cluster(run_cfg, None, engine_mesh=emesh, base=base, policy=policy,
-                                        policy_slots=int(sizes["slots"]),
-                                        policy_max_seq_len=int(sizes["max_seq_len"]), abstract=True)
+    mesh, emesh, the_cluster, _ = _abstract_cluster(run_cfg, accel, "planning.plan.build_eval",
+                                                    policy_slots=int(sizes["slots"]),
+                                                    policy_max_seq_len=int(sizes["max_seq_len"]))
     rollout = run_cfg.rollout.config
     return Built(accel, mesh, emesh, the_cluster, the_cluster.engines_in_use(rollout), {}, rollout)
 
