@@ -33,6 +33,7 @@ from librarian_jax.config_schema import (
 )
 from librarian_jax.models import PRESETS as MODEL_PRESETS
 from librarian_jax.planning import topology
+from librarian_jax.presets import sft as sft_presets
 
 __all__ = ["ConfigError", "parse_mesh_spec", "resolve_roles", "validate", "validate_common", "validate_mesh",
            "validate_roles"]
@@ -47,10 +48,8 @@ def validate(config: Any, num_devices: int | None = None) -> GRPOConfig:
     validate_mesh(parsed.mesh.shape, num_devices)
     validate_roles(parsed, num_devices)
     if parsed.warm_start.enabled:
-        from configs import sft as sft_configs  # the presets live in the config files (above this package)
-
-        if parsed.warm_start.sft_preset not in sft_configs.PRESETS:
-            raise _err("warm_start.sft_preset", f"must be one of {sorted(sft_configs.PRESETS)}, "
+        if parsed.warm_start.sft_preset not in sft_presets.PRESETS:
+            raise _err("warm_start.sft_preset", f"must be one of {sorted(sft_presets.PRESETS)}, "
                        f"got {parsed.warm_start.sft_preset!r}")
     return parsed
 

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rl",),
     # the config's schema names the demonstration styles (`warm_start.demos`, which runs scripted builders
     # through rollout), so they sit with it; `inputs`: a run's tasks and tokenizer from its config
-    ("checkpoint", "distributed", "config_schema", "config_validation", "warm_start.demos", "inputs",
+    ("checkpoint", "distributed", "config_schema", "presets", "config_validation", "warm_start.demos", "inputs",
      "cli_flags"),
     ("cluster",),
     ("warm_start",),

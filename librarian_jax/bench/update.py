@@ -32,7 +32,6 @@ writes it all as JSON.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import time
@@ -46,6 +45,8 @@ from librarian_jax.agents.protocol import format_call
 from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
 from librarian_jax.data.mutate import mutate_task
 from librarian_jax.eval import cli, pipeline, restore, stats
+from librarian_jax.presets import eval as eval_presets
+from librarian_jax.presets import grpo as grpo_presets
 from librarian_jax.rollout.jobs import eval_config
 from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.warm_start.demos import listed_docs, scripted_builder
@@ -160,8 +161,7 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
                    answerer_max_turns: int = 0) -> Setup:
     """The classic embedded world (`configs/grpo.py:embedded`) with a scripted builder of `style`; 0 = the
     config's value."""
-    grpo = importlib.import_module("configs.grpo")
-    cfg = grpo.get_config("embedded")
+    cfg = grpo_presets.get_config("embedded")
     cfg.workdir = workdir
     cfg.rollout.builder.compaction = "none"  # the scripted plans read the first prompt
     if docs_per_task:  # a larger corpus: an answerer context that holds its first prompt (README, root)
@@ -187,7 +187,7 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
 
 def run_setup(run: str, step: int = -1) -> Setup:
     """A training run's builder (greedy) and protocol, on its held-out corpora (`eval.cli`'s restore)."""
-    eval_cfg = importlib.import_module("configs.eval").get_config()
+    eval_cfg = eval_presets.get_config()
     eval_cfg.run, eval_cfg.step, eval_cfg.methods = run, step, "trained"
     plan = cli.plan_eval(eval_cfg)
     held, _ = cli.heldout_tasks(plan)

@@ -16,7 +16,6 @@ Multi-process: `run_eval`/`evaluate_run` split the held-out corpora over the pro
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import shutil
@@ -54,6 +53,8 @@ from librarian_jax.config_validation import validate_mesh
 from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
 from librarian_jax.models.placement import placed_copy
+from librarian_jax.presets import eval as eval_presets
+from librarian_jax.presets import grpo as grpo_presets
 from librarian_jax.rollout import jobs as rjobs
 from librarian_jax.workspace import UPDATE_META, ExportError, Workspace, carry_over, load_export
 
@@ -130,9 +131,8 @@ def _check_builder(c: Any) -> None:
 
 def _no_run_config(c: EvalConfig) -> GRPOConfig:
     """Without a run: the `train_preset` of configs/grpo.py with the `builder=hf:` model as its policy."""
-    grpo = importlib.import_module("configs.grpo")
     try:
-        cfg = grpo.get_config(c.train_preset)
+        cfg = grpo_presets.get_config(c.train_preset)
     except ValueError as e:
         raise _err("train_preset", str(e)) from None
     cfg.model.update(init="hf", path=c.builder[3:], lora_rank=0)
@@ -735,7 +735,7 @@ def evaluate_run(
       overrides: any top-level eval key (`num_tasks=2`, `samples=4`, ...).
     Returns the results dict (`format_table(results)` prints the held-out table).
     """
-    c = config if config is not None else importlib.import_module("configs.eval").get_config()
+    c = config if config is not None else eval_presets.get_config()
     c = ml_collections.ConfigDict(c.to_dict())
     c.run, c.name = run_dir, name
     if methods is not None:

@@ -42,6 +42,7 @@ from librarian_jax import (
     storage,
 )
 from librarian_jax.config_schema import GRPOConfig, RunConfig, SFTConfig, require_typed
+from librarian_jax.presets import sft as sft_presets
 from librarian_jax.rl import sft, train_step
 from librarian_jax.warm_start import demos
 
@@ -254,11 +255,9 @@ WARM_START_DIR = "warm_start"
 def warm_start_config(settings: GRPOConfig) -> SFTConfig:
     """The SFT config of `settings`' warm start: `configs/sft.py:<warm_start.sft_preset>` on the run's model,
     world, rollout, roles and mesh, in `workdir/warm_start`, validated."""
-    from configs import sft as sft_configs  # the presets live in the config files (above this package)
-
     require_typed(settings, GRPOConfig, "warm_start.sft.warm_start_config")
     grpo = settings.to_dict()
-    preset = SFTConfig.parse(sft_configs.get_config(settings.warm_start.sft_preset)).to_dict()
+    preset = SFTConfig.parse(sft_presets.get_config(settings.warm_start.sft_preset)).to_dict()
     if settings.warm_start.sft_steps:  # the schedule (warmup, cosine decay) spans the steps asked for
         preset["train"]["num_steps"] = settings.warm_start.sft_steps
     shared = {k: grpo[k] for k in ("seed", "preset", "builder_thinking", "model", "rollout", "roles", "mesh")}
