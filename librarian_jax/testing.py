@@ -7,6 +7,10 @@ smallest stand-ins, one module.
 - `chat_template(tokenizer=None, style="chatml", **kw)`: the real `tokenizers.chat_template` over it (ChatML,
   Qwen3.5 with its thinking switch, Gemma with or without the system fold, Llama 3), so a test runs exactly
   the templates a run uses, not a re-implementation.
+- `tiny_config(**overrides)` / `tiny_model(config=None, *, seed=0, scale=1.0, **overrides)`: the smallest
+  real model (`models.Transformer`, one full-attention layer of 32) built the way a run builds one
+  (`models.init_model`, one compiled program); `scale` multiplies every matrix so greedy decisions are well
+  separated (random weights near initialisation give near-uniform logits).
 - `returned(gen)`: what an agent generator that needs no engine (the scripted navigator, a model-free
   executor) returns; an AssertionError if it asks for one.
 - `ScriptedEngine` / `FakeSession`: the real engine's session API answering each turn with text from a
@@ -24,8 +28,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
+from librarian_jax import models
 from librarian_jax.engine.session import TokenRecord
 from librarian_jax.tokenizers import ChatTemplate
 from librarian_jax.tokenizers import chat_template as real_chat_template
@@ -81,6 +88,31 @@ def chat_template(tokenizer: Tokenizer | None = None, style: str = "chatml", **k
     """The real chat template of `style` (`tokenizers.chat_template`, keywords as there: `fold_system`,
     `thinking`, `add_bos`) over `tokenizer` (default a new `ByteTokenizer`)."""
     return real_chat_template(tokenizer or ByteTokenizer(), style, **kw)
+
+
+TINY = dict(vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+            head_dim=16, layer_types=("full_attention",))
+
+
+def tiny_config(**overrides: Any) -> models.ModelConfig:
+    """The `tiny` preset cut to one full-attention layer of 32 (`TINY`), with field overrides (e.g.
+    `vocab_size=`, `num_layers=2, layer_types=("full_attention",) * 2`, `dtype="float32"`)."""
+    return models.get_preset("tiny", **{**TINY, **overrides})
+
+
+def tiny_model(config: models.ModelConfig | None = None, *, seed: int = 0, scale: float = 1.0,
+               **overrides: Any) -> models.Transformer:
+    """A random-weight `models.Transformer` of `config` (default `tiny_config(**overrides)`), initialised
+    from `seed` by `models.init_model`; every parameter of two or more dimensions multiplied by `scale`."""
+    if config is None:
+        config = tiny_config(**overrides)
+    elif overrides:
+        config = config.replace(**overrides)
+    model = models.init_model(config, seed=seed)
+    if scale != 1.0:
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, params))
+    return model
 
 
 def returned(gen: Any) -> Any:

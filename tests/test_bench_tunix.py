@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.bench.decode import tunix_generate
 from librarian_jax.engine import generate
 
 
 def test_tunix_column_is_skipped_cleanly_without_tunix():
     """Without tunix the bench gets (None, a reason) and prints it; with tunix, a runner."""
-    model = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0))
+    model = testing.tiny_model(models.get_preset("tiny"))
     run, note = tunix_generate(model, 4, 2)
     try:
         import tunix  # noqa: F401
@@ -28,7 +27,7 @@ def test_tunix_column_is_skipped_cleanly_without_tunix():
 def test_tunix_sampler_equals_generate_on_the_same_weights():
     pytest.importorskip("tunix")
     config = models.get_preset("decode_bench")
-    model = models.Transformer(config, rngs=nnx.Rngs(3))
+    model = testing.tiny_model(config, seed=3)
     prompts = np.random.default_rng(1).integers(0, config.vocab_size, size=(3, 8))
     run, _ = tunix_generate(model, 8, 12)
     assert run is not None

@@ -12,20 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from librarian_jax import checkpoint, models
+from librarian_jax import checkpoint, testing
 from librarian_jax.data import TaskPipeline, generate_world
 from librarian_jax.rl import losses
 from librarian_jax.rl import train_step as ts
 
 VOCAB, ROWS, SEQ = 16, 4, 16
+TINY = testing.tiny_config(vocab_size=VOCAB)
 CONFIG = ts.TrainConfig(loss=losses.LossConfig(tis_cap=2.0),
                         optim=ts.OptimConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8))
 
-
-def _model() -> models.Transformer:
-    cfg = models.get_preset("tiny", vocab_size=VOCAB, num_layers=1, hidden_size=32, intermediate_size=64,
-                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
-    return models.Transformer(cfg, rngs=nnx.Rngs(0))
 
 
 def _batch(tasks, key) -> dict[str, np.ndarray]:
@@ -45,7 +41,7 @@ def _train_and_save(workdir: str, num_steps: int) -> None:
     """Real updates on real data, each step checkpointed (params, optimizer, RNG, grain iterator state).
     That a run resumed from them continues as if it had never stopped is checked through `main` itself:
     tests/test_main.py::test_main_hands_new_weights_to_the_engine_and_resumes_as_if_never_stopped."""
-    trainer = ts.Trainer(_model(), CONFIG)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
     it = TaskPipeline(generate_world(0, 6, docs_per_task=1, questions_per_task=1), tasks_per_batch=2, seed=3,
                       num_epochs=None, shard_index=0, shard_count=1).iterator()
     rng = jax.random.key(42)
@@ -72,7 +68,7 @@ def test_half_written_checkpoints_are_skipped(tmp_path, caplog):
     shutil.copytree(os.path.join(killed_dir, str(k + 1)), tmp_dir)
     with caplog.at_level("WARNING"):
         ck = checkpoint.Checkpointer(killed_dir, save_every=1, keep=2)
-        trainer = ts.Trainer(_model(), CONFIG)
+        trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
         restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state)
         ck.close()
     assert restored.step == k + 1
@@ -84,7 +80,7 @@ def test_half_written_checkpoints_are_skipped(tmp_path, caplog):
 
 def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
     d = str(tmp_path / "ck")
-    trainer = ts.Trainer(_model(), CONFIG)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
     ck = checkpoint.Checkpointer(d, save_every=2, keep=3, async_save=False)
     assert not ck.save(1, params=trainer.params, opt_state=trainer.opt_state)  # not due
     saved = {}
@@ -107,11 +103,11 @@ def test_committed_but_unreadable_step_falls_back(tmp_path, caplog):
 
 
 def test_restore_params_for_initial_weights(tmp_path):
-    trainer = ts.Trainer(_model(), CONFIG)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
     ck = checkpoint.Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False)
     ck.save(1, params=trainer.params, opt_state=trainer.opt_state)
     ck.close()
-    fresh = models.Transformer(_model().config, rngs=nnx.Rngs(7))
+    fresh = testing.tiny_model(TINY, seed=7)
     nnx.update(fresh, checkpoint.restore_params(str(tmp_path), nnx.state(fresh, nnx.Param)))
     for a, b in zip(_leaves(trainer.params), _leaves(nnx.state(fresh, nnx.Param)), strict=True):
         np.testing.assert_array_equal(a, b)

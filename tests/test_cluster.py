@@ -25,14 +25,14 @@ import pytest
 from flax import nnx
 
 from configs import grpo
-from librarian_jax import cluster, models
+from librarian_jax import cluster, models, testing
 from librarian_jax.config_schema import EvalConfig, GRPOConfig, SFTConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _save_model(path: pathlib.Path, layers: int, seed: int) -> str:
-    model = models.Transformer(models.get_preset("tiny", num_layers=layers), rngs=nnx.Rngs(seed))
+    model = testing.tiny_model(models.get_preset("tiny", num_layers=layers), seed=seed)
     models.save_hf(model, str(path))
     return str(path)
 

@@ -29,16 +29,14 @@ compile_cache.enable(os.environ["DET_CACHE"])
 clock = compile_cache.CompileClock.get()
 import jax
 from configs import grpo
-from librarian_jax import cluster, training
+from librarian_jax import cluster, testing, training
 from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import train_step as ts
 
 cfg = grpo.get_config("embedded")
 cfg.train.num_steps = 2
 cfg = GRPOConfig.parse(cfg)
-class Tok:
-    vocab_size = 512
-trainer = ts.Trainer(cluster.initial_model(cfg, None, Tok()), training.train_config(cfg))
+trainer = ts.Trainer(cluster.initial_model(cfg, None, testing.ByteTokenizer()), training.train_config(cfg))
 ROWS, SEQ = 4, 64
 V = trainer.model().config.vocab_size
 

@@ -15,7 +15,7 @@ import production_codegen
 import pytest
 from flax import nnx
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.engine import Engine, SamplingParams, generate, sample
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -42,11 +42,6 @@ def _scaled(state):
     return jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, state)
 
 
-def _model(config: models.ModelConfig, seed: int = 0) -> models.Transformer:
-    model = models.init_model(config, seed=seed)  # one program, not one per initialiser
-    nnx.update(model, _scaled(nnx.state(model, nnx.Param)))
-    return model
-
 
 def _full_logits(model: models.Transformer, tokens: np.ndarray) -> np.ndarray:
     """Logits `[len, vocab]` of one full (uncached) forward pass over `tokens`."""
@@ -62,7 +57,7 @@ def _assert_greedy_matches_forward(model, prompt, generated):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_generate_equals_full_forward_argmax(family):
-    model = _model(FAMILIES[family]())
+    model = testing.tiny_model(FAMILIES[family](), scale=4.0)
     rng = np.random.default_rng(1)
     # lengths straddle the prefill bucket (32) so one row needs two chunks; the gemma rows exceed its window 8
     prompts = [rng.integers(0, 128, size=n).tolist() for n in (1, 11, 37)]
@@ -77,7 +72,7 @@ def test_greedy_generate_equals_full_forward_argmax(family):
 
 @pytest.fixture(scope="module")
 def qwen():
-    return _model(FAMILIES["qwen3"]())
+    return testing.tiny_model(FAMILIES["qwen3"](), scale=4.0)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +228,7 @@ def test_sampling_reproducible_topk1_is_greedy_and_independent_of_batch(engine, 
 
 
 def test_update_params_swaps_weights(qwen):
-    other = _model(FAMILIES["qwen3"](), seed=1)
+    other = testing.tiny_model(FAMILIES["qwen3"](), seed=1, scale=4.0)
     eng = Engine(qwen, num_slots=3, max_seq_len=96, round_steps=8, prefill_buckets=(8, 32))
     prompt = [4, 5, 6, 7]
 
@@ -250,7 +245,7 @@ def test_update_params_swaps_weights(qwen):
     assert theirs == generate(other, [prompt], 8)[0] and mine == generate(qwen, [prompt], 8)[0]
     assert mine != theirs
     with pytest.raises(ValueError, match="state tree"):
-        eng.update_params(nnx.state(_model(FAMILIES["llama3"]())))
+        eng.update_params(nnx.state(testing.tiny_model(FAMILIES["llama3"](), scale=4.0)))
 
 
 # ------------------------------------------------------------------------------------ sampling alone

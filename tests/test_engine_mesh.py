@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.engine import Engine, SamplingParams, make_mesh, resolve_mesh_shape
 from librarian_jax.models.partitioning import logical_to_spec, normalize_rules, state_shardings
 
@@ -52,11 +52,6 @@ def test_logical_to_spec_fallback_to_replication():
         logical_to_spec(("embed",), mesh, rules, (4, 4))
 
 
-def _model(seed: int) -> models.Transformer:
-    model = models.Transformer(CONFIG, rngs=nnx.Rngs(seed))
-    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, nnx.state(model, nnx.Param)))
-    return model
-
 
 KW = dict(num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16, 64))
 PROMPTS = [list(range(1 + i, 4 + 5 * i)) for i in range(8)]  # 3..38 tokens
@@ -80,14 +75,14 @@ def _run(engine: Engine, temperature: float = 0.0) -> list[tuple[list[int], np.n
 
 @pytest.fixture(scope="module")
 def reference():
-    return _run(Engine(_model(0), **KW))
+    return _run(Engine(testing.tiny_model(CONFIG, scale=4.0), **KW))
 
 
 @needs8
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"tensor": 8}])
 def test_sharded_equals_unsharded(reference, shape):
     mesh = make_mesh(shape)
-    engine = Engine(_model(0), mesh=mesh, **KW)
+    engine = Engine(testing.tiny_model(CONFIG, scale=4.0), mesh=mesh, **KW)
     k_spec = engine.cache.layers[0]["k"].sharding.spec
     # slots spread over the data and fsdp axes (an FSDP engine splits its slots too)
     want = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
@@ -107,7 +102,7 @@ def test_scanned_sharded_equals_unsharded(reference):
     # Engine(scan_layers=True) on a mesh: the stacked K/V keep the slot on "data" and "fsdp" (the layer axis,
     # 1, is replicated), the stacked weights keep their "tensor" split; same tokens as the unsharded loop
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    engine = Engine(_model(0), mesh=mesh, scan_layers=True, **KW)
+    engine = Engine(testing.tiny_model(CONFIG, scale=4.0), mesh=mesh, scan_layers=True, **KW)
     assert engine.scan_layers
     k_spec = tuple(engine.cache.groups[0]["k"].sharding.spec)
     assert k_spec[:2] == (("data", "fsdp"), None), k_spec
@@ -123,8 +118,8 @@ def test_scanned_sharded_equals_unsharded(reference):
 @needs8
 def test_two_engines_share_a_mesh():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    policy = Engine(_model(0), mesh=mesh, **KW)
-    frozen = Engine(_model(1), mesh=mesh, **KW)
+    policy = Engine(testing.tiny_model(CONFIG, scale=4.0), mesh=mesh, **KW)
+    frozen = Engine(testing.tiny_model(CONFIG, seed=1, scale=4.0), mesh=mesh, **KW)
     a = policy.new_session([1, 2, 3])
     b = frozen.new_session([1, 2, 3])
     ra, rb = policy.submit(a, 6), frozen.submit(b, 6)
@@ -138,7 +133,7 @@ def test_two_engines_share_a_mesh():
     policy.run_until_done()
     assert r.result.tokens == rb.result.tokens
     # A model whose params already live on a mesh: the engine adopts that mesh by default.
-    model = _model(1)
+    model = testing.tiny_model(CONFIG, seed=1, scale=4.0)
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, state_shardings(state, mesh)))
     inferred = Engine(model, **KW)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from test_scan_layers import VOCAB, config, model_for
 
-from librarian_jax import config_schema, models
+from librarian_jax import config_schema, models, testing
 from librarian_jax.engine import Engine, SamplingParams, generate
 from librarian_jax.models import cache as cache_lib
 
@@ -24,7 +24,7 @@ from librarian_jax.models import cache as cache_lib
 # (MoE layers under a scan, with what they sow, are checked without a cache in test_scan_layers.py)
 @pytest.mark.parametrize("kind,layers", [("qwen3", 3), ("gemma3", 5), ("qwen3_5", 5)])
 def test_cached_scan_equals_the_loop(kind, layers):
-    model = models.Transformer(config(kind, layers), rngs=nnx.Rngs(0))
+    model = testing.tiny_model(config(kind, layers))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, VOCAB, (2, 7)), jnp.int32)
     mask = jnp.asarray(np.arange(7)[None] < np.array([[7], [5]]))  # row 1 padded
@@ -76,11 +76,6 @@ def test_stack_cache_round_trip_and_errors():
         cache_lib.stack_cache(cache, 2, 3)
 
 
-def _model(kind: str, layers: int, seed: int) -> models.Transformer:
-    model = models.Transformer(config(kind, layers), rngs=nnx.Rngs(seed))
-    nnx.update(model, jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, nnx.state(model, nnx.Param)))
-    return model
-
 
 SHARED = [7, 3, 9, 1, 4, 4, 2, 8]  # a common prefix: sessions admitted together share its prefill
 
@@ -114,14 +109,14 @@ def _assert_same(got: list, want: list) -> None:
 def test_scanned_engine_equals_the_loop(kind="qwen3_5", layers=5, max_seq_len=1024):
     kw = dict(num_slots=4, max_seq_len=max_seq_len, round_steps=4, prefill_buckets=(32,), share_prefix=4,
               processed_logprobs=True)
-    loop = Engine(_model(kind, layers, 0), **kw)
-    scan = Engine(_model(kind, layers, 0), scan_layers=True, **kw)
+    loop = Engine(testing.tiny_model(config(kind, layers), scale=3.0), **kw)
+    scan = Engine(testing.tiny_model(config(kind, layers), scale=3.0), scan_layers=True, **kw)
     assert not loop.scan_layers and scan.scan_layers
     assert isinstance(scan.cache, cache_lib.ScanCache) and len(scan.cache.rest) == 1
     _assert_same(_run(scan), _run(loop))
     assert sum(st.shared_prefix_tokens for st in scan.stats) > 0  # slot copies ran on the stacked cache
     # new weights: the engine re-stacks them (a stale stack would keep the old model's tokens)
-    other = nnx.state(_model(kind, layers, 1))
+    other = nnx.state(testing.tiny_model(config(kind, layers), seed=1, scale=3.0))
     loop.update_params(other)
     scan.update_params(other)
     _assert_same(_run(scan), _run(loop))
@@ -144,14 +139,15 @@ def _ops(engine: Engine) -> int:
 def test_scanned_decode_program_does_not_grow_with_depth():
     kw = dict(num_slots=2, max_seq_len=32, round_steps=2)
     # the same program at any depth: one layer body, no per-layer stacking of weights or cache inside it
-    scanned = [_ops(Engine(_model("qwen3", n, 0), scan_layers=True, **kw)) for n in (2, 6)]
-    loop = [_ops(Engine(_model("qwen3", n, 0), **kw)) for n in (2, 6)]
+    models_ = [testing.tiny_model(config("qwen3", n), scale=3.0) for n in (2, 6)]
+    scanned = [_ops(Engine(m, scan_layers=True, **kw)) for m in models_]
+    loop = [_ops(Engine(m, **kw)) for m in models_]
     assert scanned[0] == scanned[1] < loop[1]
     assert loop[1] > loop[0]
 
 
 def test_unscannable_model_runs_the_loop_and_bad_values():
-    model = _model("qwen3", 1, 0)  # one layer: nothing repeats
+    model = testing.tiny_model(config("qwen3", 1), scale=3.0)  # one layer: nothing repeats
     engine = Engine(model, num_slots=2, max_seq_len=32, scan_layers=True)
     assert not engine.scan_layers and isinstance(engine.cache, cache_lib.Cache)
     s = engine.new_session([1, 2, 3])

@@ -15,21 +15,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from librarian_jax import checkpoint, models
+from librarian_jax import checkpoint, models, testing
 from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import losses
 from librarian_jax.rl import train_step as ts
 
 VOCAB, ROWS, SEQ = 16, 4, 16
+TINY = testing.tiny_config(vocab_size=VOCAB)
 CONFIG = ts.TrainConfig(loss=losses.LossConfig(tis_cap=2.0),
                         optim=ts.OptimConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8))
 STEPS = (1, 2, 3)
 
-
-def _model(seed: int = 0) -> models.Transformer:
-    cfg = models.get_preset("tiny", vocab_size=VOCAB, num_layers=1, hidden_size=32, intermediate_size=64,
-                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
-    return models.Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
 def _batch(step: int) -> dict[str, np.ndarray]:
@@ -51,7 +47,7 @@ def _leaves(tree) -> list[np.ndarray]:
 def run(tmp_path_factory):
     """A real tiny run: 3 updates, each step checkpointed; the params of every step, as trained."""
     d = str(tmp_path_factory.mktemp("run") / "checkpoints")
-    trainer = ts.Trainer(_model(), CONFIG)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
     ck = checkpoint.Checkpointer(d, save_every=1, keep=5)
     saved = {}
     for step in STEPS:
@@ -69,7 +65,7 @@ def damaged(run, tmp_path):
     src, saved = run
     d = str(tmp_path / "checkpoints")
     shutil.copytree(src, d)
-    return d, saved, ts.Trainer(_model(seed=5), CONFIG)
+    return d, saved, ts.Trainer(testing.tiny_model(TINY, seed=5), CONFIG)
 
 
 def _largest_data_file(step_dir: str, item: str = "params") -> str:
@@ -151,7 +147,7 @@ def test_restore_params_eval_path_falls_back_or_names_the_step(damaged, caplog):
     """`restore_params` (eval, build, model.init='orbax') checks the same digests through `restore_step`."""
     d, saved, _ = damaged
     _garbage(_largest_data_file(os.path.join(d, "3")))
-    target = nnx.state(_model(seed=9), nnx.Param)
+    target = nnx.state(testing.tiny_model(TINY, seed=9), nnx.Param)
     with caplog.at_level("WARNING"):
         params, step = checkpoint.restore_params_step(os.path.join(d, "3"), target)
     assert step == 2 and "checkpoint step 3" in caplog.text and "crc32c" in caplog.text
@@ -168,7 +164,8 @@ def test_a_params_only_step_restores_unverified_with_a_warning(damaged, caplog):
     d, saved, _ = damaged
     shutil.rmtree(os.path.join(d, "3", "meta"))
     with caplog.at_level("WARNING"):
-        params, step = checkpoint.restore_params_step(os.path.join(d, "3"), nnx.state(_model(9), nnx.Param))
+        target = nnx.state(testing.tiny_model(TINY, seed=9), nnx.Param)
+        params, step = checkpoint.restore_params_step(os.path.join(d, "3"), target)
     assert step == 3 and "no meta item: a params-only step" in caplog.text
     for a, b in zip(saved[3], _leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -203,7 +200,7 @@ def test_every_shard_of_every_array_is_digested(run):
     d, saved = run
     meta = checkpoint.read_meta(os.path.join(d, "3"))
     assert set(meta["digests"]) == {"params", "opt_state"} and meta["hosts"] == [socket.gethostname()]
-    pure = nnx.state(_model(), nnx.Param).to_pure_dict()
+    pure = nnx.state(testing.tiny_model(TINY), nnx.Param).to_pure_dict()
     keys = [checkpoint._keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
     params = meta["digests"]["params"]
     assert sorted(params) == sorted(keys)
@@ -217,7 +214,7 @@ def test_every_shard_of_every_array_is_digested(run):
             assert shard == {"crc32c": checkpoint.crc32c(value[sl]), "process": 0}, (key, region)
         assert (covered == 1).all(), key  # the shards tile the array, once each
     opt = meta["digests"]["opt_state"]
-    assert len(opt) == len(jax.tree.leaves(ts.Trainer(_model(), CONFIG).opt_state))
+    assert len(opt) == len(jax.tree.leaves(ts.Trainer(testing.tiny_model(TINY), CONFIG).opt_state))
 
 
 def test_the_digests_come_from_orbaxs_host_copies_on_its_writer(tmp_path, monkeypatch):
@@ -229,7 +226,7 @@ def test_the_digests_come_from_orbaxs_host_copies_on_its_writer(tmp_path, monkey
         raise AssertionError("a shard was copied to the host for its digest on the save's call")
 
     monkeypatch.setattr(checkpoint, "_own_fragments", no_copy)
-    trainer = ts.Trainer(_model(), CONFIG)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)
     ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
     assert ck.save(1, params=trainer.params, opt_state=trainer.opt_state, force=True)
     ck.close()
@@ -246,7 +243,7 @@ def test_a_step_with_whole_array_digests_is_still_checked(damaged):
     import json
 
     d, saved, trainer = damaged
-    pure = nnx.state(_model(), nnx.Param).to_pure_dict()
+    pure = nnx.state(testing.tiny_model(TINY), nnx.Param).to_pure_dict()
     keys = [checkpoint._keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
     for step in (2, 3):
         path = os.path.join(d, str(step), "meta", "metadata")
@@ -518,7 +515,8 @@ def eval_run(tmp_path_factory):
     cfg.workdir = str(run_dir)
     (run_dir / "config.json").write_text(cfg.to_json_best_effort())
     cfg = GRPOConfig.parse(cfg)
-    trainer = ts.Trainer(cluster.initial_model(cfg, None, _Tok()), training.train_config(cfg))
+    model = cluster.initial_model(cfg, None, testing.ByteTokenizer())
+    trainer = ts.Trainer(model, training.train_config(cfg))
     ck = checkpoint.Checkpointer(str(run_dir / "checkpoints"), async_save=False, keep=3)
     saved = {}
     for step in (2, 3):
@@ -527,10 +525,6 @@ def eval_run(tmp_path_factory):
         ck.save(step, params=moved, opt_state=trainer.opt_state, force=True)
     ck.close()
     return str(run_dir), restore.load_run_config(str(run_dir)), saved
-
-
-class _Tok:
-    vocab_size = 64
 
 
 @pytest.fixture
@@ -579,12 +573,12 @@ def test_eval_restore_falls_back_from_damaged_arrays_and_never_uses_them(eval_co
     _garbage(_largest_data_file(step_dir))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     with caplog.at_level("WARNING"):
-        model = restore.restore_builder(run_cfg, step_dir, mesh, _Tok())
+        model = restore.restore_builder(run_cfg, step_dir, mesh, testing.ByteTokenizer())
     assert "checkpoint step 3" in caplog.text and "crc32c" in caplog.text and "using step 2" in caplog.text
     for a, b in zip(saved[2], _leaves(nnx.state(model, nnx.Param)), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(checkpoint.CheckpointError, match=r"step 3: params/\S+ shard \[[0-9:,]+\]: crc32c"):
-        restore.restore_builder(run_cfg, step_dir, mesh, _Tok(), fallback=False)
+        restore.restore_builder(run_cfg, step_dir, mesh, testing.ByteTokenizer(), fallback=False)
 
 
 def _truncate(path: str, fraction: float = 2 / 3) -> None:
@@ -702,7 +696,7 @@ def test_eval_checks_its_output_directory_before_any_work(eval_copy, monkeypatch
 
 
 def test_non_finite_updates_are_skipped_counted_and_stop_after_n_in_a_row(tmp_path, caplog):
-    trainer = ts.Trainer(_model(), CONFIG)  # max_skipped_in_a_row=3 (the default)
+    trainer = ts.Trainer(testing.tiny_model(TINY), CONFIG)  # max_skipped_in_a_row=3 (the default)
     nan = dict(_batch(1), advantages=np.full((ROWS, SEQ), np.nan, np.float32))
     assert trainer.update(_batch(1))["skipped"] == 0.0
     good = _leaves(trainer.params)
@@ -747,8 +741,8 @@ def test_a_failed_async_save_names_its_step_at_the_next_save(damaged, monkeypatc
 def test_a_resume_with_another_lr_schedule_is_reported(tmp_path, caplog):
     """A 2-step and a 4-step run follow other cosine schedules (train.num_steps sets its length): the
     measured cause of 'two launches differ' (BENCHMARKS.md, "Bit-identical launches")."""
-    short = ts.Trainer(_model(), CONFIG)
-    longer = ts.Trainer(_model(), ts.TrainConfig(loss=CONFIG.loss, optim=ts.OptimConfig(
+    short = ts.Trainer(testing.tiny_model(TINY), CONFIG)
+    longer = ts.Trainer(testing.tiny_model(TINY), ts.TrainConfig(loss=CONFIG.loss, optim=ts.OptimConfig(
         learning_rate=1e-2, warmup_steps=1, total_steps=16)))
     ck = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
     ck.save(1, params=short.params, opt_state=short.opt_state, force=True,

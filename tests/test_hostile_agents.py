@@ -7,11 +7,10 @@ import json
 import time
 
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.agents.builder import BUILDER_TOOLS
 from librarian_jax.agents.protocol import (
     TOOL_CALL_CLOSE,
@@ -121,7 +120,7 @@ def test_every_block_is_one_call_or_one_error(pieces: list[str]) -> None:
 def _idle_engine(window: int) -> Engine:
     """A real Engine (a 1-layer tiny model) with no session: its step() admits, prefills and decodes
     nothing, so only its bookkeeping runs."""
-    model = models.Transformer(models.get_preset("tiny", num_layers=1), rngs=nnx.Rngs(0))
+    model = testing.tiny_model(models.get_preset("tiny", num_layers=1))
     return Engine(model, 2, 64, stats_window=window)
 
 

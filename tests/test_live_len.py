@@ -11,9 +11,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.engine import Engine, make_mesh
 from librarian_jax.engine import engine as engine_mod
 from librarian_jax.models import cache as cache_lib
@@ -25,11 +24,6 @@ CONFIG = models.get_preset(
 KW = dict(num_slots=8, max_seq_len=64, round_steps=8, prefill_buckets=(16,))
 PROMPTS = [list(range(1 + i, 4 + 5 * i)) for i in range(8)]  # 3..38 tokens
 
-
-def _model() -> models.Transformer:
-    model = models.Transformer(CONFIG, rngs=nnx.Rngs(0))
-    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, nnx.state(model, nnx.Param)))
-    return model
 
 
 def _run(engine: Engine) -> list[tuple[list[int], np.ndarray]]:
@@ -51,7 +45,7 @@ def _run(engine: Engine) -> list[tuple[list[int], np.ndarray]]:
 def whole_cache():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cache_lib, "MIN_LIVE_LEN", 10**9)
-        return _run(Engine(_model(), **KW))
+        return _run(Engine(testing.tiny_model(CONFIG, scale=4.0), **KW))
 
 
 @pytest.fixture
@@ -82,12 +76,12 @@ def test_live_lengths():
 
 
 def test_live_attention_equals_whole_cache(whole_cache, live):
-    _same(_run(Engine(_model(), **KW)), whole_cache)
+    _same(_run(Engine(testing.tiny_model(CONFIG, scale=4.0), **KW)), whole_cache)
     assert {16, 32, None} <= set(live)  # every length was used
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 def test_live_attention_sharded_equals_unsharded(whole_cache, live):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    _same(_run(Engine(_model(), mesh=mesh, **KW)), whole_cache)
+    _same(_run(Engine(testing.tiny_model(CONFIG, scale=4.0), mesh=mesh, **KW)), whole_cache)
     assert {16, 32} <= set(live)

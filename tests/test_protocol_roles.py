@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from configs import grpo
-from librarian_jax import cluster, models, training
+from librarian_jax import cluster, models, testing, training
 from librarian_jax import config_validation as cv
 from librarian_jax.config_schema import GRPOConfig
 from librarian_jax.rl import train_step
@@ -63,12 +63,9 @@ def test_roles_naming_the_same_weights_share_one_engine():
     c.roles.executor.update(init="random", preset="tiny", slots=3)
     settings = GRPOConfig.parse(c)
     roles = cv.resolve_roles(settings)
-    base = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0))
+    base = testing.tiny_model(models.get_preset("tiny"))
 
-    class Tok:
-        vocab_size = 100
-
-    engines = cluster.build_role_engines(settings, None, base, Tok(), roles)
+    engines = cluster.build_role_engines(settings, None, base, testing.ByteTokenizer(), roles)
     assert engines["answerer"] is engines["compaction"] is engines["judge"]
     assert engines["executor"] is not engines["answerer"] and engines["executor"].num_slots == 3
 
@@ -91,7 +88,7 @@ def adapted(model) -> set[str]:
       "linear_attn/in_proj_a", "linear_attn/in_proj_b", "linear_attn/out_proj"}),
 ])
 def test_lora_adapts_every_linear_layer_of_every_layer_type(family, preset, over, want):
-    model = models.Transformer(models.get_preset(preset, **over), rngs=nnx.Rngs(0))
+    model = testing.tiny_model(models.get_preset(preset, **over))
     pattern = grpo.get_config("embedded").model.lora_module_path
     assert pattern == train_step.LORA_ALL_LINEAR
     got = adapted(train_step.apply_lora(model, 2, 4.0, pattern))

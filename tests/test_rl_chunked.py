@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.rl import losses
 from librarian_jax.rl import train_step as ts
 
@@ -20,7 +20,7 @@ def tiny(vocab: int = VOCAB, layers: int = 2) -> models.Transformer:
     config = models.get_preset("tiny", vocab_size=vocab, num_layers=layers, hidden_size=32,
                                intermediate_size=64, num_heads=2, num_kv_heads=1,
                                layer_types=("full_attention",) * layers)
-    return models.Transformer(config, rngs=nnx.Rngs(0))
+    return testing.tiny_model(config)
 
 
 def batch(rows: int = 4, seq: int = 13, vocab: int = VOCAB, seed: int = 0) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.agents.runtime import Segment
 from librarian_jax.engine import Engine, SamplingParams
 from librarian_jax.rl import losses
@@ -45,12 +45,12 @@ def random_batch(rows: int = 4, seq: int = 12, seed: int = 0) -> dict[str, np.nd
 
 @pytest.fixture(scope="module")
 def model() -> models.Transformer:
-    return models.Transformer(small_config(), rngs=nnx.Rngs(0))
+    return testing.tiny_model(small_config())
 
 
 @pytest.fixture(scope="module")
 def one_layer() -> models.Transformer:
-    return models.Transformer(small_config(layers=1), rngs=nnx.Rngs(0))
+    return testing.tiny_model(small_config(layers=1))
 
 
 def test_micro_batched_gradients_equal_full_batch(one_layer):
@@ -246,7 +246,7 @@ TARGET = 7
 
 def test_grpo_learns_target_token_with_engine_sampling():
     """Bandit: reward = share of sampled tokens equal to 7. GRPO with the real engine and train step."""
-    model = models.Transformer(small_config(), rngs=nnx.Rngs(0))
+    model = testing.tiny_model(small_config())
     groups, group_size, new_tokens = 4, 8, 12
     engine = Engine(model, num_slots=groups * group_size, max_seq_len=32, round_steps=new_tokens)
     trainer = ts.Trainer(model, TRAIN)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from librarian_jax import models
+from librarian_jax import models, testing
 from librarian_jax.engine import Engine, make_mesh
 from librarian_jax.models import partitioning
 from librarian_jax.rl import train_step as ts
@@ -52,17 +52,17 @@ def test_multi_axis_rule_keeps_the_axes_that_divide():
 def test_params_cache_and_trainer_state_share_one_set_of_specs():
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     rules = {**partitioning.DEFAULT_RULES, "embed": ("fsdp", "tensor")}
-    model = models.Transformer(CONFIG, rngs=nnx.Rngs(0))
+    model = testing.tiny_model(CONFIG)
     want = partitioning.state_shardings(nnx.state(model, nnx.Param), mesh, rules)
     want_specs = [s.spec for s in jax.tree.leaves(want)]
     # embed (44) keeps fsdp (4 | 44) and drops tensor (8 does not divide 44), which the heads then use
     assert want["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value().spec == P("fsdp", "tensor")
     assert want["embed_tokens"]["embedding"].get_value().spec == P("tensor", "fsdp")
 
-    loaded = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, rules)
-    engine = Engine(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh=mesh, rules=rules, num_slots=4,
+    loaded = models.shard_model(testing.tiny_model(CONFIG), mesh, rules)
+    engine = Engine(testing.tiny_model(CONFIG), mesh=mesh, rules=rules, num_slots=4,
                     max_seq_len=16, round_steps=2, prefill_buckets=(16,))
-    trainer = ts.Trainer(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), ts.TrainConfig(), mesh=mesh,
+    trainer = ts.Trainer(testing.tiny_model(CONFIG), ts.TrainConfig(), mesh=mesh,
                          rules=rules)
 
     def specs(state):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from gcs_emulator import gcs_emulator, list_objects
 
-from librarian_jax import checkpoint, distributed, models, storage
+from librarian_jax import checkpoint, distributed, storage, testing
 from librarian_jax.rl import train_step as ts
 
 BUCKET = "librarian-test"
@@ -35,11 +35,6 @@ def in_empty_dir(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [], "a gs:// path was written to the local disk"
 
 
-def _model() -> models.Transformer:
-    cfg = models.get_preset("tiny", vocab_size=16, num_layers=1, hidden_size=32, intermediate_size=64,
-                            num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("full_attention",))
-    return models.Transformer(cfg, rngs=nnx.Rngs(0))
-
 
 def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
@@ -51,7 +46,7 @@ def _leaves(tree) -> list[np.ndarray]:
                     "the emulator ignores ifGenerationMatch), which made the suite flaky")
 def test_checkpoints_save_restore_and_skip_half_written_steps_on_gs(gcs, in_empty_dir):
     d = f"gs://{BUCKET}/run/checkpoints"
-    trainer = ts.Trainer(_model(), ts.TrainConfig())
+    trainer = ts.Trainer(testing.tiny_model(vocab_size=16), ts.TrainConfig())
     ck = checkpoint.Checkpointer(d, save_every=1, keep=3, async_save=True)
     saved = {}
     for step in (1, 2):
@@ -78,7 +73,7 @@ def test_checkpoints_save_restore_and_skip_half_written_steps_on_gs(gcs, in_empt
     assert len(moved) == 1 and moved[0].startswith("3."), moved
     assert not storage.exists(f"{d}/3")
     # initial weights from a gs:// run (its newest committed step)
-    fresh = _model()
+    fresh = testing.tiny_model(vocab_size=16)
     nnx.update(fresh, checkpoint.restore_params(d, nnx.state(fresh, nnx.Param)))
     for a, b in zip(_leaves(nnx.state(fresh, nnx.Param)), saved[2], strict=True):
         np.testing.assert_array_equal(a, b)
@@ -143,7 +138,7 @@ def test_evaluation_reads_a_gs_run(gcs, in_empty_dir):
 
     run = f"gs://{BUCKET}/evalrun"
     storage.write_text(f"{run}/config.json", json.dumps({"model": {"preset": "tiny", "init": "random"}}))
-    trainer = ts.Trainer(_model(), ts.TrainConfig())
+    trainer = ts.Trainer(testing.tiny_model(vocab_size=16), ts.TrainConfig())
     # saved locally, then uploaded file by file: Orbax's own gs:// save is the opt-in test above (the
     # emulator sometimes rejects its OCDBT manifest write, 'Malformed StorageGeneration'); read here
     with tempfile.TemporaryDirectory() as local:
