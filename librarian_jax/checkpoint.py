@@ -77,7 +77,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.serialization import jax_array_handlers
 
 from librarian_jax import distributed, storage
-from librarian_jax.config_schema import ConfigError
+from librarian_jax.errors import ConfigError
 
 COMMIT_MARKER = "commit_success.txt"
 INCOMPLETE_DIR = "_incomplete"

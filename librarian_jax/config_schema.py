@@ -29,14 +29,13 @@ from librarian_jax import data as data_lib
 from librarian_jax.agents.answerer import ANSWERER_KINDS
 from librarian_jax.agents.runtime import FROZEN_ROLES
 from librarian_jax.engine.mesh import MESH_AXES, resolve_mesh_shape
+from librarian_jax.errors import ConfigError
 from librarian_jax.models import PRESETS as MODEL_PRESETS
 from librarian_jax.rl import advantages, losses, train_step
 from librarian_jax.rl.rows import RowsConfig
 from librarian_jax.rl.sft import PACKING
 from librarian_jax.rollout import RolloutConfig
 from librarian_jax.tokenizers import STYLES as CHAT_STYLES
-from librarian_jax.warm_start.demos import DEFAULT_MIX as DEMO_MIX
-from librarian_jax.warm_start.demos import STYLES as DEMO_STYLES
 
 # The choice lists of this module's keys (lists owned by a lower layer are imported above).
 MODEL_INITS = ("random", "hf", "orbax")
@@ -65,10 +64,6 @@ _PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("librarian_jax_
 def planning() -> bool:
     """Whether the config being parsed or validated is a plan's (`topology` set): no weights are read."""
     return _PLANNING.get()
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message starts with the key path (`config.section.key`)."""
 
 
 def config_error(key: str, msg: str) -> ConfigError:
@@ -612,6 +607,13 @@ class CheckpointSection(Section):
     # checkpoints exist but none restores (all damaged): stop with each step's reason (False), or move them
     # to checkpoints/_damaged/ and train from step 0 (True); never silently
     start_fresh: bool = spec(False)
+
+
+# the warm start's scripted builder styles (`warm_start.demos`, a branch each) and their default mixture:
+# named here, below the demonstrations, so the schema checks `demos.mix` without importing them
+DEMO_STYLES = ("entities", "by_kind", "own_doc", "generic", "early_stop")
+DEMO_MIX: dict[str, float] = {"entities": 0.25, "by_kind": 0.0, "own_doc": 0.4, "generic": 0.1,
+                              "early_stop": 0.25}
 
 
 @dataclasses.dataclass(frozen=True)

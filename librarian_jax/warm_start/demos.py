@@ -6,8 +6,9 @@ through the real `BuilderAgent`, executor, workspace and scheduler by a `testing
 the transcript is exactly what the protocol produces; the episode is scored by the same probes and terminal
 evaluation as training (with the run's answerer), and that score is kept with each demonstration.
 
-Styles (`STYLES`); with the embedded answerer (`agents.navigator`, which reads files whose titles name its
-entity first, then other summaries, then originals) the first two organise well, the last two poorly:
+Styles (`STYLES`, named by `config_schema`, which checks a mix against them); with the embedded answerer
+(`agents.navigator`, which reads files whose titles name its entity first, then other summaries, then
+originals) the first two organise well, the last two poorly:
 - `entities`: one file per entity named in the listing (people, organisations, projects), each written from
   every document, so the file gathers the entity's facts scattered over the corpus; then stop.
 - `by_kind`: the same entity files (from `raw_docs`, every document), then one directory per kind of entity
@@ -37,14 +38,13 @@ from absl import logging
 
 from librarian_jax.agents.builder import RAW_DIR, first_observation, render_result
 from librarian_jax.agents.protocol import render_response
+from librarian_jax.config_schema import DEMO_MIX as DEFAULT_MIX
+from librarian_jax.config_schema import DEMO_STYLES as STYLES
 from librarian_jax.data.synthetic import entity_of_title
 from librarian_jax.rollout import run_batch
 from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.workspace import Workspace
 
-STYLES = ("entities", "by_kind", "own_doc", "generic", "early_stop")
-DEFAULT_MIX: dict[str, float] = {"entities": 0.25, "by_kind": 0.0, "own_doc": 0.4, "generic": 0.1,
-                                 "early_stop": 0.25}
 # a raw document's line in the builder's first message (`agents.builder.raw_listing`) or in a listing of
 # raw_docs/ (the update prompt's new documents)
 _RAW_LINE = re.compile(r'^(?:(?P<id>[^\s"]+)\s+"(?P<title1>[^"]*)"\s+\([\d,]+ chars\)$'
