@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from librarian_jax import models
+from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.session import TokenRecord
 from librarian_jax.tokenizers import ChatTemplate
 from librarian_jax.tokenizers import chat_template as real_chat_template
@@ -201,24 +202,28 @@ class ScriptedEngine:
         self.samplings.append(sampling)
         self.queue.append((session, max_new_tokens, tuple(stop_ids), int(tag)))
 
+    def _turn(self, s: FakeSession, max_new: int, stops: tuple[int, ...]) -> tuple[list[int], str]:
+        """The policy's reply cut where the real engine would end the turn, by the engine's own rules
+        (`engine.slots.admission_status`, `engine.slots.finish_reason`); a reply that runs out first ends
+        as "length" (the policy stopped writing)."""
+        ends = slot_programs.admission_status(len(s), max_new, self.max_seq_len)
+        if ends is not None:
+            return [], ends
+        reply = self.policy(s)
+        ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.end_id]
+        for k, t in enumerate(ids, start=1):
+            reason = int(slot_programs.finish_reason(t in stops, k, max_new, len(s) + k - 1, self.max_seq_len,
+                                                     where=np.where))
+            if reason != slot_programs.RUNNING:
+                return ids[:k], slot_programs.REASONS[reason]
+        return ids, "length"
+
     def step(self) -> list[Result]:
         batch, self.queue = self.queue[: self.num_slots], self.queue[self.num_slots :]
         self.batch_sizes.append(len(batch))
         out = []
         for s, max_new, stops, tag in batch:
-            reply = self.policy(s)
-            ids = list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.end_id]
-            status = "length"
-            for k, t in enumerate(ids):
-                if t in stops:
-                    ids = ids[: k + 1]
-                    status = "stop"
-                    break
-            if len(ids) > max_new:
-                ids, status = ids[:max_new], "length"
-            room = self.max_seq_len - len(s)
-            if len(ids) > room:
-                ids, status = ids[: max(room, 0)], "cache_full"
+            ids, status = self._turn(s, max_new, stops)
             s.extend(ids, [-0.5] * len(ids), tag=tag)
             s.turns += 1
             s.inflight = False

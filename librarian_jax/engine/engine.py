@@ -355,10 +355,10 @@ class Engine:
             processed_logprobs=[] if self.processed_logprobs else None,
         )
         lane.request = req
-        if lane.status == "cache_full" or len(session) + 1 > self.max_seq_len:
-            self._finish(session, "cache_full")
-        elif max_new_tokens == 0:
-            self._finish(session, "length")
+        ends = "cache_full" if lane.status == "cache_full" else slot_programs.admission_status(
+            len(session), max_new_tokens, self.max_seq_len)
+        if ends is not None:
+            self._finish(session, ends)
         else:
             lane.status = "waiting"
             self._waiting.append(session)

@@ -32,6 +32,27 @@ RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
 REASONS = {STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
 
 
+def finish_reason(stopped: Any, produced: Any, budget: Any, cached: Any, max_len: int,
+                  where: Callable[..., Any] = jnp.where) -> Any:
+    """Why a slot stops after sampling a token (``RUNNING`` if it goes on), one rule for the decode loop and
+    any host-side stand-in (``testing.ScriptedEngine``, with ``where=numpy.where``): a stop id ends the turn
+    (``STOP``), else ``produced >= budget`` tokens this turn (``LENGTH``), else a session that cannot take
+    one more token (``CACHE_FULL``: ``cached``, the slot's cached tokens, one fewer than the session's,
+    + 2 > ``max_len``). Arguments broadcast (``[slots]`` in the loop, scalars on the host)."""
+    return where(stopped, STOP, where(produced >= budget, LENGTH,
+                                      where(cached + 2 > max_len, CACHE_FULL, RUNNING)))
+
+
+def admission_status(length: int, max_new_tokens: int, max_len: int) -> str | None:
+    """The status a submitted turn ends with before any decoding (None: it decodes): ``"cache_full"`` when
+    a session of ``length`` tokens cannot take one more, ``"length"`` when it may produce none."""
+    if length + 1 > max_len:
+        return "cache_full"
+    if max_new_tokens == 0:
+        return "length"
+    return None
+
+
 _constrain = partitioning.constrain  # the cache keeps the engine's slot sharding through every program
 
 
@@ -210,13 +231,7 @@ def decode(
         out_lp = jax.lax.dynamic_update_slice(c["out_lp"], lp[:, None], (0, step))
         count = c["count"] + act.astype(jnp.int32)
         is_stop = jnp.any(tok[:, None] == stop_ids, axis=-1)
-        reason = jnp.where(
-            is_stop,
-            STOP,
-            jnp.where(
-                count >= budget, LENGTH, jnp.where(new_cache.lengths + 2 > max_len, CACHE_FULL, RUNNING)
-            ),
-        )
+        reason = finish_reason(is_stop, count, budget, new_cache.lengths, max_len)
         finished = act & (reason != RUNNING)
         new = dict(
             step=step + 1,
