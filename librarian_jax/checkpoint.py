@@ -197,13 +197,15 @@ class SaveDigests:
     """The shard digests of one save: this process's, added as Orbax's writer threads hand over their host
     copies (`add`), then every process's, merged on process 0 by the `meta` item's writer (`gather`).
     `expected`: {item: array keys} that Orbax will hand over; `nbytes`/`seconds`: what this process digested
-    and the time it took (on the writer threads)."""
+    and the time it took (on the writer threads); `copied_bytes`: the device shards this process copied to
+    the host itself, on the save's call, for want of Orbax's copies (0 while the hook is in place)."""
 
     def __init__(self, exchange: str, expected: dict[str, set[str]], timeout_s: float):
         self.exchange = exchange  # the coordination-service key of this save's exchange
         self.timeout_s = timeout_s
         self.digests: dict[str, dict[str, Any]] = {item: {} for item in DIGEST_ITEMS}
         self.nbytes, self.seconds = 0, 0.0
+        self.copied_bytes = 0
         self._missing = {item: set(keys) for item, keys in expected.items()}
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -815,6 +817,8 @@ class Checkpointer:
         save_digests = SaveDigests(exchange, expected, self.sync_timeout_s)
         for item, key, x, fragments in here:
             save_digests.add(item, key, np.shape(x), x.dtype, fragments)
+            if isinstance(x, jax.Array):
+                save_digests.copied_bytes += sum(f.nbytes for _, f in fragments)
         return save_digests
 
     def _forget_digests(self) -> None:

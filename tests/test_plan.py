@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -218,12 +219,14 @@ def test_the_plans_figures_are_the_compiled_programs_and_the_arrays_own(tmp_path
 
 
 def test_a_plan_without_the_tpu_compiler_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(topology, "_has_libtpu", lambda: False)
+    assert "pip install -e '.[tpu]'" in topology.compiler_hint(installed=False)
+    assert topology.compiler_hint(installed=True) == ""
     topology._devices.cache_clear()
     monkeypatch.setattr("jax.experimental.topologies.get_topology_desc",
                         lambda **kw: (_ for _ in ()).throw(RuntimeError("no plugin")))
     try:
-        with pytest.raises(topology.TopologyError, match=r"pip install -e '\.\[tpu\]'"):
+        hint = re.escape(topology.compiler_hint(topology.has_libtpu()))
+        with pytest.raises(topology.TopologyError, match=rf"could not describe it{hint}: no plugin"):
             topology.parse("v5p-8").devices()
     finally:
         topology._devices.cache_clear()

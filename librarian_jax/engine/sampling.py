@@ -198,13 +198,15 @@ def _sample_general(
     seeds: jax.Array,
     streams: jax.Array,
     positions: jax.Array,
+    truncate: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The general path of ``sample`` (any mix of greedy / temperature / top-k / top-p slots); same contract.
 
-    This is the sampler as it was before the batch-level fast paths, kept as is: ``sample`` calls it only
-    when some slot truncates, it is correct for every batch, and the tests check the fast paths against it
-    bit for bit.
+    ``sample`` calls it only when some slot truncates; it is correct for every batch, and the tests check the
+    fast paths against it bit for bit. ``truncate``: the top-k / top-p mask (default ``_truncate``, the
+    bisection; the tests pass a sorting one, to check that the same keys draw the same tokens either way).
     """
+    truncate = truncate or _truncate
     logits = logits.astype(jnp.float32)
     greedy = (temperature <= 0.0) | (top_k == 1)
     safe_t = jnp.where(temperature > 0.0, temperature, 1.0)
@@ -214,7 +216,7 @@ def _sample_general(
 
     processed = jax.lax.cond(
         jnp.any(truncating),
-        lambda s: jnp.where(truncating[:, None], _truncate(s, top_k, top_p), s),
+        lambda s: jnp.where(truncating[:, None], truncate(s, top_k, top_p), s),
         lambda s: s,
         scaled,
     )

@@ -150,14 +150,20 @@ def _devices(topology: str, config: str) -> tuple[Any, ...]:
     try:
         desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
     except Exception as e:  # noqa: BLE001 - libtpu missing or the topology unknown: one line naming it
-        hint = "" if _has_libtpu() else (" (the TPU compiler is not installed: pip install -e '.[tpu]', "
-                                          "matching this jax)")
+        hint = compiler_hint(has_libtpu())
         raise TopologyError(f"topology {topology!r}: the TPU compiler could not describe it{hint}: "
                             f"{str(e).splitlines()[0][:300]}") from e
     return tuple(sorted(desc.devices, key=lambda d: d.id))
 
 
-def _has_libtpu() -> bool:
+def has_libtpu() -> bool:
+    """Whether the TPU compiler (the `libtpu` package, `pip install -e '.[tpu]'`) is installed here."""
     import importlib.util
 
     return importlib.util.find_spec("libtpu") is not None
+
+
+def compiler_hint(installed: bool) -> str:
+    """What a failed topology lookup adds to its message: how to install the compiler when it is missing."""
+    return "" if installed else (" (the TPU compiler is not installed: pip install -e '.[tpu]', "
+                                 "matching this jax)")
