@@ -148,7 +148,7 @@ def test_a_qwen3_5_warm_start_conversation_encodes_as_grpo_samples_it(qwen_tok, 
 
 def _readme_training_lines() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Training for real", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = readme.split("## Train for real", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [" ".join(cmd.split()) for cmd in block.replace("\\\n", " ").strip().splitlines()]
 
 
@@ -162,7 +162,7 @@ def _paper_settings_roles() -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("preset", ["qwen3_5_4b", "gemma3_4b"])
 def test_paper_presets_dry_run_from_readmes_command_lines(tmp_path, preset):
-    """README's "Training for real" lines, with only their model and data paths made real, validate and print
+    """README's "Train for real" lines, with only their model and data paths made real, validate and print
     the role table that docs/paper-settings.md shows (weights, slots, context, thinking)."""
     line = next(x for x in _readme_training_lines() if f"configs/grpo.py:{preset}" in x)
     argv = shlex.split(line)
