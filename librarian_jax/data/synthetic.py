@@ -407,7 +407,7 @@ class WorldConfig:
 
 # Named worlds (`data.world`); a task's sizes (`docs_per_task`, words, questions) are set on top.
 # - "classic": a handful of documents, single- and multi-hop questions; retrieval of one or two passages
-#   finds most answers (the embedded default until 2026-12-05).
+#   finds most answers (`configs/grpo.py:embedded`).
 # - "noisy": docs/world.md. Tens of documents, a quarter of them near-duplicate look-alikes; most facts stated
 #   away from their entity's page; filler that names organisations and projects; multi-hop questions whose
 #   later hops the question does not name, and counting questions over facts spread across the corpus.
