@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from librarian_jax import (
     checkpoint,
@@ -39,11 +38,12 @@ from librarian_jax import (
     inputs,
     rollout,
     storage,
+    train_loop,
 )
 from librarian_jax import eval as eval_lib
 from librarian_jax.config_schema import GRPOConfig, require_typed
 from librarian_jax.data import TaskPipeline
-from librarian_jax.eval import pipeline, restore
+from librarian_jax.eval import pipeline, report, restore
 from librarian_jax.eval import sweep as sweep_lib
 from librarian_jax.rl import rows as rows_lib
 from librarian_jax.rl import train_step
@@ -223,13 +223,10 @@ def build(settings: GRPOConfig) -> Run:
                validation=p.validation)
 
 
-def resume(run: Run, ck: Any) -> None:
-    """Restores params, optimizer state, step, RNG and data position from the newest good checkpoint."""
-    restored = ck.restore(params=run.trainer.params, opt_state=run.trainer.opt_state,
-                          start_fresh=run.settings.checkpoint.start_fresh)
-    if restored is None:
-        return
-    checkpoint.check_schedule(restored, run.trainer.schedule_info(), ck.directory)
+def resumed(run: Run, restored: checkpoint.Restored, directory: str) -> None:
+    """Takes a restored checkpoint (`train_loop.resume`): params, optimizer state, step, RNG, this process's
+    data position and the validation curve; the policy engine gets the restored weights."""
+    checkpoint.check_schedule(restored, run.trainer.schedule_info(), directory)
     run.trainer.set_state(restored.params, restored.opt_state, restored.step)
     run.rng = restored.rng if restored.rng is not None else run.rng
     data_state = restored.data_state
@@ -238,7 +235,7 @@ def resume(run: Run, ck: Any) -> None:
         data_state = by_process[jax.process_index()]  # this process's own iterator state
     if data_state is not None:
         run.data_iter.set_state(data_state)
-    run.validation_curve = validation_curve_of(restored.meta, ck.directory)
+    run.validation_curve = validation_curve_of(restored.meta, directory)
     run.push_weights()
     run.step = restored.step
     logging.info("resumed from step %d", run.step)
@@ -330,154 +327,208 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if np.isfinite(v)}
 
 
-def _write_scalars(writer: Any, metrics: dict[str, float], step: int) -> None:
-    """The finite metrics to TensorBoard at `step` (a no-op without a writer: processes other than 0)."""
-    if writer is None:
-        return
-    for k, v in _finite(metrics).items():
-        writer.add_scalar(k, v, step)
-    writer.flush()
+class GRPOSteps:
+    """GRPO's step on `train_loop`: `train_one_step` (rollouts, rows, the update, the new weights to the
+    policy engine), its console line, the curves (mean reward; periodic held-out and validation accuracy)
+    and this process's episode records (`workdir/episodes/step_N[.pK].jsonl`); before the first step of a
+    fresh run, the starting policy's evaluation (the curves' step-0 point)."""
+
+    def __init__(self, run: Run, workdir: str):
+        self.run, self.workdir = run, workdir
+        self.totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
+        self.metrics: dict[str, float] = {}  # the last step's
+        self.initial: dict[str, float] = {}  # the starting policy's evaluation
+        self.curve: list[tuple[int, float]] = []  # (step, mean reward) of this invocation's steps
+        self.heldout_curve: list[tuple[int, float]] = []  # (step, held-out accuracy), periodic evaluations
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    def restore_targets(self) -> tuple[Any, Any]:
+        return self.run.trainer.params, self.run.trainer.opt_state
+
+    def resumed(self, restored: checkpoint.Restored, directory: str) -> None:
+        resumed(self.run, restored, directory)
+
+    def before_first(self, summaries: train_loop.Summaries) -> None:
+        state, settings = self.run, self.run.settings
+        num_steps = settings.train.num_steps
+        if not (settings.eval.every and (state.heldout or state.validation) and state.step == 0
+                and num_steps > 0):
+            return
+        # the starting policy on the same held-out (and validation) tasks, so the curves have their step-0
+        # point; greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
+        t1 = time.perf_counter()
+        initial = evaluate(state, settings.seed, heldout=bool(state.heldout),
+                           validation=bool(state.validation))
+        took = time.perf_counter() - t1
+        self.totals["eval_s"] += took
+        if jax.process_index() == 0:
+            logging.info("step 0/%d (the starting policy)%s%s (%.1fs)", num_steps,
+                         f" | held-out acc {initial['eval/accuracy']:.3f}" if state.heldout else "",
+                         f" | validation acc {initial['valid/accuracy']:.3f}" if state.validation else "",
+                         took)
+        summaries.write(_finite(initial), 0)
+        if "eval/accuracy" in initial:
+            self.heldout_curve.append((0, initial["eval/accuracy"]))
+        if "valid/accuracy" in initial:
+            state.validation_curve.append((0, initial["valid/accuracy"]))
+        self.initial = initial
+
+    def train_step(self) -> train_loop.StepOut:
+        state = self.run
+        records, metrics = train_one_step(state)
+        step = state.step
+        self.metrics = metrics
+        self.totals["rollout_s"] += metrics["rollout/time_s"]
+        self.totals["update_s"] += metrics["train/time_s"]
+        self.totals["eval_s"] += metrics.get("eval/time_s", 0.0)
+        self.curve.append((step, metrics["reward/mean"]))
+        if "eval/accuracy" in metrics:
+            self.heldout_curve.append((step, metrics["eval/accuracy"]))
+        if "valid/accuracy" in metrics:
+            state.validation_curve.append((step, metrics["valid/accuracy"]))
+        # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
+        distributed.write_step_records(storage.join(self.workdir, "episodes"), step, records)
+        # metrics are already reduced over the processes: one line for the job
+        return train_loop.StepOut(_finite(metrics),
+                                  line=progress_line(step, state.settings.train.num_steps, metrics))
+
+    def saved_state(self, due: bool) -> train_loop.Saved:
+        state = self.run
+        data_state = state.data_iter.get_state()
+        # each process's iterator state (a collective, so every process takes the same branch)
+        by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
+        return train_loop.Saved(state.trainer.params, state.trainer.opt_state, rng=state.rng,
+                                data_state=data_state, data_by_process=by_process,
+                                extra={"schedule": state.trainer.schedule_info(),
+                                       "validation_curve": state.validation_curve})
+
+
+def loop_config(settings: GRPOConfig, workdir: str, validation: bool) -> train_loop.LoopConfig:
+    """GRPO's `train_loop` settings. Choosing the step on validation corpora (`validation`) keeps every step
+    they are answered at (multiples of `eval.every`) besides the newest `checkpoint.keep`."""
+    c = settings.checkpoint
+    return train_loop.LoopConfig(workdir, num_steps=settings.train.num_steps, save_every=c.every,
+                                 keep=c.keep, async_save=c.async_save,
+                                 keep_period=settings.eval.every if validation else None, resume=c.resume,
+                                 start_fresh=c.start_fresh)
 
 
 def run(config: Any) -> dict[str, Any]:
     """Trains per `config`: the command's ConfigDict (validated here) or a validated `GRPOConfig`. Returns a
     summary: steps run, times, the last metrics."""
-    t_start = time.perf_counter()
-    compiled_before = compile_cache.CompileClock.get().totals()
+    clock = train_loop.Clock()
     settings = config if isinstance(config, GRPOConfig) else config_validation.validate(config)
     logging.info("%s", describe(settings))
     workdir = storage.abspath(settings.workdir)  # a local directory or a URL (gs://...): launch/README.md
     restore.check_output_dir(workdir, "workdir")  # writable, with free disk: one line before any work
     storage.makedirs(workdir)
-    primary = jax.process_index() == 0
     sft_summary: dict[str, Any] = {}
     if settings.warm_start.enabled:
         settings, sft_summary = warm_start_sft.warm_start(settings)
-    if primary:  # the config the run trains with (after the warm start: from its checkpoint), every key
+    if jax.process_index() == 0:  # the config the run trains with (after the warm start: its checkpoint)
         storage.write_text(storage.join(workdir, "config.json"), json.dumps(settings.to_dict(), indent=2))
-
     state = build(settings)
-    # every program of the engines the run decodes with, and the update's programs no batch shape changes
-    # (the optimizer's), compiled on worker threads beside the run's own work (a program the run calls
-    # meanwhile waits for its compile rather than compiling it twice). Not ahead: the update's program per
-    # rows shape (`Trainer.programs_ahead(shapes)`), known only as a step's episodes end; compiling it then,
-    # during the rollout, made the embedded default's first two steps slower (BENCHMARKS.md, "2026-12-06
-    # (fourth)").
-    ahead = None
-    if settings.rollout.compile_ahead:  # the optimizer's first: a few programs the first update needs
-        ahead = compile_cache.Ahead(state.trainer.programs_ahead([])
-                                    + state.cluster.programs_ahead(state.rollout_config),
-                                    what="optimizer and engines").start()
-    if primary:
+    ahead = start_compile_ahead(state)
+    if jax.process_index() == 0:
         inputs.write_split(workdir, state.train_tasks, state.heldout, settings, validation=state.validation)
         state.cluster.write_protocol(storage.join(workdir, cluster.PROTOCOL_FILE))
-    # choosing the step on validation corpora keeps every step they are answered at (multiples of eval.every)
-    # besides the newest `checkpoint.keep`
-    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=settings.checkpoint.every,
-                                 keep=settings.checkpoint.keep, async_save=settings.checkpoint.async_save,
-                                 keep_period=settings.eval.every if state.validation else None)
-    if settings.checkpoint.resume:
-        resume(state, ck)
-    start, num_steps = state.step, settings.train.num_steps
-    # tensorboardX writes gs:// itself (google-cloud-storage), a local path as files
-    writer = SummaryWriter(storage.join(workdir, "tb")) if primary else None
-    totals = {"rollout_s": 0.0, "update_s": 0.0, "eval_s": 0.0}
-    metrics: dict[str, float] = {}
-    curve: list[tuple[int, float]] = []  # (step, mean reward) of this run's steps
-    heldout_curve: list[tuple[int, float]] = []  # (step, held-out accuracy) of the periodic evaluations
-    initial: dict[str, float] = {}
-    try:
-        if settings.eval.every and (state.heldout or state.validation) and state.step == 0 and num_steps > 0:
-            # the starting policy on the same held-out (and validation) tasks, so the curves have their step-0
-            # point; greedy, seeded apart from the run's RNG (training draws exactly what it would without it)
-            t1 = time.perf_counter()
-            initial = evaluate(state, settings.seed, heldout=bool(state.heldout),
-                               validation=bool(state.validation))
-            took = time.perf_counter() - t1
-            totals["eval_s"] += took
-            if primary:
-                logging.info("step 0/%d (the starting policy)%s%s (%.1fs)", num_steps,
-                             f" | held-out acc {initial['eval/accuracy']:.3f}" if state.heldout else "",
-                             f" | validation acc {initial['valid/accuracy']:.3f}" if state.validation else "",
-                             took)
-            _write_scalars(writer, initial, 0)
-            if "eval/accuracy" in initial:
-                heldout_curve.append((0, initial["eval/accuracy"]))
-            if "valid/accuracy" in initial:
-                state.validation_curve.append((0, initial["valid/accuracy"]))
-        while state.step < num_steps:
-            records, metrics = train_one_step(state)
-            step = state.step
-            totals["rollout_s"] += metrics["rollout/time_s"]
-            totals["update_s"] += metrics["train/time_s"]
-            totals["eval_s"] += metrics.get("eval/time_s", 0.0)
-            if primary:  # metrics are already reduced over the processes: one line for the job
-                logging.info("%s", progress_line(step, num_steps, metrics))
-            curve.append((step, metrics["reward/mean"]))
-            if "eval/accuracy" in metrics:
-                heldout_curve.append((step, metrics["eval/accuracy"]))
-            if "valid/accuracy" in metrics:
-                state.validation_curve.append((step, metrics["valid/accuracy"]))
-            _write_scalars(writer, metrics, step)
-            # each process: its own tasks' episodes (step_N.jsonl, step_N.pK.jsonl)
-            distributed.write_step_records(storage.join(workdir, "episodes"), step, records)
-            due = step == num_steps or ck.should_save(step)
-            data_state = state.data_iter.get_state()
-            # each process's iterator state (a collective, so every process takes the same branch)
-            by_process = distributed.allgather_json(data_state) if due and distributed.is_multi() else None
-            ck.save(step, params=state.trainer.params, opt_state=state.trainer.opt_state, rng=state.rng,
-                    data_state=data_state, data_by_process=by_process, force=step == num_steps,
-                    extra={"schedule": state.trainer.schedule_info(),
-                           "validation_curve": state.validation_curve})
-    finally:
-        ck.close()
-        if writer is not None:
-            writer.close()
-    learning = reward_curve(curve, storage.join(workdir, "reward_curve.png") if primary else None)
+    steps = GRPOSteps(state, workdir)
+    done = train_loop.run(loop_config(settings, workdir, bool(state.validation)), steps)
+    learning = plot_curves(steps, workdir)
+    selected = choose_step(state, workdir)
+    t_eval = time.perf_counter()
+    final = final_evaluations(state, workdir, selected)
+    steps.totals["final_eval_s"] = time.perf_counter() - t_eval
+    ahead_report = ahead.wait() if ahead is not None else None
+    return finish(steps, done, clock, learning=learning, final=final, selected=selected,
+                  ahead_report=ahead_report, warm_start_s=sft_summary.get("this_run_s", 0.0))
+
+
+def start_compile_ahead(state: Run) -> compile_cache.Ahead | None:
+    """With `rollout.compile_ahead`: every program of the engines the run decodes with, and the update's
+    programs no batch shape changes (the optimizer's, first: a few programs the first update needs),
+    compiling on worker threads beside the run's own work (a program the run calls meanwhile waits for its
+    compile rather than compiling it twice). Not ahead: the update's program per rows shape
+    (`Trainer.programs_ahead(shapes)`), known only as a step's episodes end; compiling it then, during the
+    rollout, made the embedded default's first two steps slower (BENCHMARKS.md, "2026-12-06 (fourth)")."""
+    if not state.settings.rollout.compile_ahead:
+        return None
+    return compile_cache.Ahead(state.trainer.programs_ahead([])
+                               + state.cluster.programs_ahead(state.rollout_config),
+                               what="optimizer and engines").start()
+
+
+def plot_curves(steps: GRPOSteps, workdir: str) -> dict[str, Any]:
+    """The reward curve's summary (logged), and on process 0 its plot and, with two or more periodic
+    evaluations, the held-out / validation accuracy curve's (`eval.report`)."""
+    state, primary = steps.run, jax.process_index() == 0
+    learning = reward_curve(steps.curve, storage.join(workdir, "reward_curve.png") if primary else None)
     if learning:
         logging.info("reward curve: %s", learning["line"])
-    if primary and (len(heldout_curve) >= 2 or len(state.validation_curve) >= 2):
-        accuracy_curve(heldout_curve, storage.join(workdir, "heldout_curve.png"),
-                       f"greedy builder, {min(settings.eval.num_tasks, len(state.heldout))} held-out corpora",
-                       validation=state.validation_curve)
-    selected = None
-    if settings.eval.select == "validation":
-        kept = restore.committed_steps(storage.join(workdir, restore.CHECKPOINT_DIR))
-        selected = select_step(state.validation_curve, kept, state.step)
-        if primary:
-            logging.info("selected step %d of %s on %d validation corpora (accuracy by step: %s)", selected,
-                         [0, *kept], len(state.validation), ", ".join(
-                             f"{s}: {100 * a:.1f}%" for s, a in state.validation_curve))
-    final: dict[str, Any] = {}
-    t_eval = time.perf_counter()
-    # every process evaluates its share of the held-out corpora on its process-local engines and gets all the
-    # records (eval.cli.execute; every process restores each builder, a collective); process 0 reports
-    e = settings.eval
-    if e.final_methods and state.heldout:
-        at = {} if selected is None else {"step": selected}
-        final = final_evaluation(workdir, e.final_methods, **at)
-        if e.final_samples:
-            final["sampled"] = final_evaluation(
-                workdir, e.final_methods, name="final_sampled", samples=e.final_samples,
-                builder_temperature=settings.rollout.config.builder.temperature, **at)
-    totals["final_eval_s"] = time.perf_counter() - t_eval
-    ahead_report = ahead.wait() if ahead is not None else None
-    wall = time.perf_counter() - t_start
-    compiled = compile_cache.CompileClock.get().since(compiled_before)  # this process's, warm start included
+    if primary and (len(steps.heldout_curve) >= 2 or len(state.validation_curve) >= 2):
+        report.accuracy_curve(
+            steps.heldout_curve, storage.join(workdir, "heldout_curve.png"),
+            f"greedy builder, {min(state.settings.eval.num_tasks, len(state.heldout))} held-out corpora",
+            validation=state.validation_curve)
+    return learning
+
+
+def choose_step(state: Run, workdir: str) -> int | None:
+    """With `eval.select="validation"`: the step whose builder the final evaluation restores
+    (`select_step` among step 0 and the kept checkpoints), logged; else None (the newest)."""
+    if state.settings.eval.select != "validation":
+        return None
+    kept = restore.committed_steps(storage.join(workdir, restore.CHECKPOINT_DIR))
+    selected = select_step(state.validation_curve, kept, state.step)
+    if jax.process_index() == 0:
+        logging.info("selected step %d of %s on %d validation corpora (accuracy by step: %s)", selected,
+                     [0, *kept], len(state.validation), ", ".join(
+                         f"{s}: {100 * a:.1f}%" for s, a in state.validation_curve))
+    return selected
+
+
+def final_evaluations(state: Run, workdir: str, selected: int | None) -> dict[str, Any]:
+    """The eval command on the held-out split (`eval.final_methods`; greedy, then `eval.final_samples`
+    sampled builds when asked), of the `selected` step's builder (None: the newest). Every process evaluates
+    its share of the held-out corpora on its process-local engines and gets all the records
+    (`eval.cli.execute`; every process restores each builder, a collective); process 0 reports."""
+    e = state.settings.eval
+    if not (e.final_methods and state.heldout):
+        return {}
+    at = {} if selected is None else {"step": selected}
+    final = final_evaluation(workdir, e.final_methods, **at)
+    if e.final_samples:
+        final["sampled"] = final_evaluation(
+            workdir, e.final_methods, name="final_sampled", samples=e.final_samples,
+            builder_temperature=state.settings.rollout.config.builder.temperature, **at)
+    return final
+
+
+def finish(steps: GRPOSteps, done: train_loop.LoopResult, clock: train_loop.Clock, *,
+           learning: dict[str, Any], final: dict[str, Any], selected: int | None, ahead_report: Any,
+           warm_start_s: float) -> dict[str, Any]:
+    """The run's `done:` line and `summary.json` (process 0 writes it); returns the summary."""
+    state = steps.run
+    wall = clock.wall_s()
+    compiled = clock.compiled()  # this process's, warm start included
     by_process = compile_by_process(compiled)
-    summary = {"start_step": start, "last_step": state.step, "wall_s": wall, **totals,
+    totals = steps.totals
+    summary = {"start_step": done.start_step, "last_step": state.step, "wall_s": wall, **totals,
                "compile": {**compiled.as_dict(), "by_process": by_process,
                            "ahead": dataclasses.asdict(ahead_report) if ahead_report else None},
-               "reward_curve": learning, "heldout_curve": heldout_curve, "final_eval": final,
+               "reward_curve": learning, "heldout_curve": steps.heldout_curve, "final_eval": final,
                "validation_curve": state.validation_curve, "selected_step": selected,
-               "warm_start_s": sft_summary.get("this_run_s", 0.0),
-               "initial_eval": _finite(initial), "metrics": _finite(metrics)}
+               "warm_start_s": warm_start_s, "initial_eval": _finite(steps.initial),
+               "metrics": _finite(steps.metrics)}
     logging.info("done: steps %d..%d in %.1fs (rollout %.1fs, update %.1fs, eval %.1fs; of the whole run, "
-                 "compiling %s; %s%s)", start + 1, state.step, wall, totals["rollout_s"], totals["update_s"],
-                 totals["eval_s"], compiled.line() or "nothing", compile_line(by_process),
+                 "compiling %s; %s%s)", done.start_step + 1, state.step, wall, totals["rollout_s"],
+                 totals["update_s"], totals["eval_s"], compiled.line() or "nothing", compile_line(by_process),
                  f"; ahead: {ahead_report.line()}" if ahead_report else "")
-    if primary:
-        storage.write_text(storage.join(workdir, "summary.json"), json.dumps(summary, indent=2))
+    if jax.process_index() == 0:
+        storage.write_text(storage.join(steps.workdir, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
@@ -499,7 +550,7 @@ def compile_line(by_process: list[dict[str, int]]) -> str:
 
 def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict[str, Any]:
     """The mean reward of the first and last fifth of the steps (mean +- standard error over steps) and
-    a plot of the curve (`png`). Empty for fewer than 2 steps."""
+    a plot of the curve (`png`, `eval.report.reward_curve`). Empty for fewer than 2 steps."""
     if len(curve) < 2:
         return {}
     steps = [s for s, _ in curve]
@@ -513,22 +564,7 @@ def reward_curve(curve: list[tuple[int, float]], png: str | None = None) -> dict
     out = {"first_fifth": [m0, s0], "last_fifth": [m1, s1], "steps_per_fifth": k,
            "line": f"mean reward, first {k} steps {m0:.3f} +- {s0:.3f}, last {k} steps {m1:.3f} +- {s1:.3f}"}
     if png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, r, marker="o", ms=3)
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("mean episode reward")
-        ax.set_title(out["line"], fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        with storage.writing(png) as f:
-            fig.savefig(f, dpi=120, format="png")
-        plt.close(fig)
-        out["png"] = png
+        out["png"] = report.reward_curve(steps, r, out["line"], png)
     return out
 
 
@@ -538,34 +574,6 @@ def select_step(curve: list[tuple[int, float]], kept: list[int], last: int) -> i
     validation point: `last`."""
     candidates = [(a, s) for s, a in curve if s == 0 or s in kept]
     return max(candidates)[1] if candidates else last
-
-
-def accuracy_curve(curve: list[tuple[int, float]], png: str, what: str,
-                   validation: list[tuple[int, float]] | None = None) -> str:
-    """A plot of the periodic held-out accuracy by GRPO step (`what` names the evaluation), and of the
-    validation corpora's when given; returns `png`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if curve:
-        ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", ms=4, color="tab:green",
-                label="held-out")
-    if validation:
-        ax.plot([s for s, _ in validation], [100 * a for _, a in validation], marker="s", ms=4,
-                color="tab:purple", label="validation (training split)")
-        ax.legend(fontsize=7)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("held-out accuracy %")
-    ax.set_title(f"held-out accuracy ({what})", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    with storage.writing(png) as f:
-        fig.savefig(f, dpi=120, format="png")
-    plt.close(fig)
-    return png
 
 
 def final_evaluation(workdir: str, methods: str, name: str = "final", **overrides: Any) -> dict[str, Any]:

@@ -34,8 +34,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("agents",),
     ("rollout",),
     ("rl",),
-    # checkpoints and multi-process start-up know nothing of configs
-    ("distributed", "checkpoint"),
+    # checkpoints, multi-process start-up and the one training loop (SFT's and GRPO's: checkpoints, resume,
+    # summaries, the clock) know nothing of configs
+    ("distributed", "checkpoint", "train_loop"),
     # every key declared once: it imports the lower layers' choice lists, nothing above
     ("config_schema",),
     # the presets (values set on the schema; `configs/*.py` re-export them), the checks that need the devices
@@ -274,7 +275,8 @@ def test_function_level_imports_are_hoisted_or_have_a_reason():
 
 
 @pytest.mark.parametrize("module,layer", [("models.moe", 1), ("engine.engine", 3), ("testing", 4),
-                                          ("checkpoint", 9), ("config_schema", 10), ("presets.grpo", 11),
+                                          ("checkpoint", 9), ("train_loop", 9), ("config_schema", 10),
+                                          ("presets.grpo", 11),
                                           ("warm_start.demos", 13), ("warm_start.sft", 13),
                                           ("data.synthetic", 0), ("errors", 0), ("segment", 0),
                                           ("cluster", 12), ("training", 14), ("main", 15)])

@@ -428,6 +428,59 @@ def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
     return written
 
 
+def reward_curve(steps: Sequence[int], rewards: Sequence[float], title: str, png: str) -> str:
+    """A training run's mean episode reward by GRPO step (`training.reward_curve`: `title` is its summary
+    line) as `png`; returns `png`."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, marker="o", ms=3)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean episode reward")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, png)
+
+
+def accuracy_curve(curve: list[tuple[int, float]], png: str, what: str,
+                   validation: list[tuple[int, float]] | None = None) -> str:
+    """A training run's periodic held-out accuracy by GRPO step (`what` names the evaluation), and of the
+    validation corpora's when given, as `png`; returns `png`."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if curve:
+        ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", ms=4, color="tab:green",
+                label="held-out")
+    if validation:
+        ax.plot([s for s, _ in validation], [100 * a for _, a in validation], marker="s", ms=4,
+                color="tab:purple", label="validation (training split)")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out accuracy %")
+    ax.set_title(f"held-out accuracy ({what})", fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, png)
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), imported where a plot is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, png: str) -> str:
+    """`fig` laid out and written to `png` (a local path or gs://), then closed."""
+    plt = _pyplot()
+    fig.tight_layout()
+    with storage.writing(png) as f:
+        fig.savefig(f, dpi=120, format="png")
+    plt.close(fig)
+    return png
+
+
 def write_report(
     out_dir: str, results: dict[str, Any], records: Sequence[dict[str, Any]], step: int = 0
 ) -> dict[str, str]:

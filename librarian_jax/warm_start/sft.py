@@ -34,12 +34,12 @@ from absl import logging
 from librarian_jax import (
     checkpoint,
     cluster,
-    compile_cache,
     config_validation,
     data,
     distributed,
     inputs,
     storage,
+    train_loop,
 )
 from librarian_jax.config_schema import GRPOConfig, RunConfig, SFTConfig, require_typed
 from librarian_jax.presets import sft as sft_presets
@@ -58,11 +58,10 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     """SFT of `model` (an nnx Transformer, LoRA-wrapped or not) on `conversations` per `settings` (the
     validated `configs/sft.py` config: the loop reads `train`, `data.packing`, `checkpoint` and `seed`), each
     encoded with `template` (default: the builder's, `cluster.role_templates`: the template GRPO samples
-    with). Checkpoints go to `workdir/checkpoints`; resumes from the newest good one. Returns a summary
-    (losses, times, steps)."""
+    with), on `train_loop` (checkpoints in `workdir/checkpoints`, resumed from the newest good one;
+    TensorBoard in `workdir/tb`). Returns a summary (losses, times, steps)."""
     require_typed(settings, SFTConfig, "warm_start.sft.train")
-    t_start = time.perf_counter()
-    compiled_before = compile_cache.CompileClock.get().totals()
+    clock = train_loop.Clock()
     t, c = settings.train, settings.checkpoint
     template = template or builder_template(settings, tokenizer)
     examples = [sft.encode_conversation(c_["messages"], template, tokenizer) for c_ in conversations]
@@ -80,65 +79,77 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     if batch_rows != t.batch_rows:
         logging.info("sft: %d rows a step (train.batch_rows=%d rounded up to a multiple of %d)", batch_rows,
                      t.batch_rows, multiple)
-    share = distributed.process_slice(batch_rows)  # this process's rows of every global batch
-    group = t.group_by_length
-    stream = sft.RowStream(counts["rows"], batch_rows, settings.seed, lengths=valid.sum(axis=1), group=group)
-    ck = checkpoint.Checkpointer(storage.join(workdir, "checkpoints"), save_every=c.every, keep=c.keep,
-                                 async_save=c.async_save)
-    rng = jax.random.key(settings.seed)
-    if c.resume:
-        restored = ck.restore(params=trainer.params, opt_state=trainer.opt_state, start_fresh=c.start_fresh)
-        if restored is not None:
-            trainer.set_state(restored.params, restored.opt_state, restored.step)
-            if restored.data_state:
-                stream.set_state(restored.data_state)
-            logging.info("sft: resumed from step %d", restored.step)
-    losses_seen: list[float] = []
-    writer = None
-    if jax.process_index() == 0:
-        from tensorboardX import SummaryWriter
-
-        writer = SummaryWriter(storage.join(workdir, "tb"))
-    start = trainer.step
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.num_steps, initial=start, desc="sft", unit="step",
-                   disable=None if distributed.is_primary() else True)
-        while trainer.step < t.num_steps:
-            rows = stream.next()  # every process draws the global batch and keeps its share
-            idx = rows[share]
-            seq = sft.batch_seq(valid[rows]) if group else tokens.shape[1]  # the same on every process
-            batch = sft.batch_arrays(tokens[idx, :seq], valid[idx, :seq], mask[idx, :seq])
-            out = trainer.update(batch)
-            step = trainer.step
-            losses_seen.append(out["loss"])
-            bar.update(1)
-            bar.set_postfix(loss=f"{out['loss']:.3f}")
-            if (step % max(1, t.log_every) == 0 or step == t.num_steps) and distributed.is_primary():
-                logging.info("sft step %d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f tok/s", step,
-                             t.num_steps, out["loss"], out["grad_norm"], out["lr"],
-                             batch["valid"].sum() / max(out["time_s"], 1e-9))
-            if writer is not None:
-                for k in ("loss", "grad_norm", "lr", "entropy"):
-                    writer.add_scalar(f"sft/{k}", out[k], step)
-            ck.save(step, params=trainer.params, opt_state=trainer.opt_state, rng=rng,
-                    data_state=stream.get_state(), force=step == t.num_steps)
-        bar.close()
-    finally:
-        ck.close()
-        if writer is not None:
-            writer.close()
-    compiled = compile_cache.CompileClock.get().since(compiled_before)
-    wall = time.perf_counter() - t_start
-    logging.info("sft: steps %d..%d in %.1fs; compiling %s", start + 1, trainer.step, wall,
+    stream = sft.RowStream(counts["rows"], batch_rows, settings.seed, lengths=valid.sum(axis=1),
+                           group=t.group_by_length)
+    steps = SFTSteps(trainer, stream, batch_rows, (tokens, valid, mask), settings)
+    loop = train_loop.LoopConfig(workdir, num_steps=t.num_steps, save_every=c.every, keep=c.keep,
+                                 async_save=c.async_save, resume=c.resume, start_fresh=c.start_fresh,
+                                 progress="sft")
+    done = train_loop.run(loop, steps)
+    compiled = clock.compiled()
+    wall = clock.wall_s()
+    logging.info("sft: steps %d..%d in %.1fs; compiling %s", done.start_step + 1, done.last_step, wall,
                  compiled.line() or "nothing")
-    summary = {"start_step": start, "last_step": trainer.step, "wall_s": wall, "compile": compiled.as_dict(),
-               "first_loss": losses_seen[0] if losses_seen else None,
-               "last_loss": losses_seen[-1] if losses_seen else None, **counts}
+    losses = steps.losses
+    summary = {"start_step": done.start_step, "last_step": done.last_step, "wall_s": wall,
+               "compile": compiled.as_dict(), "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, **counts}
     if jax.process_index() == 0:
         storage.write_text(storage.join(workdir, "sft_summary.json"), json.dumps(summary, indent=2))
     return summary
+
+
+class SFTSteps:
+    """SFT's step on `train_loop`: the next global batch of rows (every process draws it from one
+    `RowStream` and keeps its contiguous share, `distributed.process_slice`), one `nll` update; a log line
+    every `train.log_every` steps; the `sft/*` scalars."""
+
+    def __init__(self, trainer: train_step.Trainer, stream: sft.RowStream, batch_rows: int,
+                 rows: tuple[Any, Any, Any], settings: SFTConfig):
+        self.trainer, self.stream = trainer, stream
+        self.tokens, self.valid, self.mask = rows
+        self.train = settings.train
+        self.share = distributed.process_slice(batch_rows)  # this process's rows of every global batch
+        self.rng = jax.random.key(settings.seed)
+        self.losses: list[float] = []
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def restore_targets(self) -> tuple[Any, Any]:
+        return self.trainer.params, self.trainer.opt_state
+
+    def resumed(self, restored: checkpoint.Restored, directory: str) -> None:
+        self.trainer.set_state(restored.params, restored.opt_state, restored.step)
+        if restored.data_state:
+            self.stream.set_state(restored.data_state)
+        logging.info("sft: resumed from step %d", restored.step)
+
+    def before_first(self, summaries: train_loop.Summaries) -> None:
+        pass
+
+    def train_step(self) -> train_loop.StepOut:
+        t = self.train
+        rows = self.stream.next()  # every process draws the global batch and keeps its share
+        idx = rows[self.share]
+        # the batch's length: the same on every process
+        seq = sft.batch_seq(self.valid[rows]) if t.group_by_length else self.tokens.shape[1]
+        batch = sft.batch_arrays(self.tokens[idx, :seq], self.valid[idx, :seq], self.mask[idx, :seq])
+        out = self.trainer.update(batch)
+        step = self.trainer.step
+        self.losses.append(out["loss"])
+        line = None
+        if step % max(1, t.log_every) == 0 or step == t.num_steps:
+            line = (f"sft step {step}/{t.num_steps} | loss {out['loss']:.4f} | "
+                    f"grad norm {out['grad_norm']:.3f} | lr {out['lr']:.2e} | "
+                    f"{batch['valid'].sum() / max(out['time_s'], 1e-9):.0f} tok/s")
+        return train_loop.StepOut({f"sft/{k}": out[k] for k in ("loss", "grad_norm", "lr", "entropy")},
+                                  postfix={"loss": f"{out['loss']:.3f}"}, line=line)
+
+    def saved_state(self, due: bool) -> train_loop.Saved:
+        return train_loop.Saved(self.trainer.params, self.trainer.opt_state, rng=self.rng,
+                                data_state=self.stream.get_state())
 
 
 def describe(settings: SFTConfig) -> str:
