@@ -1,22 +1,28 @@
 """The protocol as one object: which model plays which role, with which template, context and sampling.
 
-Every command takes its roles from here; none builds a model, engine or chat template of its own. `config`
-is always the validated, typed config of a run (`config_schema.RunConfig`: GRPO's or SFT's; evaluation's is
-the run's recorded one with its overrides), never the raw ConfigDict: each function here raises TypeError on
-one.
+Every command builds its roles here, one way (`Cluster.from_run`); none builds a model's engine, a chat
+template or a rollout config of its own. `config` is always the validated, typed config of a run
+(`config_schema.RunConfig`: GRPO's or SFT's; evaluation's is the run's recorded one), never the raw
+ConfigDict: each function here raises TypeError on one.
 
     mesh = run_mesh(config.mesh)                         # the trainer's: every device of every process
-    cluster = build_cluster(config, tokenizer, engine_mesh=engine_mesh(mesh), base=base, policy=policy)
-    cluster.engines      # {"policy", "answerer", "executor", "compaction", "judge", "frozen"}: Engines
-    cluster.templates    # a chat template per role ("policy" is the builder's)
-    cluster.push_weights(trainer.policy_state())         # the trainer's weights to the builder's engine
+    cluster = Cluster.from_run(config, Mode.TRAIN, tokenizer=tok, engine_mesh=engine_mesh(mesh), base=base,
+                               policy=policy)
+    cluster.engines      # {Role.BUILDER, Role.ANSWERER, ...}: Engines (roles of one engine key share one)
+    cluster.templates    # a chat template per role
+    cluster.rollout      # the mode's rollout config (`rollout_for(Mode.EVAL)`: periodic evaluation's)
+    cluster.sync_weights(trainer.policy_state())         # new builder weights to the builder's engine
     cluster.write_protocol(storage.join(workdir, PROTOCOL_FILE))
 
-Roles (`config.roles.<role>`, resolved by `config_validation.resolve_roles`): the builder (the policy,
-trained) and the frozen answerer, executor, compaction and judge. Each frozen role names its weights:
-"policy" (the builder's initial weights, frozen), an HF folder, an Orbax checkpoint, a random init, or
-"executor" (the executor's weights: compaction and judge). Roles that name the same weights share one model
-and one engine.
+Roles (`Role`; `config.roles.<role>` and evaluation's `Overrides`, resolved once by
+`config_validation.role_specs`): the builder (the policy, trained) and the frozen answerer, executor,
+compaction and judge. Each frozen role names its weights: "policy" (the builder's initial weights, frozen), an
+HF folder, an Orbax checkpoint, a random init, or "executor" (the executor's weights: compaction and judge).
+Roles of the same weights (`RoleSpec.engine_key`) share one model and one engine.
+
+Modes (`Mode`): training (the run's rollout settings), evaluation and build (probes off, final snapshots
+kept, the builder's and the answers' sampling as asked): one rollout config each (`mode_rollout`), its unset
+context budgets its engines' lengths, checked against them once (`config_validation.check_budgets`).
 
 `protocol(config)` is the same description as data, without loading a model: for each role its `weights`
 (an HF path, `run:DIR@STEP`, `orbax:DIR`, `scripted:<name>`, `init:<preset>:<seed>`), `architecture`,
@@ -28,6 +34,7 @@ compares the two (`protocol_diff`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +45,7 @@ from absl import logging
 from flax import nnx
 
 from librarian_jax import checkpoint, config_validation, distributed, models, storage
-from librarian_jax.agents.runtime import ANSWERER, COMPACTION, EXECUTOR, FROZEN, FROZEN_ROLES, JUDGE, POLICY
+from librarian_jax.agents.runtime import Role
 from librarian_jax.config_schema import (
     RUN_SCHEMAS,
     ConfigError,
@@ -48,14 +55,20 @@ from librarian_jax.config_schema import (
     RunConfig,
     require_typed,
 )
+from librarian_jax.config_validation import Overrides, RoleSpec, policy_weights, role_specs
 from librarian_jax.engine import Engine
 from librarian_jax.engine import make_mesh as engine_make_mesh
 from librarian_jax.rl import train_step
+from librarian_jax.rollout import RolloutConfig
 from librarian_jax.tokenizers import ChatTemplate, chat_template, detect_style, load_tokenizer
 
+__all__ = ["PROTOCOL_FILE", "Cluster", "Mode", "Overrides", "Role", "RoleSpec", "mode_rollout",
+           "policy_weights", "protocol", "protocol_diff", "protocol_table", "role_specs", "role_table"]
+
 PROTOCOL_FILE = "protocol.json"
-BUILDER = "builder"  # the policy's name in the protocol (the engine's role name is POLICY)
-PROTOCOL_ROLES = (BUILDER, *FROZEN_ROLES)
+BUILDER = Role.BUILDER.protocol_name  # "builder": the policy's name in the protocol
+PROTOCOL_ROLES = tuple(r.protocol_name for r in Role)
+FROZEN = tuple(r for r in Role if r.frozen)  # the frozen roles, in protocol order
 PROTOCOL_FIELDS = ("weights", "architecture", "dtype", "template", "thinking", "max_seq_len", "slots",
                    "temperature", "top_p", "max_new_tokens")
 
@@ -88,17 +101,6 @@ def engine_mesh(mesh: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- weights
-
-
-def policy_weights(config: RunConfig) -> str:
-    """The builder's initial weights as the protocol names them."""
-    require_typed(config, RUN_SCHEMAS, "cluster.policy_weights")
-    m = config.model
-    if m.init == "hf":
-        return m.path
-    if m.init == "orbax":
-        return f"orbax:{m.path}"
-    return f"init:{m.preset}:{int(config.seed)}"
 
 
 def _check_vocab(model: Any, tokenizer: Any, key: str, what: str) -> None:
@@ -146,22 +148,22 @@ def initial_model(config: RunConfig, mesh: Any, tokenizer: Any, *, abstract: boo
     return model
 
 
-def role_model(config: RunConfig, d: Mapping[str, Any], mesh: Any, base: Any, tokenizer: Any, *,
+def role_model(config: RunConfig, spec: RoleSpec, mesh: Any, base: Any, tokenizer: Any, *,
                abstract: bool = False) -> Any:
-    """The weights of one frozen role (`d` from `config_validation.resolve_roles`); with `abstract`, their
-    shapes only."""
-    if d["init"] == "policy":
+    """The weights of one frozen role (`spec`); with `abstract`, their shapes only. Random weights are
+    seeded `config.seed + 1`."""
+    if spec.init == "policy":
         return base
     if abstract:
-        return abstract_model(model_config(d["init"], d["preset"], d["path"], d["dtype"]))
-    if d["init"] == "hf":
-        model = models.load_hf(d["path"], dtype=d["dtype"] or "bfloat16", mesh=mesh)
+        return abstract_model(model_config(spec.init, spec.preset, spec.path, spec.dtype))
+    if spec.init == "hf":
+        model = models.load_hf(spec.path, dtype=spec.dtype or "bfloat16", mesh=mesh)
     else:
-        cfg = model_config(d["init"], d["preset"], d["path"], d["dtype"])
+        cfg = model_config(spec.init, spec.preset, spec.path, spec.dtype)
         model = models.Transformer(cfg, rngs=nnx.Rngs(config.seed + 1))
-        if d["init"] == "orbax":
-            nnx.update(model, checkpoint.restore_params(d["path"], nnx.state(model, nnx.Param)))
-    _check_vocab(model, tokenizer, "roles", d["weights"])
+        if spec.init == "orbax":
+            nnx.update(model, checkpoint.restore_params(spec.path, nnx.state(model, nnx.Param)))
+    _check_vocab(model, tokenizer, "roles", spec.weights)
     return model
 
 
@@ -176,30 +178,14 @@ def _role_mesh(spec: str, role: str, default: Any) -> Any:
     return engine_make_mesh(shape, devices=devices[: int(np.prod(list(shape.values())))])
 
 
-def engine_groups(roles: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
-    """The frozen roles grouped by engine: roles naming the same weights and mesh share one."""
-    groups: dict[tuple[str, str], list[str]] = {}
-    for role, d in roles.items():
-        groups.setdefault((d["weights"], d["mesh"]), []).append(role)
-    return list(groups.values())
+def engine_groups(specs: Mapping[Role, RoleSpec]) -> list[list[Role]]:
+    """The frozen roles grouped by engine: roles of one `RoleSpec.engine_key` share one."""
+    return config_validation.engine_groups(specs)
 
 
-def build_role_engines(config: RunConfig, mesh: Any, base: Any, tokenizer: Any,
-                       roles: Mapping[str, Mapping[str, Any]], *, abstract: bool = False) -> dict[str, Any]:
-    """One Engine per distinct (weights, mesh) of the frozen roles: roles naming the same weights share one
-    engine and one copy of the weights (slots and max_seq_len: the largest any of its roles asks for). With
-    `abstract` the engines are built from the roles' shapes (`Engine` on an abstract model: a plan)."""
-    require_typed(config, RUN_SCHEMAS, "cluster.build_role_engines")
-    out: dict[str, Any] = {}
-    for members in engine_groups(roles):
-        role_mesh = _role_mesh(roles[members[0]]["mesh"], members[0], mesh)
-        model = role_model(config, roles[members[0]], role_mesh, base, tokenizer, abstract=abstract)
-        engine = Engine(model, max(roles[x]["slots"] for x in members),
-                        max(roles[x]["max_seq_len"] for x in members), role_mesh,
-                        round_steps=config.rollout.round_steps, scan_layers=config.rollout.scan_layers)
-        for role in members:
-            out[role] = engine
-    return out
+def _engine(model: Any, slots: int, max_seq_len: int, mesh: Any, round_steps: int, scan_layers: bool) -> Any:
+    """A role's engine: the one place a cluster, and so every command, constructs one."""
+    return Engine(model, slots, max_seq_len, mesh, round_steps=round_steps, scan_layers=scan_layers)
 
 
 # ------------------------------------------------------------------------------------------- retrieval roles
@@ -263,23 +249,18 @@ def template_style(preset: str, tokenizer: Any, asked: str = "") -> str:
 
 
 def role_templates(config: RunConfig, tokenizer: Any,
-                   roles: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ChatTemplate]:
-    """A chat template for every role: "policy" (the builder: `model.template`, its thinking switch
-    `builder_thinking`) and each frozen role (its `template`, `thinking`). GRPO, the warm start's
-    demonstrations and SFT, periodic eval, eval and build all encode with these."""
+                   specs: Mapping[Role, RoleSpec] | None = None) -> dict[Role, ChatTemplate]:
+    """A chat template for every role (its `template` and `thinking`; the builder's are `model.template`
+    and `builder_thinking`). GRPO, the warm start's demonstrations and SFT, periodic eval, eval and build
+    all encode with these."""
     require_typed(config, RUN_SCHEMAS, "cluster.role_templates")
-    roles = roles if roles is not None else config_validation.resolve_roles(config)
-    m = config.model
+    specs = specs if specs is not None else role_specs(config)
 
-    def make(preset: str, asked: str, thinking: bool) -> ChatTemplate:
-        style = template_style(preset, tokenizer, asked)
-        return chat_template(tokenizer, style, thinking=thinking if style == "qwen3_5" else None)
+    def make(spec: RoleSpec) -> ChatTemplate:
+        style = template_style(spec.preset, tokenizer, spec.template)
+        return chat_template(tokenizer, style, thinking=spec.thinking if style == "qwen3_5" else None)
 
-    out = {POLICY: make(m.preset, m.template, config.builder_thinking)}
-    for role, d in roles.items():
-        out[role] = make(d["preset"], d["template"], bool(d["thinking"]))
-    out[FROZEN] = out[ANSWERER]
-    return out
+    return {role: make(spec) for role, spec in specs.items()}
 
 
 # ------------------------------------------------------------------------------------------- the protocol
@@ -299,82 +280,56 @@ def architecture(init: str, preset: str, path: str) -> str:
         return f"hf:{path}"
 
 
-def _weights_name(d: Mapping[str, Any], builder_initial: str, seed: int) -> str:
-    """A frozen role's weights as the protocol names them (random roles are seeded `config.seed + 1`)."""
-    if d["init"] == "policy":
-        return builder_initial
-    if d["init"] == "hf":
-        return d["path"]
-    if d["init"] == "orbax":
-        return f"orbax:{d['path']}"
-    return f"init:{d['preset']}:{seed + 1}"
-
-
-def protocol(config: RunConfig, tokenizer: Any = None, *,
-             roles: Mapping[str, Mapping[str, Any]] | None = None, builder_weights: str | None = None,
-             templates: Mapping[str, ChatTemplate] | None = None,
-             policy_engine: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+def protocol(config: RunConfig, tokenizer: Any = None, *, specs: Mapping[Role, RoleSpec] | None = None,
+             rollout: RolloutConfig | None = None,
+             templates: Mapping[Role, ChatTemplate] | None = None) -> dict[str, dict[str, Any]]:
     """The protocol of `config` as data (module doc): one entry per role of `PROTOCOL_ROLES`.
 
-    `builder_weights` names the builder under evaluation (default: the run's initial weights);
-    `templates` (default: built from `tokenizer`) give each role's template style and thinking switch;
-    `policy_engine` overrides the builder's `slots` / `max_seq_len` (eval's engine sizes)."""
+    `specs` (default: `role_specs(config)`, the training run's) name each role's weights and engine sizes;
+    `rollout` (default: the run's own) gives its sampling; `templates` (default: built from `tokenizer`)
+    each role's template style and thinking switch (without either: as far as the config decides them)."""
     require_typed(config, RUN_SCHEMAS, "cluster.protocol")
-    roles = roles if roles is not None else config_validation.resolve_roles(config)
+    specs = specs if specs is not None else role_specs(config)
     if templates is None and tokenizer is not None:
-        templates = role_templates(config, tokenizer, roles)
-    rc = config.rollout.config
-    b, a = rc.builder, rc.answerer
-    m, r = config.model, config.rollout
-    initial = policy_weights(config)
+        templates = role_templates(config, tokenizer, specs)
+    rc = rollout if rollout is not None else config.rollout.config
+    b, a, m = rc.builder, rc.answerer, config.model
 
-    def tmpl(role: str) -> tuple[str, bool]:
+    def tmpl(role: Role) -> tuple[str, bool]:
         if templates is not None:
             t = templates[role]
             return t.style, bool(t.thinking)
-        # no tokenizer (a dry run): the style as far as the config decides it
-        if role == POLICY:
-            preset, asked, thinking = m.preset, m.template, config.builder_thinking
-        else:
-            d = roles[role]
-            preset, asked, thinking = d["preset"], d["template"], d["thinking"]
-        style = template_style(preset, None, asked)
-        return style, bool(thinking) if style == "qwen3_5" else False
+        spec = specs[role]  # no tokenizer (a dry run): the style as far as the config decides it
+        style = template_style(spec.preset, None, spec.template)
+        return style, bool(spec.thinking) if style == "qwen3_5" else False
 
-    out: dict[str, dict[str, Any]] = {}
-    style, thinking = tmpl(POLICY)
-    sizes = dict(policy_engine or {})
-    out[BUILDER] = {
-        "weights": builder_weights or initial, "architecture": architecture(m.init, m.preset, m.path),
-        "dtype": m.dtype or "preset",
-        "template": style, "thinking": thinking,
-        "max_seq_len": int(sizes.get("max_seq_len") or r.max_seq_len),
-        "slots": int(sizes.get("slots") or r.policy_slots), "temperature": float(b.temperature),
-        "top_p": float(b.top_p), "max_new_tokens": int(b.max_new_tokens)}
-    # which frozen roles run a model, and their sampling (the agents sample the frozen roles greedily)
+    # which frozen roles run a model, and every role's sampling (the agents sample the frozen roles greedily)
     scripted = {
-        ANSWERER: "scripted:navigator" if a.kind == "scripted" else "",
-        EXECUTOR: "scripted:extractive" if b.executor != "model" else "",
-        COMPACTION: {"model": "", "none": "none"}.get(b.compaction, f"scripted:{b.compaction}"),
-        JUDGE: "scripted:exact_match" if not rc.use_model_judge else "",
+        Role.BUILDER: "",
+        Role.ANSWERER: "scripted:navigator" if a.kind == "scripted" else "",
+        Role.EXECUTOR: "scripted:extractive" if b.executor != "model" else "",
+        Role.COMPACTION: {"model": "", "none": "none"}.get(b.compaction, f"scripted:{b.compaction}"),
+        Role.JUDGE: "scripted:exact_match" if not rc.use_model_judge else "",
     }
     sampling = {
-        ANSWERER: (float(a.temperature), 1.0, int(a.max_new_tokens)),
-        EXECUTOR: (0.0, 1.0, int(b.executor_max_new_tokens)),
-        COMPACTION: (0.0, 1.0, int(b.compaction_summary_tokens)),
-        JUDGE: (0.0, 1.0, int(rc.judge_max_new_tokens)),
+        Role.BUILDER: (float(b.temperature), float(b.top_p), int(b.max_new_tokens)),
+        Role.ANSWERER: (float(a.temperature), 1.0, int(a.max_new_tokens)),
+        Role.EXECUTOR: (0.0, 1.0, int(b.executor_max_new_tokens)),
+        Role.COMPACTION: (0.0, 1.0, int(b.compaction_summary_tokens)),
+        Role.JUDGE: (0.0, 1.0, int(rc.judge_max_new_tokens)),
     }
-    for role in FROZEN_ROLES:
-        d = roles[role]
+    out: dict[str, dict[str, Any]] = {}
+    for role in Role:
+        spec, off = specs[role], scripted[role]
         style, thinking = tmpl(role)
         temperature, top_p, new = sampling[role]
-        out[role] = {
-            "weights": scripted[role] or _weights_name(d, initial, int(config.seed)),
-            "architecture": "" if scripted[role] else architecture(d["init"], d["preset"], d["path"]),
-            "dtype": d["dtype"] or "preset",
-            "template": "" if scripted[role] else style, "thinking": False if scripted[role] else thinking,
-            "max_seq_len": 0 if scripted[role] else int(d["max_seq_len"]),
-            "slots": 0 if scripted[role] else int(d["slots"]),
+        init, preset, path = (m.init, m.preset, m.path) if role is Role.BUILDER else \
+            (spec.init, spec.preset, spec.path)
+        out[role.protocol_name] = {
+            "weights": off or spec.weights, "architecture": "" if off else architecture(init, preset, path),
+            "dtype": spec.dtype or "preset",
+            "template": "" if off else style, "thinking": False if off else thinking,
+            "max_seq_len": 0 if off else int(spec.max_seq_len), "slots": 0 if off else int(spec.slots),
             "temperature": temperature, "top_p": top_p, "max_new_tokens": new}
     return out
 
@@ -411,38 +366,38 @@ def protocol_table(used: Mapping[str, Mapping[str, Any]],
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
-def role_table(config: RunConfig, roles: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+def role_table(config: RunConfig, specs: Mapping[Role, RoleSpec] | None = None) -> str:
     """Which model serves which role, on which engine and mesh, with which budgets (logged at start, printed
     by --dry_run; docs/paper-settings.md shows the paper preset's)."""
     require_typed(config, RUN_SCHEMAS, "cluster.role_table")
-    roles = roles or config_validation.resolve_roles(config)
+    specs = specs or role_specs(config)
     m, r = config.model, config.rollout
     b, a = r.config.builder, r.config.answerer
     policy_w = {"random": f"random {m.preset}", "hf": f"HF {m.path}", "orbax": f"Orbax {m.path}"}[m.init]
     mesh = ",".join(f"{k}={v}" for k, v in config.mesh.shape.items())
-    proto = protocol(config, roles=roles)
-    engine_of: dict[tuple[str, str], int] = {}
+    proto = protocol(config, specs=specs)
+    bs = specs[Role.BUILDER]
     rows = [("role", "weights", "engine", "mesh", "slots", "max_seq_len", "template", "thinking", "budget"),
-            ("builder", f"{policy_w} ({m.preset}, LoRA {m.lora_rank})" if m.lora_rank else
-             f"{policy_w} ({m.preset})", "policy", mesh, str(r.policy_slots), str(r.max_seq_len),
+            (BUILDER, f"{policy_w} ({m.preset}, LoRA {m.lora_rank})" if m.lora_rank else
+             f"{policy_w} ({m.preset})", "policy", mesh, str(bs.slots), str(bs.max_seq_len),
              proto[BUILDER]["template"], str(proto[BUILDER]["thinking"]),
              f"{b.max_new_tokens} new/turn, compaction {b.compaction} at {b.compaction_budget}")]
     budgets = {
-        ANSWERER: (f"{a.kind}: context {a.context_budget}, {a.max_new_tokens} new/turn, "
-                   f"{a.max_turns} turns"),
-        EXECUTOR: (f"{b.executor}: {b.executor_max_new_tokens} new, excerpts <= "
-                   f"{b.excerpt_max_chars} chars"),
-        COMPACTION: f"{b.compaction}: {b.compaction_summary_tokens} new",
-        JUDGE: f"{'model' if r.config.use_model_judge else 'exact match only'}",
+        Role.ANSWERER: (f"{a.kind}: context {a.context_budget}, {a.max_new_tokens} new/turn, "
+                        f"{a.max_turns} turns"),
+        Role.EXECUTOR: (f"{b.executor}: {b.executor_max_new_tokens} new, excerpts <= "
+                        f"{b.excerpt_max_chars} chars"),
+        Role.COMPACTION: f"{b.compaction}: {b.compaction_summary_tokens} new",
+        Role.JUDGE: f"{'model' if r.config.use_model_judge else 'exact match only'}",
     }
-    for role, d in roles.items():
-        key = (d["weights"], d["mesh"])
-        engine_of.setdefault(key, len(engine_of))
-        w = "builder's initial weights (frozen)" if d["init"] == "policy" else \
-            f"{d['init']} {d['path'] or d['preset']} ({d['preset']}, {d['dtype'] or 'preset dtype'})"
-        rows.append((role, w, f"frozen#{engine_of[key]}", d["mesh"] or mesh, str(d["slots"]),
-                     str(d["max_seq_len"]), proto[role]["template"] or "-", str(d["thinking"]),
-                     budgets[role]))
+    engine_of: dict[tuple[str, ...], int] = {}
+    for role in FROZEN:
+        d = specs[role]
+        engine_of.setdefault(d.engine_key, len(engine_of))
+        w = "builder's initial weights (frozen)" if d.init == "policy" else \
+            f"{d.init} {d.path or d.preset} ({d.preset}, {d.dtype or 'preset dtype'})"
+        rows.append((str(role), w, f"frozen#{engine_of[d.engine_key]}", d.mesh or mesh, str(d.slots),
+                     str(d.max_seq_len), proto[role]["template"] or "-", str(d.thinking), budgets[role]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
@@ -462,98 +417,191 @@ def read_protocol(path: str) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------- the cluster
 
 
+class Mode(enum.StrEnum):
+    """What a cluster's roles are for: training the builder, evaluating builders, building one workspace."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    BUILD = "build"
+
+
+def mode_rollout(rollout: RolloutConfig, mode: Mode | str, overrides: Overrides | None = None,
+                 lengths: Mapping[Role, int] | None = None) -> RolloutConfig:
+    """The rollout settings of `mode`, derived from the run's (`rollout`) in one step (the one re-shape
+    between the config file and the agents):
+
+    - every mode: an evaluation's answerer overrides (`overrides.answerer`), and each unset (<= 0) context
+      budget set to its engine's `max_seq_len` (`lengths`, `config_validation.engine_lengths`; without them
+      left as set);
+    - eval and build: no probes, final snapshots kept (raw texts left out), the builder sampled at
+      `overrides.builder_temperature` (greedy by default), greedy answer repeats made once (and recorded n
+      times, at the original's cost) or, with `overrides.answer_temperature` > 0, each its own answer sampled
+      at that temperature; a reward over every question a training corpus has
+      (`terminal_questions="hidden+reuse"`) evaluated on the hidden ones, the questions every report asks."""
+    o = overrides or Overrides()
+    d = rollout.to_dict()
+    d["answerer"].update(o.answerer)
+    if lengths is not None:
+        for part, role in (("builder", Role.BUILDER), ("answerer", Role.ANSWERER)):
+            if d[part]["context_budget"] <= 0:
+                d[part]["context_budget"] = int(lengths[role])
+    if Mode(mode) is not Mode.TRAIN:
+        sampled = float(o.answer_temperature) > 0
+        d["builder"]["temperature"] = float(o.builder_temperature)
+        d.update(max_probes=0, probe_at_start=False, record_snapshots=True, snapshot_raw_text=False,
+                 repeat_mode="sample" if sampled else "greedy_once",
+                 repeat_temperature=float(o.answer_temperature) if sampled else rollout.repeat_temperature)
+        if rollout.terminal_questions == "hidden+reuse":
+            d["terminal_questions"] = "hidden"
+    return RolloutConfig.from_dict(d)
+
+
+def _same_tree(params: Any, state: Any) -> bool:
+    """Whether `state` fits an engine holding `params` (the same tree and leaf shapes): `update_params`."""
+    if jax.tree.structure(params) != jax.tree.structure(state):
+        return False
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(state), strict=True)
+    return all(x.shape == y.shape for x, y in pairs)
+
+
 @dataclasses.dataclass
 class Cluster:
-    """Every role's model, engine and template for one command (module doc).
+    """Every role's spec, model, engine and template, and the rollout settings of one command's mode (module
+    doc). Build it with `from_run`.
 
-    `engines` maps "policy" and each frozen role (and "frozen", the answerer's, for older callers) to its
-    Engine; roles naming the same weights hold the same Engine object. `base` is the builder's initial
-    weights (frozen roles at init "policy" serve from it); `policy` the model the builder's engine was made
-    from (the trainer trains it)."""
+    `engines` maps each `Role` to its Engine; roles of one engine key hold the same Engine object. `base` is
+    the builder's initial weights (frozen roles at init "policy" serve from it); `policy` the model the
+    builder's engine serves (the trainer trains it; an evaluation's current builder). `rollouts` holds the
+    rollout config of each mode this cluster runs (`mode`; training's also periodic evaluation's)."""
 
     config: RunConfig
+    mode: Mode
+    overrides: Overrides
+    specs: dict[Role, RoleSpec]
+    rollouts: dict[Mode, RolloutConfig]
     tokenizer: Any
-    roles: dict[str, dict[str, Any]]
-    engines: dict[str, Any]
-    templates: dict[str, ChatTemplate]
+    templates: dict[Role, ChatTemplate]
+    engine_mesh: Any
     base: Any
-    builder_weights: str
-    policy_sizes: dict[str, int]
+    policy: Any
     localizer: Any = None  # multi-process: the trainer's global arrays -> this process's engine layout
-    policy: Any = None
+    abstract: bool = False
+    engines: dict[Role, Any] = dataclasses.field(default_factory=dict)
+    _state: Any = None  # the last builder state synced (re-applied by `reset`)
 
-    def push_weights(self, state: Any) -> None:
-        """New policy weights (an nnx state, e.g. the trainer's) to the builder's engine, on device
-        (resharded to the engine's process-local layout in a multi-process run: a collective there)."""
-        engine = self.engines[POLICY]
+    @classmethod
+    def from_run(cls, config: RunConfig, mode: Mode | str, overrides: Overrides | None = None, *,
+                 tokenizer: Any, engine_mesh: Any, base: Any = None, policy: Any = None,
+                 localizer: Any = None, abstract: bool = False) -> Cluster:
+        """The cluster of run `config` (validated, typed) for `mode`, with an evaluation's `overrides`: every
+        role's spec (`role_specs`), the mode's rollout config (`mode_rollout`, checked against the engines'
+        lengths: `check_budgets`), the builder's engine on `policy` (default `base`), one engine per distinct
+        frozen weights (init "policy" serving from `base`; default: `initial_model`), every role's template.
+
+        With `abstract` (a plan: `base` and `policy` from `abstract_model`, `engine_mesh` over a topology's
+        devices, no tokenizer) every engine is built from shapes and no template is made: its
+        `programs_ahead` compile for that topology, nothing else runs."""
+        require_typed(config, RUN_SCHEMAS, "cluster.Cluster.from_run")
+        mode, o = Mode(mode), overrides or Overrides()
+        specs = role_specs(config, o)
+        lengths = config_validation.engine_lengths(specs)
+        rollouts = {}
+        for m in (Mode.TRAIN, Mode.EVAL) if mode is Mode.TRAIN else (mode,):
+            rollouts[m] = mode_rollout(config.rollout.config, m, o, lengths)
+            config_validation.check_budgets(rollouts[m], lengths)
+        if base is None:
+            base = initial_model(config, engine_mesh, tokenizer, abstract=abstract)
+        templates = {} if abstract else role_templates(config, tokenizer, specs)
+        cluster = cls(config, mode, o, specs, rollouts, tokenizer, templates, engine_mesh, base,
+                      base if policy is None else policy, localizer, abstract)
+        cluster.reset()
+        logging.info("protocol:\n%s", protocol_table(cluster.protocol()))
+        return cluster
+
+    @property
+    def rollout(self) -> RolloutConfig:
+        """The rollout config of this cluster's mode."""
+        return self.rollouts[self.mode]
+
+    def rollout_for(self, mode: Mode | str) -> RolloutConfig:
+        return self.rollouts[Mode(mode)]
+
+    def _builder_engine(self) -> Any:
+        spec, r = self.specs[Role.BUILDER], self.config.rollout
+        return _engine(self.policy, spec.slots, spec.max_seq_len, self.engine_mesh,
+                       self.overrides.round_steps or r.round_steps, r.scan_layers)
+
+    def reset(self) -> None:
+        """Fresh engines for every role (after a batch raised with sessions still in the old ones' slots):
+        the builder's on `policy` (with the last weights synced), one per distinct frozen weights (slots and
+        max_seq_len: the largest any of its roles asks for)."""
+        r = self.config.rollout
+        self.engines = {Role.BUILDER: self._builder_engine()}
+        for members in engine_groups(self.specs):
+            spec = self.specs[members[0]]
+            mesh = _role_mesh(spec.mesh, members[0], self.engine_mesh)
+            model = role_model(self.config, spec, mesh, self.base, self.tokenizer, abstract=self.abstract)
+            engine = _engine(model, max(self.specs[x].slots for x in members),
+                             max(self.specs[x].max_seq_len for x in members), mesh,
+                             self.overrides.round_steps or r.round_steps, r.scan_layers)
+            self.engines.update(dict.fromkeys(members, engine))
+        if self._state is not None:
+            self.sync_weights(self._state)
+
+    def sync_weights(self, weights: Any) -> None:
+        """New builder weights to the builder's engine, on device: the trainer's state (resharded to the
+        engine's process-local layout in a multi-process run: a collective there), or a model (an
+        evaluation's builder), which becomes `policy`; a model of another graph (LoRA vs full, another
+        architecture) gets an engine of its own."""
+        if isinstance(weights, nnx.Module):
+            self.policy, self._state = weights, None
+            state = nnx.state(weights)
+            if not _same_tree(self.engines[Role.BUILDER].params, state):
+                self.engines[Role.BUILDER] = self._builder_engine()
+                return
+        else:
+            state = self._state = weights
+        engine = self.engines[Role.BUILDER]
         if self.localizer is not None:
             state = self.localizer(state, engine.params)
         engine.update_params(state)
 
     def protocol(self) -> dict[str, dict[str, Any]]:
-        return protocol(self.config, roles=self.roles, builder_weights=self.builder_weights,
-                        templates=self.templates or None, policy_engine=self.policy_sizes)
+        return protocol(self.config, specs=self.specs, rollout=self.rollout, templates=self.templates or None)
 
     def write_protocol(self, path: str) -> str:
         return write_protocol(path, self.protocol())
 
-    def engines_in_use(self, rollout: Any) -> list[tuple[Any, list[str]]]:
-        """(engine, its roles) for each distinct engine the roles of `rollout` (a `rollout.RolloutConfig`)
-        decode with (`roles_on_engines`), in role order."""
-        used = roles_on_engines(rollout)
-        by_engine: dict[int, tuple[Any, list[str]]] = {}
+    def engines_in_use(self, rollout: RolloutConfig | None = None) -> list[tuple[Any, list[Role]]]:
+        """(engine, its roles) for each distinct engine the roles of `rollout` (default: this mode's) decode
+        with (`roles_on_engines`), in role order."""
+        used = roles_on_engines(rollout or self.rollout)
+        by_engine: dict[int, tuple[Any, list[Role]]] = {}
         for role, engine in self.engines.items():
             if role in used:
                 by_engine.setdefault(id(engine), (engine, []))[1].append(role)
         return list(by_engine.values())
 
-    def programs_ahead(self, rollout: Any) -> list[tuple[str, Any]]:
-        """`(name, lower)` pairs of every program of the engines the roles of `rollout` decode with
-        (`engines_in_use`): each distinct engine once, named by its roles (`Engine.programs_ahead`). What a
-        run compiles ahead of time, and what a plan compiles for its topology."""
+    def programs_ahead(self, rollout: RolloutConfig | None = None) -> list[tuple[str, Any]]:
+        """`(name, lower)` pairs of every program of the engines the roles of `rollout` (default: this
+        mode's) decode with (`engines_in_use`): each distinct engine once, named by its roles
+        (`Engine.programs_ahead`). What a run compiles ahead of time, and what a plan compiles for its
+        topology."""
         return [(f"{'+'.join(roles)} {name}", job) for engine, roles in self.engines_in_use(rollout)
                 for name, job in engine.programs_ahead()]
 
 
-def roles_on_engines(rollout: Any) -> set[str]:
-    """The roles whose work runs on an engine under `rollout` (a `rollout.RolloutConfig`): the policy always;
-    the answerer unless scripted, the executor when "model", compaction when "model", the judge with
-    `use_model_judge` (the embedded default's frozen roles are all model-free: only the policy decodes)."""
-    used = {POLICY}
+def roles_on_engines(rollout: RolloutConfig) -> set[Role]:
+    """The roles whose work runs on an engine under `rollout`: the builder always; the answerer unless
+    scripted, the executor when "model", compaction when "model", the judge with `use_model_judge` (the
+    embedded default's frozen roles are all model-free: only the builder decodes)."""
+    used = {Role.BUILDER}
     if rollout.answerer.kind != "scripted":
-        used.add(ANSWERER)
+        used.add(Role.ANSWERER)
     if rollout.builder.executor == "model":
-        used.add(EXECUTOR)
+        used.add(Role.EXECUTOR)
     if rollout.builder.compaction == "model":
-        used.add(COMPACTION)
+        used.add(Role.COMPACTION)
     if rollout.use_model_judge:
-        used.add(JUDGE)
+        used.add(Role.JUDGE)
     return used
-
-
-def build_cluster(config: RunConfig, tokenizer: Any, *, engine_mesh: Any, base: Any, policy: Any,
-                  builder_weights: str | None = None, policy_slots: int = 0, policy_max_seq_len: int = 0,
-                  roles: Mapping[str, Mapping[str, Any]] | None = None, localizer: Any = None,
-                  abstract: bool = False) -> Cluster:
-    """The cluster of `config` (validated): the builder's engine on `policy`, one engine per distinct frozen
-    weights (`build_role_engines`, init "policy" serving from `base`), every role's template.
-
-    `policy_slots` / `policy_max_seq_len` (0: `rollout.policy_slots` / `rollout.max_seq_len`) size the
-    builder's engine (evaluation may ask for others); `roles` defaults to `resolve_roles(config)`. With
-    `abstract` (a plan: `base` and `policy` from `abstract_model`, `engine_mesh` over a topology's devices,
-    no tokenizer) every engine is built from shapes and no template is made: its `programs_ahead` compile
-    for that topology, nothing else runs."""
-    require_typed(config, RUN_SCHEMAS, "cluster.build_cluster")
-    roles = {k: dict(v) for k, v in (roles or config_validation.resolve_roles(config)).items()}
-    r = config.rollout
-    sizes = {"slots": int(policy_slots or r.policy_slots),
-             "max_seq_len": int(policy_max_seq_len or r.max_seq_len)}
-    engines = {POLICY: Engine(policy, sizes["slots"], sizes["max_seq_len"], engine_mesh,
-                              round_steps=r.round_steps, scan_layers=r.scan_layers)}
-    engines.update(build_role_engines(config, engine_mesh, base, tokenizer, roles, abstract=abstract))
-    engines[FROZEN] = engines[ANSWERER]
-    templates = {} if abstract else role_templates(config, tokenizer, roles)
-    cluster = Cluster(config, tokenizer, roles, engines, templates, base,
-                      builder_weights or policy_weights(config), sizes, localizer, policy)
-    logging.info("protocol:\n%s", protocol_table(cluster.protocol()))
-    return cluster

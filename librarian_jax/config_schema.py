@@ -544,7 +544,7 @@ class RoleSection(Section):
     "random" | "executor" (compaction and judge: the executor's weights and engine); path / preset / dtype
     ("" = model's); slots and max_seq_len (0 = rollout.frozen_slots /
     rollout.max_seq_len); mesh ("" = the run's, or e.g. "data=1,fsdp=-1,tensor=1"); thinking (the Qwen3.5
-    template's switch). Defaults are filled and the values checked by `config_validation.resolve_roles`."""
+    template's switch). Defaults are filled in once, by `config_validation.role_specs`."""
 
     init: str = spec("policy", choices=("", *ROLE_INITS))
     path: str = spec("")

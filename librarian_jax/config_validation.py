@@ -7,23 +7,25 @@ machine: the mesh against the device count, the frozen roles' defaults and budge
 style errors before anything heavy starts; `main` turns them into a one-line message and exit code 2.
 
 Only `validate` (and `validate_common`) read the raw ConfigDict: it returns the typed config, and the
-helpers here (`resolve_roles`, `validate_roles`) take that, as every module below the commands does.
+helpers here (`role_specs`, `validate_roles`, `check_budgets`) take that, as every module below the
+commands does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from absl import logging
 
-from librarian_jax.agents.runtime import FROZEN_ROLES
+from librarian_jax.agents.runtime import FROZEN_ROLES, Role
 from librarian_jax.config_schema import (
-    DTYPES,
-    ROLE_INITS,
     RUN_SCHEMAS,
     ConfigError,
+    EvalConfig,
     GRPOConfig,
     RunConfig,
     SFTConfig,
@@ -31,12 +33,13 @@ from librarian_jax.config_schema import (
     require_typed,
     validate_mesh,
 )
-from librarian_jax.models import PRESETS as MODEL_PRESETS
 from librarian_jax.planning import topology
 from librarian_jax.presets import sft as sft_presets
+from librarian_jax.rollout import RolloutConfig
 
-__all__ = ["ConfigError", "parse_mesh_spec", "resolve_roles", "validate", "validate_common", "validate_mesh",
-           "validate_roles"]
+__all__ = ["ConfigError", "Overrides", "RoleSpec", "check_budgets", "engine_groups", "engine_lengths",
+           "parse_mesh_spec", "policy_weights", "role_specs", "validate", "validate_common", "validate_mesh",
+           "validate_roles", "weights_name"]
 _err = config_error
 
 
@@ -81,7 +84,7 @@ def validate_common(config: Any, num_devices: int | None = None) -> None:
 # ------------------------------------------------------------------------------------------- roles
 # One model per frozen role (the paper: a Qwen3.5-35B-A3B executor, a separate compaction model, a fixed
 # answerer that may be another model again, a judge). `config.roles.<role>` names its weights; roles that
-# name the same weights share one engine and one copy of them (`cluster.build_cluster`).
+# name the same weights share one engine and one copy of them (`cluster.Cluster.from_run`).
 CHARS_PER_TOKEN = 3  # a conservative characters-per-token figure for the budget warnings
 
 
@@ -97,79 +100,204 @@ def parse_mesh_spec(spec: str, key: str) -> dict[str, int]:
     return out
 
 
-def resolve_roles(config: RunConfig) -> dict[str, dict[str, Any]]:
-    """Each frozen role's settings with the defaults filled in: `init="policy"` (the builder's initial
-    weights; `model.frozen_path`, when set, is an HF folder for every role left at "policy"), `preset` /
-    `dtype` from `model`, `slots` from `rollout.frozen_slots`, `max_seq_len` from `rollout.max_seq_len`, the
-    run's mesh. `init="executor"` (compaction, judge) takes the executor's weights, preset, dtype and mesh.
-    Adds `weights`: the key of the weights (roles with equal keys share one model and engine). `config` is
-    the typed config of a run (`config_schema.RunConfig`)."""
-    require_typed(config, RUN_SCHEMAS, "config_validation.resolve_roles")
+def weights_name(init: str, path: str, preset: str, seed: int) -> str:
+    """Weights as the protocol names them, the one rule for the builder and every frozen role: a Hugging
+    Face folder by its path, an Orbax checkpoint `orbax:<path>`, a random init `init:<preset>:<seed>`."""
+    if init == "hf":
+        return path
+    if init == "orbax":
+        return f"orbax:{path}"
+    return f"init:{preset}:{int(seed)}"
+
+
+def policy_weights(config: RunConfig) -> str:
+    """The builder's initial weights as the protocol names them (random: seeded `config.seed`)."""
+    require_typed(config, RUN_SCHEMAS, "config_validation.policy_weights")
+    m = config.model
+    return weights_name(m.init, m.path, m.preset, config.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """What a command asks of a run's protocol beyond the run's own config (evaluation and `build`: their
+    `roles.<role>.<key>`, `answerer.*`, `engine.*` and sampling keys; training asks nothing). `asked` names
+    the protocol keys overridden, in the order the report lists them."""
+
+    roles: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)  # role -> key -> value
+    answerer: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # kind / temperature
+    frozen_slots: int = 0  # 0: rollout.frozen_slots
+    round_steps: int = 0  # 0: rollout.round_steps
+    policy_slots: int = 0  # 0: rollout.policy_slots
+    policy_max_seq_len: int = 0  # 0: rollout.max_seq_len
+    builder_temperature: float = 0.0  # evaluation's and build's builder (training's samples as trained)
+    answer_temperature: float = 0.0  # > 0: evaluation's answer repeats sampled at it
+    builder_weights: str = ""  # the builder under evaluation, as the protocol names it ("": the initial)
+    asked: tuple[str, ...] = ()
+
+    @classmethod
+    def of_eval(cls, c: EvalConfig, builder_weights: str = "") -> Overrides:
+        """An evaluation's (or a build's eval keys') explicit overrides: every key at "" / 0 / -1 is the
+        run's."""
+        require_typed(c, EvalConfig, "config_validation.Overrides.of_eval")
+        asked: list[str] = []
+        roles: dict[str, dict[str, Any]] = {}
+        for role in FROZEN_ROLES:
+            over, changes = getattr(c.roles, role), {}
+            for key in ROLE_OVERRIDES:
+                value = getattr(over, key)
+                if value not in ("", 0):
+                    changes[key] = value
+                    asked.append(f"roles.{role}.{key}")
+            if over.thinking >= 0:
+                changes["thinking"] = bool(over.thinking)
+                asked.append(f"roles.{role}.thinking")
+            roles[role] = changes
+        answerer: dict[str, Any] = {}
+        if c.answerer.kind:
+            answerer["kind"] = c.answerer.kind
+            asked.append("answerer.kind")
+        if c.answerer.temperature >= 0:
+            answerer["temperature"] = float(c.answerer.temperature)
+            asked.append("answerer.temperature")
+        asked += [f"engine.{k}" for k in ("frozen_slots", "round_steps") if getattr(c.engine, k)]
+        e = c.engine
+        return cls(roles, answerer, int(e.frozen_slots), int(e.round_steps), int(e.policy_slots),
+                   int(e.max_seq_len), float(c.builder_temperature), float(c.answer_temperature),
+                   builder_weights, tuple(asked))
+
+
+# an evaluation's `roles.<role>` keys that override the run's (thinking apart: -1 is the run's)
+ROLE_OVERRIDES = ("init", "path", "preset", "dtype", "slots", "max_seq_len", "mesh", "template")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """One role of a run's protocol with every default filled in (`role_specs`): where its weights come
+    from (`init` policy | hf | orbax | random; `path`, `preset`, `dtype`), its engine's `slots`,
+    `max_seq_len` and `mesh` ("" = the run's), its chat template and thinking switch, and `weights`, its
+    weights as the protocol names them (`weights_name`)."""
+
+    role: Role
+    init: str
+    path: str
+    preset: str
+    dtype: str
+    slots: int
+    max_seq_len: int
+    mesh: str
+    thinking: bool
+    template: str
+    weights: str
+
+    @property
+    def engine_key(self) -> tuple[str, str, str, str]:
+        """Roles with equal keys share one engine and one copy of the weights: the weights' name, and unless
+        they are the builder's initial weights (served as loaded) their dtype and, for Orbax, the
+        architecture they are restored into; and the mesh."""
+        if self.init == "policy":
+            return ("policy", "", "", self.mesh)
+        return (self.weights, self.dtype, self.preset if self.init == "orbax" else "", self.mesh)
+
+
+def role_specs(config: RunConfig, overrides: Overrides | None = None) -> dict[Role, RoleSpec]:
+    """Every role of `config` (typed) with its defaults filled in, `overrides` applied: the builder (the
+    model section; slots and context from `rollout`, an evaluation's `engine` sizes) and each frozen role
+    (`roles.<role>`): `init="policy"` (the builder's initial weights; `model.frozen_path`, when set, is an HF
+    folder for every role left at "policy"), `preset` / `dtype` from `model`, `slots` from
+    `rollout.frozen_slots`, `max_seq_len` from `rollout.max_seq_len`, the run's mesh. `init="executor"`
+    (compaction, judge) takes the executor's weights, preset, dtype and mesh. Random frozen weights are
+    seeded `config.seed + 1`. The keys' choices are the schema's; nothing here checks them again."""
+    require_typed(config, RUN_SCHEMAS, "config_validation.role_specs")
+    o = overrides or Overrides()
     m, r = config.model, config.rollout
-    out: dict[str, dict[str, Any]] = {}
-    for role in FROZEN_ROLES:
-        d = getattr(config.roles, role).to_dict()
+    initial = policy_weights(config)
+    out: dict[Role, RoleSpec] = {Role.BUILDER: RoleSpec(
+        Role.BUILDER, m.init, m.path, m.preset, m.dtype, int(o.policy_slots or r.policy_slots),
+        int(o.policy_max_seq_len or r.max_seq_len), "", bool(config.builder_thinking), m.template,
+        o.builder_weights or initial)}
+    for role in map(Role, FROZEN_ROLES):
+        d = {**getattr(config.roles, role).to_dict(), **o.roles.get(role, {})}
         d["init"] = d["init"] or "policy"
         if d["init"] == "executor":
-            if role == "executor":
+            if role is Role.EXECUTOR:
                 raise _err("roles.executor.init", "cannot be 'executor' (its own weights)")
-            ex = out["executor"]
-            d.update({k: ex[k] for k in ("init", "path", "preset", "dtype", "mesh")})
-            d["template"] = d["template"] or ex["template"]
+            ex = out[Role.EXECUTOR]
+            d.update(init=ex.init, path=ex.path, preset=ex.preset, dtype=ex.dtype, mesh=ex.mesh)
+            d["template"] = d["template"] or ex.template
         if d["init"] == "policy" and m.frozen_path:
             d["init"], d["path"] = "hf", m.frozen_path
-        d["preset"] = d["preset"] or m.preset
-        d["dtype"] = d["dtype"] or m.dtype
-        d["slots"] = d["slots"] or r.frozen_slots
-        d["max_seq_len"] = d["max_seq_len"] or r.max_seq_len
-        if d["init"] == "policy":
-            d["weights"] = "policy"
-        elif d["init"] == "random":
-            d["weights"] = f"random:{d['preset']}:{d['dtype']}"
-        else:
-            preset = d["preset"] if d["init"] == "orbax" else ""
-            d["weights"] = f"{d['init']}:{d['path']}:{preset}:{d['dtype']}"
-        out[role] = d
+        preset, dtype = d["preset"] or m.preset, d["dtype"] or m.dtype
+        weights = initial if d["init"] == "policy" else weights_name(d["init"], d["path"], preset,
+                                                                     config.seed + 1)
+        out[role] = RoleSpec(role, d["init"], d["path"], preset, dtype,
+                             int(d["slots"] or o.frozen_slots or r.frozen_slots),
+                             int(d["max_seq_len"] or r.max_seq_len), d["mesh"], bool(d["thinking"]),
+                             d["template"], weights)
     return out
 
 
-def validate_roles(config: RunConfig, num_devices: int | None = None) -> dict[str, dict[str, Any]]:
-    """The `roles` section of a typed run config and every context budget a role must meet: a budget that
-    cannot be met is an error naming its key, or a logged warning naming it where the run can go on."""
-    roles = resolve_roles(config)
-    for role, d in roles.items():
-        k = f"roles.{role}"
-        if d["init"] not in ROLE_INITS:
-            raise _err(f"{k}.init", f"must be one of {list(ROLE_INITS)}, got {d['init']!r}")
-        if d["init"] in ("hf", "orbax") and not config.topology:  # a plan reads no weights
-            if not d["path"]:
-                raise _err(f"{k}.path", f"required when {k}.init={d['init']!r}")
-            if not os.path.exists(d["path"]):
-                raise _err(f"{k}.path", f"{d['path']!r} does not exist")
-        if d["preset"] not in MODEL_PRESETS:
-            raise _err(f"{k}.preset", f"must be one of {sorted(MODEL_PRESETS)}, got {d['preset']!r}")
-        if d["dtype"] not in DTYPES:
-            raise _err(f"{k}.dtype", f"must be one of {list(DTYPES)}, got {d['dtype']!r}")
-        for key, lo in (("slots", 1), ("max_seq_len", 16)):
-            v = d[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise _err(f"{k}.{key}", f"must be an integer >= {lo}, got {v!r}")
-        if d["mesh"]:
-            shape = parse_mesh_spec(d["mesh"], f"{k}.mesh")
-            if num_devices is not None:
-                validate_mesh(shape, num_devices)
-    # budgets
-    rs = config.rollout
-    a, b = rs.config.answerer, rs.config.builder
-    if a.kind == "model" and a.context_budget > roles["answerer"]["max_seq_len"]:
+def engine_groups(specs: Mapping[Role, RoleSpec]) -> list[list[Role]]:
+    """The frozen roles grouped by engine: roles of one `RoleSpec.engine_key` share one."""
+    groups: dict[tuple[str, ...], list[Role]] = {}
+    for role, spec in specs.items():
+        if role.frozen:
+            groups.setdefault(spec.engine_key, []).append(role)
+    return list(groups.values())
+
+
+def engine_lengths(specs: Mapping[Role, RoleSpec]) -> dict[Role, int]:
+    """Each role's engine's `max_seq_len`: the builder's own, a frozen role's the largest of the roles
+    sharing its engine (`engine_groups`)."""
+    out = {Role.BUILDER: specs[Role.BUILDER].max_seq_len}
+    for members in engine_groups(specs):
+        out.update(dict.fromkeys(members, max(specs[r].max_seq_len for r in members)))
+    return out
+
+
+def check_budgets(rollout: RolloutConfig, lengths: Mapping[Role, int]) -> None:
+    """The one rule for the context budgets a mode's rollout settings ask of its engines (`lengths`:
+    `engine_lengths`): a budget an engine cannot hold is an error naming its key, never clamped silently
+    (a scripted answerer reads on no engine)."""
+    a, b = rollout.answerer, rollout.builder
+    policy, answerer = lengths[Role.BUILDER], lengths[Role.ANSWERER]
+    if a.kind == "model" and a.context_budget > answerer:
         raise _err("rollout.answerer.context_budget",
-                   f"{a.context_budget} exceeds the answerer engine's max_seq_len "
-                   f"{roles['answerer']['max_seq_len']} (config.roles.answerer.max_seq_len); raise that or "
-                   "lower this (it is never clamped silently)")
-    if b.compaction != "none" and b.compaction_budget + b.max_new_tokens > rs.max_seq_len:
+                   f"{a.context_budget} exceeds the answerer engine's max_seq_len {answerer} "
+                   "(config.roles.answerer.max_seq_len); raise that or lower this (it is never clamped "
+                   "silently)")
+    if b.context_budget > policy:
+        raise _err("rollout.builder.context_budget",
+                   f"{b.context_budget} exceeds the builder engine's max_seq_len {policy} "
+                   "(config.rollout.max_seq_len); raise that or lower this (it is never clamped silently)")
+    if b.compaction != "none" and b.compaction_budget + b.max_new_tokens > policy:
         raise _err("rollout.builder.compaction_budget",
                    f"{b.compaction_budget} + builder.max_new_tokens {b.max_new_tokens} exceeds "
-                   f"rollout.max_seq_len {rs.max_seq_len}: long episodes would end with a full context")
+                   f"the builder engine's max_seq_len {policy}: long episodes would end with a full context")
+
+
+def validate_roles(config: RunConfig, num_devices: int | None = None) -> dict[Role, RoleSpec]:
+    """The `roles` section of a typed run config (what needs the file system or the devices: paths, meshes)
+    and every context budget a role must meet (`check_budgets` on the run's own settings, unset budgets
+    being their engines' lengths; warnings where the run can go on). Returns the roles (`role_specs`)."""
+    specs = role_specs(config)
+    for role, d in specs.items():
+        if not role.frozen:
+            continue
+        k = f"roles.{role}"
+        if d.init in ("hf", "orbax") and not config.topology:  # a plan reads no weights
+            if not d.path:
+                raise _err(f"{k}.path", f"required when {k}.init={d.init!r}")
+            if not os.path.exists(d.path):
+                raise _err(f"{k}.path", f"{d.path!r} does not exist")
+        if d.max_seq_len < 16:
+            raise _err(f"{k}.max_seq_len", f"must be an integer >= 16, got {d.max_seq_len!r}")
+        if d.mesh:
+            shape = parse_mesh_spec(d.mesh, f"{k}.mesh")
+            if num_devices is not None:
+                validate_mesh(shape, num_devices)
+    rs = config.rollout
+    b = rs.config.builder
+    check_budgets(rs.config, engine_lengths(specs))
     obs_cap = (rs.max_seq_len - b.max_new_tokens) // 2
     if b.observation_max_chars // CHARS_PER_TOKEN > obs_cap:
         logging.warning("config.rollout.builder.observation_max_chars=%d (~%d tokens) may not fit the half "
@@ -178,9 +306,9 @@ def validate_roles(config: RunConfig, num_devices: int | None = None) -> dict[st
                         b.observation_max_chars // CHARS_PER_TOKEN, obs_cap)
     if b.executor == "model":
         need = b.excerpt_max_chars // CHARS_PER_TOKEN + b.executor_max_new_tokens + 512
-        if need > roles["executor"]["max_seq_len"]:
+        if need > specs[Role.EXECUTOR].max_seq_len:
             logging.warning("config.roles.executor.max_seq_len=%d may not hold the executor's prompt and "
                             "reply (~%d tokens from rollout.builder.excerpt_max_chars and "
                             "executor_max_new_tokens)",
-                            roles["executor"]["max_seq_len"], need)
-    return roles
+                            specs[Role.EXECUTOR].max_seq_len, need)
+    return specs

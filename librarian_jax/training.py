@@ -167,7 +167,7 @@ class Run:
 
     def push_weights(self) -> None:
         """The trainer's current policy to the policy engine (a collective in a multi-process run)."""
-        self.cluster.push_weights(self.trainer.policy_state())
+        self.cluster.sync_weights(self.trainer.policy_state())
 
 
 def prepare(settings: GRPOConfig) -> Prepared:
@@ -192,10 +192,9 @@ def prepare(settings: GRPOConfig) -> Prepared:
     m = settings.model
     policy = train_step.apply_lora(base, m.lora_rank, m.lora_alpha, m.lora_module_path, seed=settings.seed) \
         if m.lora_rank else base
-    roles = config_validation.resolve_roles(settings)
-    logging.info("roles:\n%s", cluster.role_table(settings, roles))
-    the_cluster = cluster.build_cluster(
-        settings, tokenizer, engine_mesh=emesh, base=base, policy=policy, roles=roles,
+    logging.info("roles:\n%s", cluster.role_table(settings))
+    the_cluster = cluster.Cluster.from_run(
+        settings, cluster.Mode.TRAIN, tokenizer=tokenizer, engine_mesh=emesh, base=base, policy=policy,
         localizer=distributed.Localizer(mesh, emesh) if distributed.is_multi() else None)
     return Prepared(train_tasks, heldout, tokenizer, mesh, the_cluster, validation)
 
@@ -219,7 +218,7 @@ def build(settings: GRPOConfig) -> Run:
                              seed=settings.data.shuffle_seed, num_epochs=None, shard_index=0, shard_count=1,
                              drop_remainder=distributed.is_multi())
     return Run(p.train_tasks, p.heldout, p.tokenizer, p.cluster, trainer, rows_config,
-               settings.rollout.config, pipeline_.iterator(), jax.random.key(settings.seed), settings,
+               p.cluster.rollout, pipeline_.iterator(), jax.random.key(settings.seed), settings,
                validation=p.validation)
 
 
@@ -600,7 +599,8 @@ def evaluate(run: Run, seed: int, *, heldout: bool = True, validation: bool = Fa
     process evaluates its share of the corpora and every process gets the same metrics."""
     held = run.heldout[: run.settings.eval.num_tasks] if heldout else []
     val = run.validation if validation else []
-    records, metrics = pipeline.periodic_eval(held + val, run.engines, run.tokenizer, run.rollout_config,
+    records, metrics = pipeline.periodic_eval(held + val, run.engines, run.tokenizer,
+                                              run.cluster.rollout_for(cluster.Mode.EVAL),
                                               seed, repeats=run.settings.eval.repeats,
                                               templates=run.templates)
     metrics = {k: v for k, v in metrics.items() if k.endswith("_s")}  # build / answer times, both sets
@@ -677,7 +677,7 @@ def compile_ahead(settings: GRPOConfig) -> compile_cache.AheadReport:
         c = dataclasses.replace(settings, workdir=tmp,
                                 warm_start=dataclasses.replace(settings.warm_start, enabled=False))
         prepared = prepare(c)
-        jobs = prepared.cluster.programs_ahead(c.rollout.config)
+        jobs = prepared.cluster.programs_ahead()
         logging.info("compiling %d programs of the run's engines ahead", len(jobs))
         return compile_cache.Ahead(jobs, threads=os.cpu_count() or 1, what="engines, --dry_run --compile"
                                    ).run()

@@ -87,8 +87,8 @@ def test_eval_runs_the_training_runs_protocol_with_three_frozen_models(tmp_path)
     # and the evaluation's engines serve those very models (not the answerer's engine for every role)
     plan = cli.plan_eval(e)
     tok = cli.restore.run_tokenizer(plan.run_cfg, run_dir, [])
-    m = cli.Models(plan.run_cfg, plan.settings, cluster.local_mesh(plan.settings.mesh), tok)
-    engines = m.engines()
+    m = cli.eval_cluster(plan, cluster.Mode.EVAL, cluster.local_mesh(plan.settings.mesh), tok)
+    engines = m.engines
     assert len({id(engines[r]) for r in ("answerer", "executor", "judge")}) == 3
     for role, layers, seq in (("answerer", 1, 1024), ("executor", 2, 1536), ("judge", 3, 512)):
         eng = engines[role]
@@ -198,11 +198,15 @@ def test_paper_presets_dry_run_from_readmes_command_lines(tmp_path, preset):
 
 
 def test_an_evals_override_is_reported_as_the_only_difference(tmp_path):
-    """`protocol_config` applies an explicit `roles.<role>` override and names it; `protocol_diff` then finds
-    exactly that field (and a greedy builder's temperature), nothing else."""
+    """`Overrides.of_eval` names an explicit `roles.<role>` override and the evaluation's cluster applies it;
+    `protocol_diff` then finds exactly that field (and a greedy builder's temperature), nothing else."""
     import importlib
 
-    from librarian_jax.eval import cli
+    def used(e):  # the protocol of an evaluation of `run` (its cluster's, no model loaded)
+        over = cluster.Overrides.of_eval(EvalConfig.parse(e))
+        specs = cluster.role_specs(run, over)
+        rollout = cluster.mode_rollout(run.rollout.config, cluster.Mode.EVAL, over)
+        return cluster.protocol(run, specs=specs, rollout=rollout), list(over.asked)
 
     run = grpo.get_config("qwen3_5_4b")  # its judge is a model (the embedded one's is exact match)
     run.model.path = run.data.path = str(tmp_path)  # the user's Hugging Face folder and data
@@ -210,16 +214,112 @@ def test_an_evals_override_is_reported_as_the_only_difference(tmp_path):
     e = importlib.import_module("configs.eval").get_config()
     e.roles.judge.max_seq_len = 4096
     e.builder_temperature = float(run.rollout.config.builder.temperature)
-    cfg, asked = cli.protocol_config(run, EvalConfig.parse(e))
+    proto, asked = used(e)
     assert asked == ["roles.judge.max_seq_len"]
-    diffs = cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg))
+    diffs = cluster.protocol_diff(cluster.protocol(run), proto)
     assert diffs == [("judge", "max_seq_len", run.roles.judge.max_seq_len, 4096)], diffs
     e.roles.judge.max_seq_len = 0
     e.builder_temperature = 0.0  # the default: a greedy builder
-    cfg, asked = cli.protocol_config(run, EvalConfig.parse(e))
+    proto, asked = used(e)
     assert asked == []
     t = float(run.rollout.config.builder.temperature)
-    assert t > 0 and cluster.protocol_diff(cluster.protocol(run), cluster.protocol(cfg)) == [
+    assert t > 0 and cluster.protocol_diff(cluster.protocol(run), proto) == [
         ("builder", "temperature", t, 0.0)]
-    table = cluster.protocol_table(cluster.protocol(cfg), cluster.protocol(run))
+    table = cluster.protocol_table(proto, cluster.protocol(run))
     assert f"0.0 (trained: {t}) !" in table
+
+
+# ------------------------------------------------------------------------------------------- one constructor
+
+
+def _engine_constructions(package: pathlib.Path) -> list[str]:
+    """`file:line` of every call that constructs an `Engine` in the package, outside `engine/` (the engine's
+    own `generate`) and `bench/` (benchmarks of the engine and scheduler alone, no roles)."""
+    import ast
+
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] in ("engine", "bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                if name == "Engine":
+                    out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def test_one_place_in_the_package_constructs_a_roles_engine():
+    """Every command's engines come from `Cluster.from_run` (issue 64): the package constructs an `Engine`
+    in exactly one place, `cluster._engine`. Red when a command builds one of its own (as `eval.cli.Models`
+    did beside the cluster)."""
+    sites = _engine_constructions(ROOT / "librarian_jax")
+    assert len(sites) == 1 and sites[0].startswith("cluster.py:"), sites
+
+
+def test_rollout_settings_reach_an_agent_through_at_most_three_reshapes(monkeypatch):
+    """From the typed config to the agents, an evaluation's rollout settings are re-shaped (a
+    `dataclasses.replace` of a rollout dataclass, or a `RolloutConfig` rebuilt from a dict) in at most three
+    places: the cluster's one derivation per mode (`cluster.mode_rollout`), then what one answer run needs
+    (`answer_and_judge`, sampled repeats). Traced on a real cluster's evaluation config through a build and
+    its sampled answers; red when a copy comes back (e.g. `fit_to_engines` clamping, a second eval config)."""
+    import dataclasses
+    import sys
+
+    from librarian_jax.agents.runtime import FROZEN, POLICY
+    from librarian_jax.rollout import RolloutConfig, rewards
+    from librarian_jax.rollout.jobs import Job, answer_jobs, build_workspaces
+    from librarian_jax.warm_start import demos
+
+    c = grpo.get_config("embedded")
+    c.rollout.update(policy_slots=2, frozen_slots=2, max_seq_len=4096)
+    c.rollout.builder.update(max_turns=2)
+    settings = GRPOConfig.parse(c)
+    tok = testing.ByteTokenizer()
+    package = str(ROOT / "librarian_jax")
+    sites: set[str] = set()
+    shaped = (RolloutConfig, rewards.BuilderConfig, rewards.AnswererConfig)
+
+    def record() -> None:
+        frame = sys._getframe(2)
+        if frame.f_code.co_filename.startswith(package):
+            sites.add(f"{os.path.relpath(frame.f_code.co_filename, package)}:{frame.f_code.co_name}")
+
+    replace, from_dict = dataclasses.replace, RolloutConfig.from_dict.__func__
+
+    def traced_replace(obj, /, **changes):
+        if isinstance(obj, shaped):
+            record()
+        return replace(obj, **changes)
+
+    def traced_from_dict(cls, d):
+        record()
+        return from_dict(cls, d)
+
+    monkeypatch.setattr(dataclasses, "replace", traced_replace)
+    monkeypatch.setattr(RolloutConfig, "from_dict", classmethod(traced_from_dict))
+    over = cluster.Overrides(answer_temperature=0.7)  # sampled answer repeats: each its own answer run
+    the_cluster = cluster.Cluster.from_run(settings, cluster.Mode.EVAL, over, tokenizer=tok, engine_mesh=None,
+                                           base=testing.tiny_model(models.get_preset("tiny")))
+    cfg = the_cluster.rollout
+    assert cfg.builder.context_budget == 4096 and cfg.max_probes == 0 and cfg.repeat_mode == "sample"
+    tpl = the_cluster.templates
+    engine = testing.ScriptedEngine(tok, demos.scripted_builder("entities", 0, 2),
+                                    end_id=tpl[POLICY].stop_ids[0])
+    tasks = _world()[:1]
+    built = build_workspaces("trained", tasks, lambda: {POLICY: engine, FROZEN: engine}, tok, cfg,
+                             templates=tpl, progress=False)
+    assert built[0].workspace is not None, built[0].failed
+    answers = answer_jobs([Job.of(built[0], 2)], lambda: {POLICY: engine, FROZEN: engine}, tok, cfg,
+                          templates=tpl, progress=False)
+    assert not isinstance(answers[0], Exception) and answers[0]
+    assert len(sites) <= 3, sorted(sites)
+    assert "cluster.py:mode_rollout" in sites, sorted(sites)
+
+
+def _world():
+    from librarian_jax.data import synthetic
+
+    return synthetic.generate_world(5, 1, docs_per_task=3, min_words=20, max_words=30, questions_per_task=2)

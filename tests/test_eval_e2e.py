@@ -14,7 +14,7 @@ import pytest
 
 from configs import build as build_config
 from configs import eval as eval_config
-from librarian_jax import data
+from librarian_jax import cluster, data
 from librarian_jax import eval as eval_lib
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.eval import baselines, cli, pipeline, stats
@@ -290,7 +290,7 @@ def test_a_failed_construction_stays_in_the_denominator(monkeypatch):
 
     monkeypatch.setattr(jobs, "run_batch", fake_run_batch)
     resets = []
-    cfg = pipeline.eval_config(pipeline.R.RolloutConfig())
+    cfg = cluster.mode_rollout(pipeline.R.RolloutConfig(), cluster.Mode.EVAL)
     built = pipeline.build_workspaces(
         "trained", tasks, dict, None, cfg, templates={"policy": None}, reset=lambda: resets.append(1),
         progress=False,

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 from multiproc import free_port, launch_env, wait_all
 
+from librarian_jax import cluster
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "warm_start_classic")  # the classic world's warm start
 NUM_CORPORA = 5  # uneven over 2 processes: [0, 3) and [3, 5)
@@ -69,7 +71,6 @@ def test_answer_seeds_do_not_depend_on_the_process_hash_seed(monkeypatch):
 
     monkeypatch.setattr(jobs, "AgentContext", context)
     monkeypatch.setattr(jobs, "Scheduler", Scheduler)
-    monkeypatch.setattr(jobs, "fit_to_engines", lambda config, engines: config)
 
     class Task:
         def __init__(self, task_id):
@@ -122,7 +123,7 @@ def test_a_share_builds_with_the_episode_seeds_of_the_whole_build(monkeypatch):
     seeds: dict[tuple[str, int], int] = {}
     # corpus 4's batch fails: each corpus of that chunk is re-run alone
     monkeypatch.setattr(jobs, "run_batch", _fake_run_batch(seeds, bad=tasks[4].task_id))
-    cfg = pipeline.eval_config(pipeline.R.RolloutConfig())
+    cfg = cluster.mode_rollout(pipeline.R.RolloutConfig(), cluster.Mode.EVAL)
     kw = dict(group_size=2, seed=11, batch_tasks=3, progress=False)
 
     def build(part):

@@ -35,10 +35,10 @@ def paper_config(tmp_path):
 def test_paper_preset_roles_budgets_and_reward(tmp_path):
     c = paper_config(tmp_path)
     settings = cv.validate(c, 8)
-    roles = cv.resolve_roles(settings)
-    assert roles["answerer"]["weights"] == "policy" and roles["answerer"]["max_seq_len"] >= 32768
-    assert len({roles[r]["weights"] for r in ("executor", "compaction", "judge")}) == 1  # one shared engine
-    assert not any(d["thinking"] for d in roles.values())
+    roles = cv.role_specs(settings)
+    assert roles["answerer"].init == "policy" and roles["answerer"].max_seq_len >= 32768
+    assert len({roles[r].engine_key for r in ("executor", "compaction", "judge")}) == 1  # one shared engine
+    assert not any(d.thinking for r, d in roles.items() if r.frozen)
     table = training.describe(settings)
     assert "roles (which model serves which role)" in table
     for role in ("builder", "answerer", "executor", "compaction", "judge"):
@@ -60,13 +60,15 @@ def test_paper_preset_roles_budgets_and_reward(tmp_path):
 def test_roles_naming_the_same_weights_share_one_engine():
     c = grpo.get_config("embedded")
     c.rollout.update(frozen_slots=2, max_seq_len=256)
+    c.rollout.builder.compaction = "none"  # a 256-token context holds no compaction budget
     c.roles.executor.update(init="random", preset="tiny", slots=3)
     settings = GRPOConfig.parse(c)
-    roles = cv.resolve_roles(settings)
     base = testing.tiny_model(models.get_preset("tiny"))
 
-    engines = cluster.build_role_engines(settings, None, base, testing.ByteTokenizer(), roles)
-    assert engines["answerer"] is engines["compaction"] is engines["judge"]
+    engines = cluster.Cluster.from_run(settings, cluster.Mode.TRAIN, tokenizer=testing.ByteTokenizer(),
+                                       engine_mesh=None, base=base).engines
+    assert set(engines) == set(cluster.Role)  # one entry per role: no "frozen" alias
+    assert engines["answerer"] is engines["compaction"] is engines["judge"] is not engines["policy"]
     assert engines["executor"] is not engines["answerer"] and engines["executor"].num_slots == 3
 
 

@@ -160,7 +160,9 @@ def test_scripted_builder_writes_with_the_real_frozen_engine(world):
     builder = ScriptedEngine(tok, lambda s: script[min(s.turns, 1)], end_id=tpl.stop_ids[0])
     cfg = RolloutConfig(
         builder=BuilderConfig(max_turns=3, executor="model", executor_max_new_tokens=12),
-        answerer=AnswererConfig(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8),
+        # a budget the frozen engine holds: one above it is refused, never lowered (`check_budgets`)
+        answerer=AnswererConfig(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8,
+                                context_budget=frozen.max_seq_len),
         probe_repeats=1,
         probe_min_gap=1,
         terminal_repeats=1,

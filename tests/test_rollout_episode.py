@@ -173,7 +173,12 @@ def test_schedule_and_reward_arithmetic():
     assert c.builder.context_budget == 1000 and c.answerer.context_budget == 800
     engines = {POLICY: Small(), FROZEN: Small()}
     model = fit_to_engines(RolloutConfig(answerer=AnswererConfig(context_budget=3000)), engines)
-    assert model.answerer.context_budget == 1000  # an LLM answerer cannot read past its engine
+    assert model.answerer.context_budget == 3000  # never lowered: an LLM answerer's is refused instead
+    from librarian_jax import config_validation as cv
+    from librarian_jax.agents.runtime import Role
+
+    with pytest.raises(cv.ConfigError, match=r"config\.rollout\.answerer\.context_budget.*never clamped"):
+        cv.check_budgets(model, {Role.BUILDER: 1000, Role.ANSWERER: 1000})
     # the scripted navigator runs on no engine: the budget it was given is the one it reads with
     scripted = AnswererConfig(kind="scripted", context_budget=3000)
     assert fit_to_engines(RolloutConfig(answerer=scripted), engines).answerer.context_budget == 3000
@@ -183,8 +188,13 @@ def test_schedule_and_reward_arithmetic():
 
 def test_a_reward_over_hidden_and_reuse_questions_asks_both_and_evaluation_the_hidden_ones():
     """`terminal_questions="hidden+reuse"` (the noisy preset's denser reward): the terminal reward is the mean
-    over the hidden and the reuse questions; `eval_config` asks the hidden ones, as every report does."""
-    from librarian_jax.rollout.jobs import eval_config, questions_of
+    over the hidden and the reuse questions; evaluation's rollout config (`cluster.mode_rollout`) asks the
+    hidden ones, as every report does."""
+    from librarian_jax.cluster import Mode, mode_rollout
+    from librarian_jax.rollout.jobs import questions_of
+
+    def eval_config(c):
+        return mode_rollout(c, Mode.EVAL)
 
     hidden, reuse = TASK.questions
     task = dataclasses.replace(TASK, questions=(hidden,), reuse_questions=(reuse,))

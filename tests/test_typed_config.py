@@ -41,16 +41,15 @@ HELPERS = {
     "cluster.role_templates": lambda: cluster.role_templates(_grpo(), None),
     "cluster.protocol": lambda: cluster.protocol(_grpo()),
     "cluster.role_table": lambda: cluster.role_table(_grpo()),
-    "cluster.build_role_engines": lambda: cluster.build_role_engines(_grpo(), None, None, None, {}),
-    "cluster.build_cluster": lambda: cluster.build_cluster(_grpo(), None, engine_mesh=None, base=None,
-                                                           policy=None),
+    "cluster.Cluster.from_run": lambda: cluster.Cluster.from_run(_grpo(), "train", tokenizer=None,
+                                                                 engine_mesh=None),
     "cluster.retrieval_model": lambda: cluster.retrieval_model("reranker", eval_configs.get_config().roles
                                                                .reranker, None, None),
     "inputs.build_tasks": lambda: inputs.build_tasks(_grpo()),
     "inputs.build_tokenizer": lambda: inputs.build_tokenizer(_grpo(), []),
     "inputs.update_tasks": lambda: inputs.update_tasks([], _grpo()),
     "inputs.write_split": lambda: inputs.write_split("/nonexistent", [], [], _grpo()),
-    "config_validation.resolve_roles": lambda: config_validation.resolve_roles(_grpo()),
+    "config_validation.role_specs": lambda: config_validation.role_specs(_grpo()),
     "config_validation.validate_roles": lambda: config_validation.validate_roles(_grpo()),
     "training.train_config": lambda: training.train_config(_grpo()),
     "training.describe": lambda: training.describe(_grpo()),
@@ -64,7 +63,8 @@ HELPERS = {
     "warm_start.sft.warm_start": lambda: supervised.warm_start(_grpo()),
     "eval.restore.restore_builder": lambda: restore.restore_builder(_grpo(), "/nonexistent", None, None),
     "eval.restore.expected_params": lambda: restore.expected_params(_grpo()),
-    "eval.cli.protocol_config": lambda: cli.protocol_config(_grpo(), eval_configs.get_config()),
+    "config_validation.Overrides.of_eval": lambda: config_validation.Overrides.of_eval(
+        eval_configs.get_config()),
 }
 
 

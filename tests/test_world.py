@@ -262,8 +262,9 @@ def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_
     import dataclasses
 
     from librarian_jax.agents.runtime import FROZEN, POLICY
+    from librarian_jax.cluster import Mode, mode_rollout
     from librarian_jax.rollout import RolloutConfig
-    from librarian_jax.rollout.jobs import build_workspaces, eval_config
+    from librarian_jax.rollout.jobs import build_workspaces
     from librarian_jax.testing import ScriptedEngine
 
     task = NOISY[3]
@@ -273,8 +274,9 @@ def test_a_builder_naming_entities_by_doc_id_builds_the_workspace_of_one_naming_
         system_prompt="builder_system_compact"))
 
     def build(doc_ids: bool, resolve: bool) -> Workspace:
-        cfg = eval_config(dataclasses.replace(base, builder=dataclasses.replace(base.builder,
-                                                                               doc_id_titles=resolve)))
+        cfg = mode_rollout(dataclasses.replace(base, builder=dataclasses.replace(base.builder,
+                                                                                doc_id_titles=resolve)),
+                           Mode.EVAL)
         engine = ScriptedEngine(TOK, demos.scripted_builder(style, 0, 4, 0, doc_ids), end_id=TPL.stop_ids[0])
         built = build_workspaces(style, [task], lambda: {POLICY: engine, FROZEN: engine}, TOK, cfg,
                                  templates={POLICY: TPL, FROZEN: TPL}, progress=False)

@@ -273,10 +273,12 @@ class BuilderAgent:
     """One builder episode's agent state: workspace, policy session(s), action log. Drive it with `turn()`."""
 
     def __init__(self, ctx: AgentContext, workspace: Any, config: BuilderConfig, *, num_docs: int,
-                 update: dict[str, str] | None = None):
+                 update: dict[str, str] | None = None, max_turns: int | None = None):
         self.ctx = ctx
         self.ws = workspace
         self.cfg = config
+        # an update episode's own turn budget (`workspace.UpdateStart.max_turns`), else the config's
+        self.max_turns = config.max_turns if max_turns is None else int(max_turns)
         self.num_docs = num_docs
         self.turn_no = 0
         self.segments: list[Segment] = []
@@ -307,7 +309,7 @@ class BuilderAgent:
             self.cfg.system_prompt,
             tools=render_tools(builder_tools(self.cfg)),
             max_reads=self.cfg.max_reads_per_turn,
-            max_turns=self.cfg.max_turns,
+            max_turns=self.max_turns,
         )
 
     # -- one turn -------------------------------------------------------------------------------------------
@@ -343,7 +345,7 @@ class BuilderAgent:
         )
         responses = yield from self._execute(parsed, outcome)
         outcome.stopped = any(c.name == "stop" for c in parsed.calls)
-        last = outcome.stopped or self.turn_no >= self.cfg.max_turns or result.status == "cache_full"
+        last = outcome.stopped or self.turn_no >= self.max_turns or result.status == "cache_full"
         outcome.ended = last
         if not last:
             obs = "\n".join(responses[i] for i in sorted(responses))

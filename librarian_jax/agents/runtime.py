@@ -23,6 +23,7 @@ stands (`session.record()` is a `Segment`, checked as a builder's by `Segment.fo
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,27 @@ COMPACTION = "compaction"
 JUDGE = "judge"
 FROZEN_ROLES = (ANSWERER, EXECUTOR, COMPACTION, JUDGE)
 ROLES = (POLICY, *FROZEN_ROLES)
+
+
+class Role(enum.StrEnum):
+    """A role of the protocol. Its value is the key an agent asks the engines for (`engine_for_role`), so a
+    mapping keyed by roles serves agents as it is; the builder is the policy (one role, two words: the
+    protocol calls it "builder", `protocol_name`)."""
+
+    BUILDER = POLICY
+    ANSWERER = ANSWERER
+    EXECUTOR = EXECUTOR
+    COMPACTION = COMPACTION
+    JUDGE = JUDGE
+
+    @property
+    def protocol_name(self) -> str:
+        """The role's name in `protocol.json` and the role tables."""
+        return "builder" if self is Role.BUILDER else self.value
+
+    @property
+    def frozen(self) -> bool:
+        return self is not Role.BUILDER
 
 
 def engine_for_role(engines: Mapping[str, Any], role: str) -> Any:

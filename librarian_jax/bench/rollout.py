@@ -98,6 +98,7 @@ def main(argv: list[str]) -> None:
             max_turns=f.answerer_turns,
             max_new_tokens=f.answerer_new_tokens,
             forced_max_new_tokens=f.answerer_new_tokens,
+            context_budget=frozen.max_seq_len,  # what the frozen engine holds (never lowered for it)
         ),
         probe_repeats=f.repeats,
         probe_at_start=True,

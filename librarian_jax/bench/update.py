@@ -16,8 +16,8 @@ the scripted navigator):
   (`--update_max_turns`), as `build --config.update_from` runs it.
 
 Builders: `--run=DIR` restores the run's builder (greedy) and answers with the run's protocol
-(`eval.cli.Models`); without it, a scripted builder (`--style`, a warm-start demonstration style, default
-`own_doc`: one file per entity document) builds through the real protocol (`testing.ScriptedEngine`),
+(`eval.cli.eval_cluster`); without it, a scripted builder (`--style`, a warm-start demonstration style,
+default `own_doc`: one file per entity document) builds through the real protocol (`testing.ScriptedEngine`),
 and its update episode deletes each stale file and writes it again under its title from its sources as they
 are now (the update prompt lists them), and gives each added document (and a changed one no rewrite covers)
 its own file. History compaction is off for scripted builders (their plans read the first prompt).
@@ -47,7 +47,6 @@ from librarian_jax.data.mutate import mutate_task
 from librarian_jax.eval import cli, pipeline, restore, stats
 from librarian_jax.presets import eval as eval_presets
 from librarian_jax.presets import grpo as grpo_presets
-from librarian_jax.rollout.jobs import eval_config
 from librarian_jax.testing import FakeSession, ScriptedEngine
 from librarian_jax.warm_start.demos import listed_docs, scripted_builder
 from librarian_jax.workspace import UPDATE_META, carry_over
@@ -175,7 +174,7 @@ def scripted_setup(workdir: str, style: str = "own_doc", docs_per_task: int = 0,
     train, held = inputs.build_tasks(settings)
     tok = inputs.build_tokenizer(settings, train + held)
     template = tokenizers.chat_template(tok)
-    rollout = eval_config(settings.rollout.config)
+    rollout = cluster.mode_rollout(settings.rollout.config, cluster.Mode.EVAL)
     rollout = dataclasses.replace(rollout, terminal_questions="hidden")
     engine = ScriptedEngine(tok, scripted_policy(style, rollout.builder.max_turns),
                             end_id=template.stop_ids[0])
@@ -194,10 +193,11 @@ def run_setup(run: str, step: int = -1) -> Setup:
     c = plan.settings
     mesh = cluster.local_mesh(c.mesh)
     from_run = restore.run_tokenizer(plan.run_cfg, plan.run_dir, held)
-    models = cli.Models(plan.run_cfg, c, mesh, from_run)
-    models.set_policy(models.builder("trained", plan))
-    rollout = dataclasses.replace(cli._rollout_config(plan, models), terminal_questions="hidden")  # noqa: SLF001
-    return Setup(held, from_run, models.engines, models.templates, rollout, f"{plan.run_dir}@{plan.step}")
+    the_cluster = cli.eval_cluster(plan, cluster.Mode.EVAL, mesh, from_run)
+    the_cluster.sync_weights(cli.builder_model("trained", plan, the_cluster))
+    rollout = dataclasses.replace(the_cluster.rollout, terminal_questions="hidden")
+    return Setup(held, from_run, lambda: the_cluster.engines, the_cluster.templates, rollout,
+                 f"{plan.run_dir}@{plan.step}")
 
 
 def _build(setup: Setup, method: str, tasks: list[Any], seed: int) -> list[pipeline.Built]:

@@ -250,7 +250,7 @@ def baseline_sections(
 ) -> tuple[list[rjobs.Job], dict[str, list[rjobs.Built]], dict[str, Any]]:
     """Every baseline job of this process's corpora `tasks` (task-major, methods in `methods` order), the
     constructions of GraphRAG / AutoCompaction (for export and failure counts) and the retrieval models'
-    description. `models_` is the eval's cluster (`cli.Models`); `timing` gets `build_<method>_s`;
+    description. `models_` is the eval's cluster (`cluster.Cluster`); `timing` gets `build_<method>_s`;
     `tune(models) -> {method: k}` sets the retrieval methods' k (a `matched` budget, `tune_ks`)."""
     t0 = time.perf_counter()
     models = load_models(methods, c, mesh, tokenizer)
@@ -264,7 +264,7 @@ def baseline_sections(
     for m in CONSTRUCTED:
         if m in methods:
             t0 = time.perf_counter()
-            built_by[m] = construct(m, tasks, models_.engines, tokenizer, config, c,
+            built_by[m] = construct(m, tasks, lambda: models_.engines, tokenizer, config, c,
                                     templates=models_.templates, seed=c.seed, batch_tasks=batch_tasks,
                                     reset=models_.reset)
             timing[f"build_{m}_s"] = time.perf_counter() - t0
@@ -331,7 +331,7 @@ def tune_ks(
                 for j in retrieval_jobs([m], t, qs, c, 1, models, ks={m: k}, indexes=indexes):
                     jobs.append(j)
                     tags.append((m, k))
-    answers = rjobs.answer_jobs(jobs, models_.engines, tokenizer, config, templates=models_.templates,
+    answers = rjobs.answer_jobs(jobs, lambda: models_.engines, tokenizer, config, templates=models_.templates,
                                 seed=seed, reset=models_.reset, progress=False)
     rows = []
     for (m, k), j, a in zip(tags, jobs, answers, strict=True):

@@ -7,7 +7,7 @@
 Every check of the config, the run directory and its checkpoints happens before any model is loaded; each
 bad input is one `ConfigError("config.<key>: ...")` naming the key and the path. After `plan_eval` /
 `plan_build` only typed configs are read: the evaluation's own (`Plan.settings`) and the run's recorded one
-(`Plan.run_cfg`, read through its schema), with this evaluation's overrides (`protocol_config`).
+(`Plan.run_cfg`, read through its schema), with this evaluation's overrides (`cluster.Overrides`).
 
 Multi-process: `run_eval`/`evaluate_run` split the held-out corpora over the processes and gather the records
 (`execute`); `run_build` builds its one workspace on every process (`run_build`).
@@ -26,11 +26,9 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from flax import nnx
 
 from librarian_jax import (
     cluster,
-    config_validation,
     data,
     distributed,
     inputs,
@@ -38,19 +36,16 @@ from librarian_jax import (
     storage,
     tokenizers,
 )
-from librarian_jax.agents.runtime import ANSWERER, FROZEN, FROZEN_ROLES, POLICY
+from librarian_jax.cluster import Mode, Overrides
 from librarian_jax.config_schema import (
     EVAL_METHODS,
-    RUN_SCHEMAS,
     BuildConfig,
     ConfigError,
     EvalConfig,
     GRPOConfig,
     RunConfig,
-    require_typed,
 )
 from librarian_jax.config_validation import validate_mesh
-from librarian_jax.engine import Engine
 from librarian_jax.eval import baselines, pipeline, report, restore
 from librarian_jax.models.placement import placed_copy
 from librarian_jax.presets import eval as eval_presets
@@ -271,69 +266,22 @@ def heldout_tasks(plan: Plan) -> tuple[list[Any], str]:
     return tasks, source
 
 
-# ------------------------------------------------------------------------------------------- models
+# ------------------------------------------------------------------------------------------- the cluster
 
 
-# the eval config's `roles.<role>` keys and the run-config key each overrides ("" / 0 / -1: the run's)
-_ROLE_OVERRIDES = ("init", "path", "preset", "dtype", "slots", "max_seq_len", "mesh", "template")
-
-
-def protocol_config(run_cfg: RunConfig, eval_cfg: EvalConfig) -> tuple[RunConfig, list[str]]:
-    """The run's config with this evaluation's explicit protocol overrides applied (`roles.<role>.<key>`,
-    `answerer.kind` / `answerer.temperature`, `engine.frozen_slots` / `round_steps`), and the overridden keys.
-    Every role is the run's own unless asked for here; the report marks each difference. Both typed (a run
-    from before roles reads back with every frozen role on the run's initial weights)."""
-    require_typed(run_cfg, RUN_SCHEMAS, "eval.cli.protocol_config")
-    require_typed(eval_cfg, EvalConfig, "eval.cli.protocol_config")
-    asked: list[str] = []
-    roles = {}
-    for role in FROZEN_ROLES:
-        over = getattr(eval_cfg.roles, role)
-        changes: dict[str, Any] = {}
-        for key in _ROLE_OVERRIDES:
-            value = getattr(over, key)
-            if value not in ("", 0):
-                changes[key] = value
-                asked.append(f"roles.{role}.{key}")
-        if over.thinking >= 0:
-            changes["thinking"] = bool(over.thinking)
-            asked.append(f"roles.{role}.thinking")
-        roles[role] = dataclasses.replace(getattr(run_cfg.roles, role), **changes)
-    rc = run_cfg.rollout.config
-    a, answerer = eval_cfg.answerer, {}
-    if a.kind:
-        answerer["kind"] = a.kind
-        asked.append("answerer.kind")
-    if a.temperature >= 0:
-        answerer["temperature"] = float(a.temperature)
-        asked.append("answerer.temperature")
-    engine = {}
-    for key in ("frozen_slots", "round_steps"):
-        if getattr(eval_cfg.engine, key):
-            engine[key] = int(getattr(eval_cfg.engine, key))
-            asked.append(f"engine.{key}")
-    rc = dataclasses.replace(rc, answerer=dataclasses.replace(rc.answerer, **answerer),
-                             builder=dataclasses.replace(rc.builder,
-                                                         temperature=float(eval_cfg.builder_temperature)))
-    rollout = dataclasses.replace(run_cfg.rollout, config=rc, **engine)
-    cfg = dataclasses.replace(run_cfg, roles=dataclasses.replace(run_cfg.roles, **roles), rollout=rollout)
-    return cfg, asked
-
-
-def policy_engine_sizes(eval_cfg: Any, config: RunConfig) -> dict[str, int]:
-    """The builder engine's `slots` and `max_seq_len` of an evaluation (its `engine` section, 0 = the
-    run's `rollout` sizes)."""
-    e, r = eval_cfg.engine, config.rollout
-    return {"slots": int(e.policy_slots or r.policy_slots),
-            "max_seq_len": int(e.max_seq_len or r.max_seq_len)}
+def builder_weights(plan: Plan) -> str:
+    """The trained builder as the protocol names it: `run:DIR@STEP`, or the HF folder of `builder=hf:`."""
+    if plan.settings.builder.startswith("hf:"):
+        return plan.settings.builder[3:]
+    return f"run:{plan.run_dir}@{plan.step}"
 
 
 def plan_topology(c: EvalConfig, mode: str) -> dict[str, Any]:
     """`--dry_run --compile --config.topology=ACCEL` of an evaluation or a build (`c`: its eval keys): the
-    plan of its engines (the run's protocol with this evaluation's overrides, `protocol_config`, the
-    builder's engine at `policy_engine_sizes`) for that slice, written to the report folder's plan.json
-    (`out`, else `<run>/eval/<name>`). No weights, tasks or checkpoints are read (the run's config.json is;
-    without a run, `train_preset` with `builder=hf:` shapes)."""
+    plan of its engines (the run's protocol with this evaluation's overrides, `Overrides.of_eval`) for that
+    slice, written to the report folder's plan.json (`out`, else `<run>/eval/<name>`). No weights, tasks or
+    checkpoints are read (the run's config.json is; without a run, `train_preset` with `builder=hf:`
+    shapes)."""
     from librarian_jax.planning import plan as plan_lib
 
     if c.run:
@@ -344,93 +292,52 @@ def plan_topology(c: EvalConfig, mode: str) -> dict[str, Any]:
     out_dir = c.out or (storage.join(run_dir, "eval", c.name) if run_dir else "")
     if not out_dir:
         raise _err("out", "required without config.run (the folder plan.json goes to)")
-    cfg, _ = protocol_config(run_cfg, c)
-    return plan_lib.run(c, cfg, out_dir, mode=mode, eval_sizes=policy_engine_sizes(c, cfg))
+    return plan_lib.run(c, run_cfg, out_dir, mode=mode, overrides=Overrides.of_eval(c))
 
 
-class Models:
-    """The cluster of one evaluation: the training run's protocol rebuilt from its recorded config (every
-    frozen role's weights, engine, template, context and sampling: `cluster.build_role_engines`,
-    `cluster.role_templates`), with this evaluation's explicit overrides (`protocol_config`). The builder's
-    engine swaps weights per method (full params share one engine, their weights `update_params`)."""
-
-    def __init__(self, run_cfg: RunConfig, eval_cfg: EvalConfig, mesh: Any, tokenizer: Any):
-        self.run_cfg, self.mesh, self.tokenizer = run_cfg, mesh, tokenizer
-        self.config, self.overrides = protocol_config(run_cfg, eval_cfg)
-        self.sizes = policy_engine_sizes(eval_cfg, self.config)
-        self.roles = config_validation.resolve_roles(self.config)
-        self.templates = cluster.role_templates(self.config, tokenizer, self.roles)
-        self.base = placed_copy(restore.base_model(run_cfg, mesh, tokenizer), mesh)
-        self.policy_model: Any = None
-        self._engines: dict[str, Any] = {}
-
-    def protocol(self, builder_weights: str) -> dict[str, dict[str, Any]]:
-        """This evaluation's protocol (`cluster.protocol`) with the builder named `builder_weights`."""
-        return cluster.protocol(self.config, roles=self.roles, builder_weights=builder_weights,
-                                templates=self.templates, policy_engine=self.sizes)
-
-    def set_policy(self, model: Any) -> None:
-        self.policy_model = model
-        eng = self._engines.get(POLICY)
-        if eng is not None:
-            try:
-                eng.update_params(nnx.state(model))
-                return
-            except ValueError:  # another graph (LoRA vs full, another architecture): a new engine
-                pass
-        r = self.config.rollout
-        self._engines[POLICY] = Engine(model, self.sizes["slots"], self.sizes["max_seq_len"], self.mesh,
-                                       round_steps=r.round_steps,
-                                       scan_layers=r.scan_layers)
-
-    def engines(self) -> dict[str, Any]:
-        """Every role's engine (the frozen roles' built on first use; roles of the same weights share one)."""
-        if ANSWERER not in self._engines:
-            self._engines.update(cluster.build_role_engines(self.config, self.mesh, self.base, self.tokenizer,
-                                                            self.roles))
-            self._engines[FROZEN] = self._engines[ANSWERER]
-        return dict(self._engines)
-
-    def reset(self) -> None:
-        """Fresh engines (after a batch raised with sessions still in the old ones' slots)."""
-        self._engines.clear()
-        if self.policy_model is not None:
-            self.set_policy(self.policy_model)
-
-    def builder(self, label: str, plan: Plan) -> Any:
-        """The weights of builder method `label`."""
-        if label == "base" or (label == "trained" and plan.step == 0):  # step 0 (`plan_eval`): the run's
-            return self.base  # starting weights
-        if label == "trained":
-            if plan.settings.builder.startswith("hf:"):
-                return models.load_hf(
-                    plan.settings.builder[3:], dtype=self.run_cfg.model.dtype or "bfloat16", mesh=self.mesh
-                )
-            return restore.restore_builder(  # a step asked for by number never falls back to another
-                self.run_cfg, plan.step_dir, self.mesh, self.tokenizer, base=self.base,
-                fallback=plan.settings.step < 0,
-            )
-        run_cfg, step_dir, _ = plan.extra_runs[label]
-        return restore.restore_builder(run_cfg, step_dir, self.mesh, self.tokenizer)
+def eval_cluster(plan: Plan, mode: Mode, mesh: Any, tokenizer: Any) -> cluster.Cluster:
+    """The cluster of this evaluation or build (`Cluster.from_run`): the training run's protocol from its
+    recorded config with this evaluation's explicit overrides, on this process's engines; its builder serves
+    the run's initial weights until a method's are synced (`Cluster.sync_weights`)."""
+    base = placed_copy(restore.base_model(plan.run_cfg, mesh, tokenizer), mesh)
+    overrides = Overrides.of_eval(plan.settings, builder_weights(plan))
+    return cluster.Cluster.from_run(plan.run_cfg, mode, overrides, tokenizer=tokenizer, engine_mesh=mesh,
+                                    base=base)
 
 
-def builder_weights(plan: Plan) -> str:
-    """The trained builder as the protocol names it: `run:DIR@STEP`, or the HF folder of `builder=hf:`."""
-    if plan.settings.builder.startswith("hf:"):
-        return plan.settings.builder[3:]
-    return f"run:{plan.run_dir}@{plan.step}"
+def eval_tokenizer(plan: Plan, tasks: list[Any]) -> Any:
+    """The run's tokenizer (`restore.run_tokenizer`), or the `builder=hf:` folder's without a run."""
+    if plan.run_dir:
+        return restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
+    return tokenizers.load_tokenizer(plan.settings.builder[3:])
 
 
-def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
+def builder_model(label: str, plan: Plan, the_cluster: cluster.Cluster) -> Any:
+    """The weights of builder method `label`, on the cluster's engine mesh."""
+    mesh, tok = the_cluster.engine_mesh, the_cluster.tokenizer
+    if label == "base" or (label == "trained" and plan.step == 0):  # step 0 (`plan_eval`): the run's
+        return the_cluster.base  # starting weights
+    if label == "trained":
+        if plan.settings.builder.startswith("hf:"):
+            return models.load_hf(plan.settings.builder[3:], dtype=plan.run_cfg.model.dtype or "bfloat16",
+                                  mesh=mesh)
+        return restore.restore_builder(  # a step asked for by number never falls back to another
+            plan.run_cfg, plan.step_dir, mesh, tok, base=the_cluster.base, fallback=plan.settings.step < 0)
+    run_cfg, step_dir, _ = plan.extra_runs[label]
+    return restore.restore_builder(run_cfg, step_dir, mesh, tok)
+
+
+def protocol_check(plan: Plan, the_cluster: cluster.Cluster) -> dict[str, Any]:
     """This evaluation's protocol, the training run's (`RUN/protocol.json`; rebuilt from its config for a
     run from before that file), and their differences (each an explicit override, or a setting evaluation
     changes, such as a greedy builder), logged as a warning."""
-    used = models_.protocol(builder_weights(plan))
+    used = the_cluster.protocol()
+    asked = list(the_cluster.overrides.asked)
     trained = None
     if plan.run_dir:
         trained = cluster.read_protocol(storage.join(plan.run_dir, cluster.PROTOCOL_FILE))
         if trained is None:
-            trained = cluster.protocol(plan.run_cfg, models_.tokenizer)
+            trained = cluster.protocol(plan.run_cfg, the_cluster.tokenizer)
     diffs = cluster.protocol_diff(trained, used) if trained else []
     # the builder's own sampling is evaluation's choice (`builder_temperature`, greedy by default): said, not
     # warned about; any other difference is an override or a changed run, and warned about
@@ -439,9 +346,9 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
     for level, group in ((logging.INFO, sampling), (logging.WARNING, others)):
         if group:
             logging.log(level, "eval protocol differs from the training run's in %d field(s) (explicit "
-                        "overrides: %s):\n%s", len(group), ", ".join(models_.overrides) or "none",
+                        "overrides: %s):\n%s", len(group), ", ".join(asked) or "none",
                         "\n".join(f"  {r}.{f}: {y!r} (trained: {x!r})" for r, f, x, y in group))
-    return {"used": used, "trained": trained, "overrides": list(models_.overrides),
+    return {"used": used, "trained": trained, "overrides": asked,
             "differences": [{"role": r, "field": f, "trained": x, "eval": y} for r, f, x, y in diffs],
             "table": cluster.protocol_table(used, trained)}
 
@@ -449,183 +356,150 @@ def protocol_check(plan: Plan, models_: Models) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- evaluation
 
 
-def _rollout_config(plan: Plan, models_: Models) -> Any:
-    """The rollout settings of this evaluation: the run's protocol (its explicit overrides in), probes off."""
-    return rjobs.eval_config(models_.config.rollout.config,
-                                        builder_temperature=plan.settings.builder_temperature,
-                                        answer_temperature=plan.settings.answer_temperature)
+@dataclasses.dataclass
+class Evaluation:
+    """One process's evaluation in progress (`execute`): its plan, cluster, its share of the held-out
+    corpora (`mine`, the first at global index `start`), the jobs by section in the order of a
+    single-process run, the answers so far, the constructions by method, and the timings."""
+
+    plan: Plan
+    the_cluster: cluster.Cluster
+    mine: list[Any]
+    start: int
+    progress: bool
+    timing: dict[str, float]
+    sections: list[tuple[str, list[rjobs.Job]]] = dataclasses.field(default_factory=list)
+    answer_of: dict[int, Any] = dataclasses.field(default_factory=dict)
+    built_by: dict[str, list[rjobs.Built]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def cfg(self) -> Any:
+        return self.the_cluster.rollout
+
+    @property
+    def engines(self) -> rjobs.Engines:
+        return lambda: self.the_cluster.engines
+
+    def construction_shape(self) -> tuple[int, int, int]:
+        """(episodes per corpus, corpora per build batch, answer repeats per construction): one construction
+        per corpus answered `samples` times (a greedy builder, or sampled answers: BRIGHT's protocol), or (a
+        sampling builder, greedy answers) each sample its own construction + answer."""
+        c = self.plan.settings
+        one_build = self.cfg.builder.temperature == 0.0 or self.cfg.repeat_mode == "sample"
+        group = 1 if one_build else c.samples
+        slots = self.the_cluster.specs[cluster.Role.BUILDER].slots
+        return group, rjobs.batch_tasks_for(c.batch_tasks, slots, group), c.samples if one_build else 1
+
+    def answer(self, jobs: list[rjobs.Job]) -> None:
+        """Answers `jobs` (the frozen answerer on the cluster's engines) into `answer_of`."""
+        t0 = time.perf_counter()
+        out = rjobs.answer_jobs(jobs, self.engines, self.the_cluster.tokenizer, self.cfg,
+                                templates=self.the_cluster.templates, seed=self.plan.settings.seed,
+                                reset=self.the_cluster.reset, progress=self.progress)
+        self.answer_of.update({id(j): a for j, a in zip(jobs, out, strict=True)})
+        self.timing["answer_s"] += time.perf_counter() - t0
+
+    def unanswered(self) -> list[rjobs.Job]:
+        return [j for _, js in self.sections for j in js if id(j) not in self.answer_of]
 
 
-def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records).
-
-    Multi-process (every process calls it): each process builds and answers only its contiguous share of
-    the held-out corpora (`distributed.share`, uneven or empty shares included) on its process-local engines;
-    the per-question records are gathered in the order of a single-process run (`distributed.gather_sections`;
-    no seed depends on the split), every process analyses all of them (the same results everywhere), and
-    process 0 exports the workspaces and writes the one report. Timing entries are the slowest process's.
-    Every process still loads every builder (restores are collectives), even with an empty share."""
-    c = plan.settings
-    t_start = time.perf_counter()
-    tasks, split_source = heldout_tasks(plan)
-    corpora = [t.task_id for t in tasks]
-    part = distributed.share(len(tasks))
-    mine = tasks[part]
-    logging.info(
-        "eval: process %d of %d builds and answers corpora [%d, %d) of %d",
-        jax.process_index(),
-        jax.process_count(),
-        part.start,
-        part.stop,
-        len(tasks),
-    )
-    mesh = cluster.local_mesh(c.mesh)  # multi-process: this process's devices (engines are local)
-    tokenizer = (
-        restore.run_tokenizer(plan.run_cfg, plan.run_dir, tasks)
-        if plan.run_dir
-        else tokenizers.load_tokenizer(c.builder[3:])
-    )
-    models = Models(plan.run_cfg, c, mesh, tokenizer)
-    cfg = _rollout_config(plan, models)
-    proto = protocol_check(plan, models)
-    t_load = time.perf_counter()
-    greedy_builder = cfg.builder.temperature == 0.0
-    sampled_answers = cfg.repeat_mode == "sample"
-    # one construction per corpus answered `samples` times (a greedy builder, or sampled answers: BRIGHT's
-    # protocol), or (a sampling builder, greedy answers) each sample its own construction + answer
-    one_build = greedy_builder or sampled_answers
-    group = 1 if one_build else c.samples
-    batch = rjobs.batch_tasks_for(c.batch_tasks, models.sizes["slots"], group)  # corpora per build batch
-    repeats = c.samples if one_build else 1
-    # the jobs in the order of a single-process run, by section: each section's jobs are task-major, so the
-    # processes' records of a section, concatenated in process order, are that section's records
-    sections: list[tuple[str, list[rjobs.Job]]] = []
-    built_by: dict[str, list[rjobs.Built]] = {}
-    timing = {"load_s": t_load - t_start}
+def build_methods(ev: Evaluation) -> None:
+    """Every builder method's constructions of this process's corpora (a section each): its weights synced
+    to the builder's engine, then `rjobs.build_workspaces`; a greedy builder on the weights of an earlier
+    method (the step chosen is 0: `trained` is the warm start, `base`) reuses that method's constructions."""
+    c, the_cluster = ev.plan.settings, ev.the_cluster
+    group, batch, repeats = ev.construction_shape()
+    greedy = ev.cfg.builder.temperature == 0.0
     weights_of: dict[str, Any] = {}
-    for label in plan.methods:
+    for label in ev.plan.methods:
         if label in baselines.METHODS:
             continue
         t0 = time.perf_counter()
         distributed.meet(f"restore_{label}")  # the restore is a collective; shares end at different times
-        weights = models.builder(label, plan)
-        # a greedy builder on the same weights as an earlier method's (the step chosen is 0: `trained` is the
-        # warm start, `base`) builds the same workspaces: that method's constructions, copied, not built again
-        twin = next((m for m, w in weights_of.items() if w is weights), None) if greedy_builder else None
+        weights = builder_model(label, ev.plan, the_cluster)
+        twin = next((m for m, w in weights_of.items() if w is weights), None) if greedy else None
         weights_of[label] = weights
         if twin is not None:
             logging.info("eval: %s has %s's weights and a greedy builder: its constructions reused", label,
                          twin)
             built = [dataclasses.replace(b, method=label,
                                          workspace=None if b.workspace is None else b.workspace.copy())
-                     for b in built_by[twin]]
+                     for b in ev.built_by[twin]]
         else:
-            models.set_policy(weights)
+            the_cluster.sync_weights(weights)
             built = rjobs.build_workspaces(
-                label,
-                mine,
-                models.engines,
-                tokenizer,
-                cfg,
-                templates=models.templates,
-                group_size=group,
-                seed=c.seed,
-                batch_tasks=batch,
-                reset=models.reset,
-                progress=progress,
-                start=part.start,
-            )
-        built_by[label] = built
-        sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
-        timing[f"build_{label}_s"] = time.perf_counter() - t0
-    answer_of: dict[int, Any] = {}
-    timing["answer_s"] = 0.0
+                label, ev.mine, ev.engines, the_cluster.tokenizer, ev.cfg, templates=the_cluster.templates,
+                group_size=group, seed=c.seed, batch_tasks=batch, reset=the_cluster.reset,
+                progress=ev.progress, start=ev.start)
+        ev.built_by[label] = built
+        ev.sections.append((f"build/{label}", [rjobs.Job.of(b, repeats) for b in built]))
+        ev.timing[f"build_{label}_s"] = time.perf_counter() - t0
 
-    def answer(jobs: list[rjobs.Job]) -> None:
-        t0 = time.perf_counter()
-        out = rjobs.answer_jobs(jobs, models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
-                                reset=models.reset, progress=progress)
-        answer_of.update({id(j): a for j, a in zip(jobs, out, strict=True)})
-        timing["answer_s"] += time.perf_counter() - t0
 
-    tuned: dict[str, dict[str, Any]] = {}
-    tune = None
-    budgeted = [m for m in plan.methods if m in baselines.RETRIEVAL_METHODS]
-    matched = c.retrieval_budget.mode == "matched" and bool(budgeted)
-    if matched and c.retrieval_budget.against not in plan.methods:
+def retrieval_tuner(ev: Evaluation, tuned: dict[str, dict[str, Any]]) -> Any:
+    """With a `matched` retrieval budget (docs/eval.md): the workspace methods answered first (what the
+    answerer read on the `against` method's is the budget), and the function that tunes each retrieval
+    method's k on the run's training corpora into `tuned`; else None (fixed k)."""
+    c = ev.plan.settings
+    budgeted = [m for m in ev.plan.methods if m in baselines.RETRIEVAL_METHODS]
+    if c.retrieval_budget.mode != "matched" or not budgeted:
+        return None
+    if c.retrieval_budget.against not in ev.plan.methods:
         logging.info("retrieval budget: %r is not evaluated here, so %s keep their fixed k (bm25.top_k, "
                      "agentic.k)", c.retrieval_budget.against, budgeted)
-        matched = False
-    if matched:
-        # the workspace methods' answers first: what the answerer read on them is the retrieval budget
-        answer([j for _, js in sections for j in js])
-        budget = reading_budget(c.retrieval_budget.against, sections, answer_of, cfg)
+        return None
+    ev.answer(ev.unanswered())
+    budget = reading_budget(c.retrieval_budget.against, ev.sections, ev.answer_of, ev.cfg)
 
-        def tune(retrieval_models: baselines.RetrievalModels) -> dict[str, int]:
-            train = training_tasks(plan)[: c.retrieval_budget.corpora]
-            tuned.update(baselines.tune_ks(budgeted, train, budget, models, tokenizer, cfg, c,
-                                           retrieval_models, seed=c.seed))
-            return {m: t["k"] for m, t in tuned.items()}
+    def tune(retrieval_models: baselines.RetrievalModels) -> dict[str, int]:
+        train = training_tasks(ev.plan)[: c.retrieval_budget.corpora]
+        tuned.update(baselines.tune_ks(budgeted, train, budget, ev.the_cluster, ev.the_cluster.tokenizer,
+                                       ev.cfg, c, retrieval_models, seed=c.seed))
+        return {m: t["k"] for m, t in tuned.items()}
 
-    # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
-    base_jobs, constructed, retrieval_models = baselines.baseline_sections(
-        plan.methods, mine, models, tokenizer, cfg, c, mesh, timing=timing, tune=tune, batch_tasks=batch)
-    built_by.update(constructed)
-    sections.append(("baselines", base_jobs))
-    ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in built_by else []
+    return tune
+
+
+def ablation_jobs(ev: Evaluation) -> list[str]:
+    """The ablation section (each trained first construction flattened and shuffled) when enabled; returns
+    the ablation methods."""
+    c = ev.plan.settings
+    ablation = list(ABLATIONS) if c.ablation.enabled and "trained" in ev.built_by else []
     variants: list[rjobs.Job] = []
-    for b in built_by.get("trained", []):
-        if ablation and b.episode == 0:
+    for b in ev.built_by.get("trained", []) if ablation else []:
+        if b.episode == 0:
             flat = b.workspace.flattened() if b.workspace is not None else None
             shuf = b.workspace.shuffled(c.ablation.shuffle_seed) if b.workspace is not None else None
             for name, ws in (("flattened", flat), ("shuffled", shuf)):
                 variants.append(rjobs.Job.of(b, 1, method=name, workspace=ws))
-    sections.append(("ablation", variants))
-    answer([j for _, js in sections for j in js if id(j) not in answer_of])
-    own = [
-        (name, [dict(r, step=plan.step) for j in js for r in pipeline.job_records(j, answer_of[id(j)], cfg)])
-        for name, js in sections
-    ]
-    # what the report needs from every process: its records, failed constructions, times, and (process 0
-    # exports them) the first construction of each of its corpora per method. The workspaces travel to
-    # process 0 as snapshots rather than each process exporting its own: the report directory need not be
-    # shared (a gs:// report's workspaces go to a local stand-in directory; hosts of a pod slice share no
-    # local disk), and process 0 writes one complete tree, as in a single-process run.
-    shares = [*own, ("failed", [{m: sum(1 for b in bs if b.failed) for m, bs in built_by.items()}]),
-              ("timing", [timing]),
-              ("shapes", [[m, b.workspace.stats()] for m, bs in built_by.items() for b in bs
-                          if b.episode == 0 and b.workspace is not None])]
-    if c.export_workspaces:
-        shares.append(("workspaces", [
-            [m, b.task.task_id, b.workspace.to_dict(include_raw_text=False)]
-            for m, bs in built_by.items()
-            for b in bs
-            if b.episode == 0 and b.workspace is not None
-        ]))
-    gathered = distributed.gather_sections(shares, "execute")
-    records = [r for name, _ in own for r in gathered[name]]
-    timing = distributed.slowest(gathered["timing"])
-    results = report.analyse(
-        records,
-        plan.methods + ablation,
-        corpora,
-        draws=c.bootstrap.draws,
-        seed=c.bootstrap.seed,
-        cost_qs=plan.cost_qs,
-        pass_k=plan.pass_k,
-        ablation=ablation,
-    )
-    results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in built_by}
-    results["shapes"] = report.workspace_shapes(gathered["shapes"])
-    results["retrieval_budget"] = {
-        "mode": "matched" if tuned else "fixed",
-        "ks": {m: baselines.method_k(m, c, {k: t["k"] for k, t in tuned.items()})
-               for m in plan.methods if m in baselines.RETRIEVAL_METHODS},
-        "tuning": tuned,
-    }
-    results["protocol"] = proto
-    results["accounting"] = ACCOUNTING
-    results["setup"] = {
+    ev.sections.append(("ablation", variants))
+    return ablation
+
+
+def gather_shares(ev: Evaluation) -> tuple[list[tuple[str, list[dict]]], dict[str, Any]]:
+    """(this process's records by section, what every process holds once gathered): its records, failed
+    constructions, times, and (process 0 exports them) the first construction of each of its corpora per
+    method. The workspaces travel to process 0 as snapshots rather than each process exporting its own: the
+    report directory need not be shared (a gs:// report's workspaces go to a local stand-in directory; hosts
+    of a pod slice share no local disk), and process 0 writes one complete tree, as in one process."""
+    own = [(name, [dict(r, step=ev.plan.step) for j in js
+                   for r in pipeline.job_records(j, ev.answer_of[id(j)], ev.cfg)])
+           for name, js in ev.sections]
+    firsts = [(m, b) for m, bs in ev.built_by.items() for b in bs
+              if b.episode == 0 and b.workspace is not None]
+    shares = [*own, ("failed", [{m: sum(1 for b in bs if b.failed) for m, bs in ev.built_by.items()}]),
+              ("timing", [ev.timing]), ("shapes", [[m, b.workspace.stats()] for m, b in firsts])]
+    if ev.plan.settings.export_workspaces:
+        shares.append(("workspaces", [[m, b.task.task_id, b.workspace.to_dict(include_raw_text=False)]
+                                      for m, b in firsts]))
+    return own, distributed.gather_sections(shares, "execute")
+
+
+def eval_setup(ev: Evaluation, split_source: str, retrieval_models: dict[str, Any]) -> dict[str, Any]:
+    """The report's setup section: what was evaluated, on what, with which sampling."""
+    c, plan, cfg = ev.plan.settings, ev.plan, ev.cfg
+    greedy_builder, sampled = cfg.builder.temperature == 0.0, cfg.repeat_mode == "sample"
+    return {
         "name": c.name,
         "run": plan.run_dir or c.builder,
         "step": plan.step,
@@ -637,30 +511,86 @@ def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[
         "builder_temperature": cfg.builder.temperature,
         "samples": c.samples,
         "sample_unit": (f"one answer sampled at temperature {cfg.repeat_temperature} on the corpus's one "
-                        f"{'greedy' if greedy_builder else 'sampled'} construction") if sampled_answers
+                        f"{'greedy' if greedy_builder else 'sampled'} construction") if sampled
         else "one construction + one answer" if not greedy_builder
         else "one answer on the (greedy) construction",
-        "answer_temperature": cfg.repeat_temperature if sampled_answers else 0.0,
+        "answer_temperature": cfg.repeat_temperature if sampled else 0.0,
         "preset": c.preset,
-        "protocol_overrides": list(models.overrides),
+        "protocol_overrides": list(ev.the_cluster.overrides.asked),
         "retrieval_models": retrieval_models,
         "devices": jax.device_count(),
         "processes": jax.process_count(),
-        "mesh": dict(mesh.shape),
+        "mesh": dict(ev.the_cluster.engine_mesh.shape),
     }
+
+
+def export_gathered(ev: Evaluation, tasks: list[Any], gathered: dict[str, Any]) -> dict[str, int]:
+    """Process 0: every process's first constructions exported under the report's `workspaces/` (plain
+    local directories, `workspace.export`: a gs:// report's go to a local stand-in directory, logged)."""
+    out_dir = ev.plan.out_dir
+    root = storage.local_cache_dir(storage.join(out_dir, "workspaces"), "workspaces")
+    if root != storage.join(out_dir, "workspaces"):
+        logging.info("workspaces of %s exported locally to %s", out_dir, root)
+    by_id = {t.task_id: t for t in tasks}
+    firsts: dict[str, list[rjobs.Built]] = {m: [] for m in ev.built_by}
+    for m, task_id, snap in gathered["workspaces"]:
+        task = by_id[task_id]
+        firsts[m].append(rjobs.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
+    return export_workspaces(root, firsts)
+
+
+def execute(plan: Plan, *, progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs a validated plan: builds, answers, analyses and writes the report. Returns (results, records).
+
+    Multi-process (every process calls it): each process builds and answers only its contiguous share of
+    the held-out corpora (`distributed.share`, uneven or empty shares included) on its process-local engines;
+    the per-question records are gathered in the order of a single-process run (`gather_shares`; no seed
+    depends on the split), every process analyses all of them (the same results everywhere), and process 0
+    exports the workspaces and writes the one report. Timing entries are the slowest process's. Every
+    process still loads every builder (restores are collectives), even with an empty share."""
+    c = plan.settings
+    t_start = time.perf_counter()
+    tasks, split_source = heldout_tasks(plan)
+    part = distributed.share(len(tasks))
+    logging.info("eval: process %d of %d builds and answers corpora [%d, %d) of %d", jax.process_index(),
+                 jax.process_count(), part.start, part.stop, len(tasks))
+    mesh = cluster.local_mesh(c.mesh)  # multi-process: this process's devices (engines are local)
+    the_cluster = eval_cluster(plan, Mode.EVAL, mesh, eval_tokenizer(plan, tasks))
+    proto = protocol_check(plan, the_cluster)
+    ev = Evaluation(plan, the_cluster, tasks[part], part.start, progress,
+                    {"load_s": time.perf_counter() - t_start})
+    build_methods(ev)
+    ev.timing["answer_s"] = 0.0
+    tuned: dict[str, dict[str, Any]] = {}
+    tune = retrieval_tuner(ev, tuned)
+    # every method without the builder (eval.baselines): raw, retrieval, agentic RAG, GraphRAG, AutoCompaction
+    base_jobs, constructed, retrieval_models = baselines.baseline_sections(
+        plan.methods, ev.mine, the_cluster, the_cluster.tokenizer, ev.cfg, c, mesh, timing=ev.timing,
+        tune=tune, batch_tasks=ev.construction_shape()[1])
+    ev.built_by.update(constructed)
+    ev.sections.append(("baselines", base_jobs))
+    ablation = ablation_jobs(ev)
+    ev.answer(ev.unanswered())
+    own, gathered = gather_shares(ev)
+    records = [r for name, _ in own for r in gathered[name]]
+    timing = distributed.slowest(gathered["timing"])
+    results = report.analyse(records, plan.methods + ablation, [t.task_id for t in tasks],
+                             draws=c.bootstrap.draws, seed=c.bootstrap.seed, cost_qs=plan.cost_qs,
+                             pass_k=plan.pass_k, ablation=ablation)
+    results["failed_constructions"] = {m: sum(f[m] for f in gathered["failed"]) for m in ev.built_by}
+    results["shapes"] = report.workspace_shapes(gathered["shapes"])
+    results["retrieval_budget"] = {
+        "mode": "matched" if tuned else "fixed",
+        "ks": {m: baselines.method_k(m, c, {k: t["k"] for k, t in tuned.items()})
+               for m in plan.methods if m in baselines.RETRIEVAL_METHODS},
+        "tuning": tuned,
+    }
+    results["protocol"] = proto
+    results["accounting"] = ACCOUNTING
+    results["setup"] = eval_setup(ev, split_source, retrieval_models)
     if c.export_workspaces and jax.process_index() == 0:
         t0 = time.perf_counter()
-        # workspaces are exported as plain local directories (`workspace.export`): a gs:// report's go to a
-        # local stand-in directory, named in the log
-        root = storage.local_cache_dir(storage.join(plan.out_dir, "workspaces"), "workspaces")
-        if root != storage.join(plan.out_dir, "workspaces"):
-            logging.info("workspaces of %s exported locally to %s", plan.out_dir, root)
-        by_id = {t.task_id: t for t in tasks}
-        firsts: dict[str, list[rjobs.Built]] = {m: [] for m in built_by}
-        for m, task_id, snap in gathered["workspaces"]:
-            task = by_id[task_id]
-            firsts[m].append(rjobs.Built(m, task, 0, Workspace.from_dict(snap, docs=task.documents)))
-        results["workspaces"] = export_workspaces(root, firsts)
+        results["workspaces"] = export_gathered(ev, tasks, gathered)
         timing["export_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
     results["timing"] = timing
@@ -854,11 +784,7 @@ def run_build(config: Any, dry_run: bool = False, compile_programs: bool = False
         return None
     t0 = time.perf_counter()
     mesh = cluster.local_mesh(c.mesh)  # multi-process: this process's devices (engines are local)
-    tokenizer = (
-        restore.run_tokenizer(plan.run_cfg, plan.run_dir, [task])
-        if plan.run_dir
-        else tokenizers.load_tokenizer(c.builder[3:])
-    )
+    tokenizer = eval_tokenizer(plan, [task])
     start = None
     if b.update_from:  # an incremental update: the old export carried over to the folder's documents
         start = carry_over(load_export(b.update_from).workspace, task.documents, b.update_max_turns)
@@ -868,13 +794,11 @@ def run_build(config: Any, dry_run: bool = False, compile_programs: bool = False
     if start is not None and start.changes.empty:  # nothing changed: the old workspace as it was
         built = rjobs.Built("trained", task, 0, start.workspace.copy())
     else:
-        models = Models(plan.run_cfg, c, mesh, tokenizer)
-        models.set_policy(models.builder("trained", plan))
-        cfg = _rollout_config(plan, models)
+        the_cluster = eval_cluster(plan, Mode.BUILD, mesh, tokenizer)
+        the_cluster.sync_weights(builder_model("trained", plan, the_cluster))
         built = rjobs.build_workspaces(
-            "trained", [task], models.engines, tokenizer, cfg, templates=models.templates, seed=c.seed,
-            reset=models.reset
-        )[0]
+            "trained", [task], lambda: the_cluster.engines, tokenizer, the_cluster.rollout,
+            templates=the_cluster.templates, seed=c.seed, reset=the_cluster.reset)[0]
     if built.workspace is not None:
         ws = built.workspace
     else:  # a failed construction: the raw documents, or for an update the carried-over workspace

@@ -3,10 +3,10 @@ the scheduler, with the cluster's engines and templates).
 
 `rollout.jobs` runs the work: `build_workspaces` (the builder episodes of a method, final workspaces kept)
 and `answer_jobs` (the frozen answerer on every job's workspace), with the one evaluation rollout config
-(`eval_config`). What stays here is what evaluation makes of it: each job's `questions.jsonl` rows
-(`job_records`), BM25's preambles, and `periodic_eval` (training's held-out evaluation: build, answer,
-gather, score). A corpus whose construction or answering failed is recorded (`failed`) and its questions
-count as incorrect: nothing is dropped from the denominator.
+(the cluster's, `cluster.mode_rollout`). What stays here is what evaluation makes of it: each job's
+`questions.jsonl` rows (`job_records`), BM25's preambles, and `periodic_eval` (training's held-out
+evaluation: build, answer, gather, score). A corpus whose construction or answering failed is recorded
+(`failed`) and its questions count as incorrect: nothing is dropped from the denominator.
 
 Multi-process runs (DESIGN.md, "Multi-host"): each process builds and answers a contiguous share of the
 corpora (`distributed.share`) on its own process-local engines, and the records are gathered
@@ -33,13 +33,12 @@ from librarian_jax.rollout.jobs import (  # the entry points callers (eval.cli, 
     answer_rng,
     batch_tasks_for,
     build_workspaces,
-    eval_config,
     questions_of,
     task_seed,
 )
 
 __all__ = ["SCALARS", "Built", "Job", "answer_jobs", "answer_rng", "bm25_preambles", "build_workspaces",
-           "eval_config", "job_records", "periodic_eval", "questions_of",
+           "job_records", "periodic_eval", "questions_of",
            "scalar_metrics", "task_seed"]
 
 
@@ -149,13 +148,14 @@ def periodic_eval(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The evaluation `main` runs every `eval.every` steps: the current policy builds a workspace for each
     held-out corpus (greedy), the frozen answerer answers `repeats` times per question; returns (question
-    records, metrics) with the metric names of the eval command's TensorBoard scalars for "trained".
+    records, metrics) with the metric names of the eval command's TensorBoard scalars for "trained". `config`
+    is the cluster's evaluation config (`Cluster.rollout_for(Mode.EVAL)`: greedy builder, probes off).
 
     Multi-process (every process calls it, with its own process-local `engines`): each process builds and
     answers its share of `tasks` (`share`); every process returns all the records (gathered, in the order
     of a single-process run) and the same metrics, the times the slowest process's."""
 
-    cfg = eval_config(config, builder_temperature=0.0)
+    cfg = config
     part = distributed.share(len(tasks))
     t0 = time.perf_counter()
     built = build_workspaces(

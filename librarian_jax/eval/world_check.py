@@ -23,7 +23,6 @@ from librarian_jax import cluster, config_validation, inputs
 from librarian_jax.agents.runtime import FROZEN, POLICY
 from librarian_jax.config_schema import EvalConfig, GRPOConfig
 from librarian_jax.eval import baselines, pipeline, stats
-from librarian_jax.rollout.jobs import eval_config
 from librarian_jax.testing import ScriptedEngine
 from librarian_jax.warm_start import sft
 from librarian_jax.warm_start.demos import scripted_builder
@@ -41,7 +40,8 @@ def measure(cfg: Any, styles: Sequence[str], corpora: int, ks: Sequence[int], ca
     tok = sft.demo_tokenizer(sft_cfg, sft.demo_tasks(sft_cfg))
     templates = cluster.role_templates(settings, tok)  # every role's template, as the run encodes it
     template = templates[POLICY]
-    rollout = dataclasses.replace(eval_config(settings.rollout.config), terminal_questions="hidden")
+    rollout = dataclasses.replace(cluster.mode_rollout(settings.rollout.config, cluster.Mode.EVAL),
+                                  terminal_questions="hidden")
     jobs: list[pipeline.Job] = []
     for style in styles:
         policy = scripted_builder(style, calls_per_turn, rollout.builder.max_turns,

@@ -5,7 +5,7 @@ projected time of one GRPO step.
     python -m librarian_jax.main --config=configs/grpo.py:qwen3_5_4b --dry_run --compile \\
         --config.topology=v5p-64
 
-`make(settings, mode)` builds the run's cluster abstractly (`cluster.build_cluster(abstract=True)`: every
+`make(settings, mode)` builds the run's cluster abstractly (`Cluster.from_run(..., abstract=True)`: every
 engine an `Engine` on an `nnx.eval_shape` model, placed by the same `models.partitioning` rules a real run
 uses) on the topology's devices (`planning.topology`): the trainer's mesh over every chip, the engines' mesh
 over the first host's (engines are process-local: each host holds its own, `cluster.engine_mesh`), and the
@@ -129,19 +129,19 @@ def _lora(settings: RunConfig) -> tuple[int, float, str] | None:
     return (m.lora_rank, m.lora_alpha, m.lora_module_path) if m.lora_rank else None
 
 
-def _abstract_cluster(settings: RunConfig, accel: topology_lib.Accelerator, what: str,
-                      **sizes: int) -> tuple[Any, Any, cluster.Cluster, Any]:
+def _abstract_cluster(settings: RunConfig, accel: topology_lib.Accelerator, what: str, mode: str = "train",
+                      overrides: cluster.Overrides | None = None) -> tuple[Any, Any, cluster.Cluster, Any]:
     """(the trainer's mesh over every chip, the first host's engine mesh, the cluster built from shapes, the
-    abstract policy: LoRA-wrapped as the run wraps it) of `settings` on `accel`; `sizes`: the builder
-    engine's `policy_slots` / `policy_max_seq_len` (`cluster.build_cluster`)."""
+    abstract policy: LoRA-wrapped as the run wraps it) of `settings` on `accel`, for `mode` with an
+    evaluation's `overrides` (`cluster.Cluster.from_run`)."""
     mesh = cluster.mesh_over(settings.mesh, accel.devices(), what)
     emesh = host_mesh(mesh)
     base = cluster.initial_model(settings, emesh, None, abstract=True)
     m, lora = settings.model, _lora(settings)
     policy = cluster.abstract_model(cluster.model_config(m.init, m.preset, m.path, m.dtype), lora) \
         if lora else base
-    the_cluster = cluster.build_cluster(settings, None, engine_mesh=emesh, base=base, policy=policy,
-                                        abstract=True, **sizes)
+    the_cluster = cluster.Cluster.from_run(settings, mode, overrides, tokenizer=None, engine_mesh=emesh,
+                                           base=base, policy=policy, abstract=True)
     return mesh, emesh, the_cluster, policy
 
 
@@ -156,7 +156,7 @@ def build(settings: RunConfig, accel: topology_lib.Accelerator, *, with_sft: boo
         trainers[SFT] = _sft_trainer(settings, mesh, arch, _lora(settings))
         return Built(accel, mesh, host_mesh(mesh), None, [], trainers, None)
     mesh, emesh, the_cluster, policy = _abstract_cluster(settings, accel, "planning.plan.build")
-    rollout = settings.rollout.config
+    rollout = the_cluster.rollout
     trainer = train_step.Trainer(policy, training.train_config(settings), mesh=mesh)
     trainers[TRAINER] = (trainer, _sequence_buckets(trainer, settings.train.max_seq_len), 0)
     if with_sft and settings.warm_start.enabled:
@@ -173,13 +173,13 @@ def _sft_trainer(sft_settings: Any, mesh: Any, arch: Any,
     return trainer, [trainer.update_shape(t.max_seq_len, t.max_seq_len)], rows
 
 
-def build_eval(run_cfg: RunConfig, sizes: Mapping[str, int], accel: topology_lib.Accelerator) -> Built:
-    """The engines of an evaluation or a build (`eval.cli.protocol_config`'s config, the builder's engine
-    sized `sizes`) on the first host of `accel` (evaluation's engines are process-local; no trainer)."""
-    mesh, emesh, the_cluster, _ = _abstract_cluster(run_cfg, accel, "planning.plan.build_eval",
-                                                    policy_slots=int(sizes["slots"]),
-                                                    policy_max_seq_len=int(sizes["max_seq_len"]))
-    rollout = run_cfg.rollout.config
+def build_eval(run_cfg: RunConfig, overrides: cluster.Overrides, accel: topology_lib.Accelerator,
+               mode: str = "eval") -> Built:
+    """The engines of an evaluation or a build (`mode`: the run's protocol with the evaluation's
+    `overrides`) on the first host of `accel` (evaluation's engines are process-local; no trainer)."""
+    mesh, emesh, the_cluster, _ = _abstract_cluster(run_cfg, accel, "planning.plan.build_eval", mode,
+                                                    overrides)
+    rollout = the_cluster.rollout
     return Built(accel, mesh, emesh, the_cluster, the_cluster.engines_in_use(rollout), {}, rollout)
 
 
@@ -377,8 +377,8 @@ def _weights_source(built: Built, engine: Any) -> Any:
     builder's initial weights (one copy: the LoRA policy's base is those arrays)."""
     c = built.the_cluster
     if c is not None and engine is not c.engines.get(POLICY):
-        for role, d in c.roles.items():
-            if c.engines.get(role) is engine and d["init"] == "policy":
+        for role, d in c.specs.items():
+            if role.frozen and c.engines.get(role) is engine and d.init == "policy":
                 return c.engines[POLICY]
     return engine
 
@@ -496,11 +496,12 @@ def _program(programs: list[Program], roles: list[str], name: str) -> Program | 
 
 
 def make(settings: RunConfig, section: PlanSection, accel: topology_lib.Accelerator, *,
-         eval_sizes: Mapping[str, int] | None = None, mode: str = "train") -> dict[str, Any]:
+         overrides: cluster.Overrides | None = None, mode: str = "train") -> dict[str, Any]:
     """The plan (module doc) as data: the slice, every program, what is resident, the fit and (train) the
-    step. `eval_sizes`: the builder engine's slots and max_seq_len of an evaluation or build (`mode`)."""
+    step. `overrides`: an evaluation's or a build's (`mode`) protocol overrides."""
     t0 = time.perf_counter()
-    built = build_eval(settings, eval_sizes, accel) if eval_sizes is not None else build(settings, accel)
+    built = build(settings, accel) if mode == "train" else \
+        build_eval(settings, overrides or cluster.Overrides(), accel, mode)
     parts = resident(built)
     build_s = time.perf_counter() - t0
     before = fit(built, [], parts)  # resident state alone: a slice it cannot hold is said before compiling
@@ -623,9 +624,9 @@ def check_fits(plan: Mapping[str, Any]) -> None:
 
 
 def run(settings: Any, run_cfg: RunConfig, out_dir: str, *, mode: str,
-        eval_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+        overrides: cluster.Overrides | None = None) -> dict[str, Any]:
     """`--dry_run --compile --config.topology=ACCEL` of a command: the plan of `run_cfg` (the run's config;
-    an evaluation's protocol config with `eval_sizes`) for `settings.topology` with `settings.plan`'s
+    an evaluation's with its `overrides`) for `settings.topology` with `settings.plan`'s
     selection, printed as a table and written to `out_dir/plan.json`. With `plan.require_fit` a plan that
     does not fit (or a program that does not compile) raises ConfigError after it is written."""
     try:
@@ -634,7 +635,7 @@ def run(settings: Any, run_cfg: RunConfig, out_dir: str, *, mode: str,
     except topology_lib.TopologyError as e:
         raise ConfigError(f"config.topology: {e}") from None
     logging.info("plan: %s", accel.describe())
-    plan = make(run_cfg, settings.plan, accel, eval_sizes=eval_sizes, mode=mode)
+    plan = make(run_cfg, settings.plan, accel, overrides=overrides, mode=mode)
     path = write(out_dir, plan)
     print(table(plan))  # noqa: T201 - the CLI's answer
     print(f"plan: {path}")  # noqa: T201

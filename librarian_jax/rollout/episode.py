@@ -124,13 +124,11 @@ def run_episode(
     carried-over workspace, with the update prompt (changes, stale files) and the update's turn budget.
     """
     start = (task.meta or {}).get(UPDATE_META)
-    update_fields = None
+    update_fields, max_turns = None, None
     if start is not None:
         if workspace is None:
             workspace = start.workspace.copy()
-        update_fields = start.prompt_fields()
-        config = dataclasses.replace(config, builder=dataclasses.replace(config.builder,
-                                                                         max_turns=start.max_turns))
+        update_fields, max_turns = start.prompt_fields(), start.max_turns
     if workspace is None:
         workspace = Workspace.from_documents(list(task.documents))
     ws = workspace
@@ -172,7 +170,8 @@ def run_episode(
         if config.record_snapshots:
             rec.workspace_snapshots["start"] = _snapshot(ws, config)
     rec.initial_score = previous
-    builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents), update=update_fields)
+    builder = BuilderAgent(ctx, ws, config.builder, num_docs=len(task.documents), update=update_fields,
+                           max_turns=max_turns)
     last_probe_n = 0
     while True:
         out = yield from builder.turn()

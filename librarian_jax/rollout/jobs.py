@@ -12,10 +12,10 @@ answers (the frozen answerer on a workspace), each batch of them one `Scheduler.
 3. anything else made of agent generators over corpora (GraphRAG's and AutoCompaction's constructions):
    `run_jobs`, the same batching and failure isolation.
 
-The rollout config of every evaluation comes from one place, `eval_config` (no probes, final snapshots kept,
-the builder's and the answerer's sampling as asked). A batch that raises is re-run item by item on fresh
-engines (`guarded`); an item that still fails is its exception, which the caller records (nothing is dropped
-from a denominator).
+The rollout config of every evaluation comes from one place, its cluster (`cluster.mode_rollout`: no probes,
+final snapshots kept, the builder's and the answerer's sampling as asked). A batch that raises is re-run item
+by item on fresh engines (`guarded`); an item that still fails is its exception, which the caller records
+(nothing is dropped from a denominator).
 
 Seeds never depend on how corpora are split over processes: a build's episode seeds come from its corpus's
 global index (`build_workspaces`'s `start`, `episode_rng`), an answer's from its corpus id and construction
@@ -40,32 +40,6 @@ from librarian_jax.rollout.scheduler import Scheduler, episode_rng, fit_to_engin
 from librarian_jax.workspace import Workspace
 
 Engines = Callable[[], Mapping[str, Any]]  # the current engines by role (after a `reset()`, fresh ones)
-
-
-def eval_config(
-    config: R.RolloutConfig, *, builder_temperature: float = 0.0, answerer: Mapping[str, Any] | None = None,
-    answer_temperature: float = 0.0,
-) -> R.RolloutConfig:
-    """The rollout config for evaluation: no probes, final snapshots kept, the builder's temperature as
-    given, greedy answer repeats made once (and recorded n times, at the original's cost); with
-    `answer_temperature` > 0 every repeat is its own answer sampled at that temperature. A reward over every
-    question a training corpus has (`terminal_questions="hidden+reuse"`) is evaluated on the hidden ones, the
-    questions every method and report ask."""
-    a = dataclasses.replace(config.answerer, **(answerer or {}))
-    sampled = float(answer_temperature) > 0
-    return dataclasses.replace(
-        config,
-        builder=dataclasses.replace(config.builder, temperature=float(builder_temperature)),
-        answerer=a,
-        max_probes=0,
-        probe_at_start=False,
-        record_snapshots=True,
-        snapshot_raw_text=False,
-        repeat_mode="sample" if sampled else "greedy_once",
-        repeat_temperature=float(answer_temperature) if sampled else config.repeat_temperature,
-        terminal_questions="hidden" if config.terminal_questions == "hidden+reuse" else
-        config.terminal_questions,
-    )
 
 
 def questions_of(task: Any, config: R.RolloutConfig) -> tuple[Any, ...]:
@@ -144,7 +118,7 @@ def guarded(
 def answer_engines(engines: Mapping[str, Any]) -> dict[str, Any]:
     """The engines of an answer (or executor) batch: every frozen role's own, the answerer's standing in for
     the policy and "frozen" (no builder turn is sampled there)."""
-    answerer = engines.get(ANSWERER, engines[FROZEN])
+    answerer = engines[ANSWERER] if ANSWERER in engines else engines[FROZEN]
     return {POLICY: answerer, FROZEN: answerer, **{r: engines[r] for r in FROZEN_ROLES if r in engines}}
 
 
@@ -217,7 +191,7 @@ def build_workspaces(
 ) -> list[Built]:
     """`group_size` builder episodes per corpus (task-major); `engines()` gives the current engines (after a
     `reset()` fresh ones), every role's (`cluster.Cluster.engines`), and `templates` every role's chat
-    template (`cluster.Cluster.templates`). `config` is an `eval_config`.
+    template (`cluster.Cluster.templates`). `config` is an evaluation's (`cluster.mode_rollout`).
 
     `start`: the global index of `tasks[0]` when `tasks` is one process's share of a longer list
     (`distributed.share`). The episode seeds are those of a build over the whole list: it runs in chunks of

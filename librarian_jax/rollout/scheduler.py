@@ -192,34 +192,20 @@ def _engines_by_role(engines: Any) -> dict[str, Any]:
     return out
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, msg: str, *args: Any) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logging.warning(msg, *args)
-
-
 def fit_to_engines(config: RolloutConfig, engines: Mapping[str, Any]) -> RolloutConfig:
-    """`config` with the builder's and answerer's context budgets set where they are unset (0: the engine's
-    `max_seq_len`). A budget above its engine's `max_seq_len` cannot be met: it is lowered to the engine's
-    with a warning naming the key (`main` refuses such a config at start; see `config_validation`). A
-    scripted answerer (`agents.navigator`) runs on no engine: its budget is kept as set."""
+    """`config` with the builder's and answerer's context budgets set where they are unset (<= 0: the
+    engine's `max_seq_len`), for callers without a cluster; `config` itself when both are set (a cluster's
+    mode config always is, `cluster.mode_rollout`). A budget is never lowered: one its engine cannot hold is
+    refused where the config is checked (`config_validation.check_budgets`)."""
+    b, a = config.builder, config.answerer
+    if b.context_budget > 0 and a.context_budget > 0:
+        return config
     pol = getattr(engines.get(POLICY), "max_seq_len", None)
     ans = engines.get(ANSWERER) if ANSWERER in engines else engines.get(FROZEN, engines.get(POLICY))
     fro = getattr(ans, "max_seq_len", None)
-    b, a = config.builder, config.answerer
-    if pol is not None and b.context_budget > pol:
-        _warn_once("builder", "config.rollout.builder.context_budget %d exceeds the builder engine's "
-                   "max_seq_len %d (config.rollout.max_seq_len): lowered to %d", b.context_budget, pol, pol)
-    if pol is not None and (b.context_budget <= 0 or b.context_budget > pol):
+    if pol is not None and b.context_budget <= 0:
         b = dataclasses.replace(b, context_budget=int(pol))
-    if fro is not None and a.kind == "model" and a.context_budget > fro:
-        _warn_once("answerer", "config.rollout.answerer.context_budget %d exceeds the answerer engine's "
-                   "max_seq_len %d (config.roles.answerer.max_seq_len): lowered to %d", a.context_budget, fro,
-                   fro)
-    if fro is not None and (a.context_budget <= 0 or (a.kind == "model" and a.context_budget > fro)):
+    if fro is not None and a.context_budget <= 0:
         a = dataclasses.replace(a, context_budget=int(fro))
     return dataclasses.replace(config, builder=b, answerer=a)
 
@@ -266,16 +252,6 @@ def run_batch(
     if template is None:
         template = chat_template(tokenizer)
     config = fit_to_engines(config, by_role)
-    max_len = getattr(by_role[POLICY], "max_seq_len", None)
-    b = config.builder
-    if max_len is not None and b.compaction != "none" and b.compaction_budget + b.max_new_tokens > max_len:
-        logging.warning(
-            "builder compaction_budget %d + max_new_tokens %d exceeds the policy engine's max_seq_len "
-            "%d: long episodes will end with cache_full",
-            b.compaction_budget,
-            b.max_new_tokens,
-            max_len,
-        )
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(int(rng))
     gens = []
     for b, task in enumerate(tasks):
