@@ -127,6 +127,31 @@ def _activation(d: dict[str, Any]) -> str:
 def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: Any = None) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (qwen3, llama, gemma3_text / gemma3 text part,
     qwen3_5_text / qwen3_5 text part, qwen3_5_moe_text / qwen3_5_moe text part)."""
+    d, model_type, tie = _text_config(d)
+    _check_supported(d, model_type)
+    n_layers = int(d["num_hidden_layers"])
+    heads = int(d["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=tie, model_type=model_type,
+        max_position_embeddings=int(d.get("max_position_embeddings", 32_768)), activation=_activation(d),
+        dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
+    )
+    if model_type in ("qwen3", "llama"):
+        fields |= _dense_fields(d, model_type, n_layers)
+    elif model_type == "gemma3_text":
+        fields |= _gemma3_fields(d, n_layers)
+    else:  # qwen3_5_text, qwen3_5_moe_text
+        fields |= _qwen3_5_fields(d, model_type, n_layers)
+    return ModelConfig(**fields)
+
+
+def _text_config(d: dict[str, Any]) -> tuple[dict[str, Any], str, bool]:
+    """(the text model's fields with transformers' defaults filled in, its model_type, tied embeddings) of
+    a config.json: a multimodal one's `text_config`, the tie flag read where each family keeps it."""
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -149,6 +174,12 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
         d = dict(d, intermediate_size=d.get("intermediate_size") or
                  d.get("moe_intermediate_size", defaults["moe_intermediate_size"]))
     d = defaults | {k: v for k, v in d.items() if v is not None or k not in defaults}
+    return d, model_type, tie
+
+
+def _check_supported(d: dict[str, Any], model_type: str) -> None:
+    """Refuses what the models do not implement (NotImplementedError) and malformed or missing sizes
+    (ValueError), each naming the field."""
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
             raise NotImplementedError(f"config.json: {key}=true is not supported")
@@ -169,71 +200,74 @@ def config_from_hf(d: dict[str, Any], *, dtype: Any = "float32", param_dtype: An
                            "intermediate_size") if k not in d]
     if missing:
         raise ValueError(f"config.json: missing field {missing[0]!r}")
-    n_layers = int(d["num_hidden_layers"])
-    heads = int(d["num_attention_heads"])
-    fields: dict[str, Any] = dict(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=tie, model_type=model_type,
-        max_position_embeddings=int(d.get("max_position_embeddings", 32_768)), activation=_activation(d),
-        dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
-    )
+
+
+def _dense_fields(d: dict[str, Any], model_type: str, n_layers: int) -> dict[str, Any]:
+    """qwen3 / llama: full attention in every layer (qk-norm for qwen3)."""
     layer_types = d.get("layer_types")
-    if model_type in ("qwen3", "llama"):
-        fields |= _rope_fields(_rope_block(d), 10_000.0)
-        fields |= dict(qk_norm=model_type == "qwen3", layer_types=("full_attention",) * n_layers)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} for {model_type}")
-    elif model_type == "gemma3_text":
-        if not layer_types:
-            every = int(d.get("sliding_window_pattern", 6))
-            layer_types = [
-                "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)
-            ]
-        local = _rope_block(d, "sliding_attention")
-        if local.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"config.json: sliding-layer rope {local} is not supported")
-        if d.get("attn_logit_softcapping"):
-            logging.warning("config.json: attn_logit_softcapping is ignored (HF Gemma 3 does not apply it)")
-        fields |= _rope_fields(_rope_block(d, "full_attention"), 1_000_000.0)
+    fields = _rope_fields(_rope_block(d), 10_000.0)
+    fields |= dict(qk_norm=model_type == "qwen3", layer_types=("full_attention",) * n_layers)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} for {model_type}")
+    return fields
+
+
+def _gemma3_fields(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """gemma3_text: sliding and full attention layers (each with its rope), Gemma's norms and scalings."""
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        every = int(d.get("sliding_window_pattern", 6))
+        layer_types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)
+        ]
+    local = _rope_block(d, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"config.json: sliding-layer rope {local} is not supported")
+    if d.get("attn_logit_softcapping"):
+        logging.warning("config.json: attn_logit_softcapping is ignored (HF Gemma 3 does not apply it)")
+    fields = _rope_fields(_rope_block(d, "full_attention"), 1_000_000.0)
+    fields |= dict(
+        layer_types=tuple(layer_types), sliding_window=int(d.get("sliding_window") or 4096),
+        rope_local_theta=float(local.get("rope_theta", 10_000.0)), qk_norm=True, norm_plus_one=True,
+        post_norms=True, embed_scale=True,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+    )
+    return fields
+
+
+def _qwen3_5_fields(d: dict[str, Any], model_type: str, n_layers: int) -> dict[str, Any]:
+    """qwen3_5_text / qwen3_5_moe_text: Gated DeltaNet and gated full attention layers (the MoE's experts)."""
+    fields: dict[str, Any] = {}
+    if model_type == "qwen3_5_moe_text":
+        if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step", 1)) != 1:
+            raise NotImplementedError("config.json: qwen3_5_moe with dense (mlp_only) layers")
         fields |= dict(
-            layer_types=tuple(layer_types), sliding_window=int(d.get("sliding_window") or 4096),
-            rope_local_theta=float(local.get("rope_theta", 10_000.0)), qk_norm=True, norm_plus_one=True,
-            post_norms=True, embed_scale=True,
-            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-            final_logit_softcapping=d.get("final_logit_softcapping"),
+            num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
         )
-    else:  # qwen3_5_text, qwen3_5_moe_text
-        if model_type == "qwen3_5_moe_text":
-            if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step", 1)) != 1:
-                raise NotImplementedError("config.json: qwen3_5_moe with dense (mlp_only) layers")
-            fields |= dict(
-                num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]),
-                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-            )
-            if not d.get("norm_topk_prob", True):
-                raise NotImplementedError("config.json: norm_topk_prob=false in qwen3_5_moe: not supported")
-        if not layer_types:
-            every = int(d.get("full_attention_interval", 4))
-            layer_types = [
-                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
-            ]
-        rope = _rope_block(d)
-        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
-        fields |= _rope_fields(rope, 10_000.0)
-        fields |= dict(
-            layer_types=tuple(layer_types), qk_norm=True, norm_plus_one=True,
-            attn_output_gate=bool(d.get("attn_output_gate", True)), partial_rotary_factor=partial,
-            linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
-        )
-    return ModelConfig(**fields)
+        if not d.get("norm_topk_prob", True):
+            raise NotImplementedError("config.json: norm_topk_prob=false in qwen3_5_moe: not supported")
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        every = int(d.get("full_attention_interval", 4))
+        layer_types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
+        ]
+    rope = _rope_block(d)
+    partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    fields |= _rope_fields(rope, 10_000.0)
+    fields |= dict(
+        layer_types=tuple(layer_types), qk_norm=True, norm_plus_one=True,
+        attn_output_gate=bool(d.get("attn_output_gate", True)), partial_rotary_factor=partial,
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+    )
+    return fields
 
 
 def _rope_params_hf(config: ModelConfig) -> dict[str, Any]:
@@ -555,32 +589,14 @@ def load_hf(
     config, raw = _read_config(directory, dtype)
     tensors = _Tensors(directory)
     prefix = _find_prefix(tensors, directory)
-    declared = _declared_dtype(raw)
-
-    def problem(msg: str) -> None:
-        if strict:
-            raise HFLoadError(f"load_hf: {msg}")
-        logging.warning("load_hf (strict=False): %s", msg)
-
-    def check_dtype(key: str) -> None:
-        have = tensors.dtype(key)
-        where = tensors.file_of[key]
-        if have in _QUANTISED or have not in _FLOATS:
-            raise HFLoadError(f"load_hf: {where}: tensor {key!r} is {have}: a quantised checkpoint (or a "
-                              "non-float weight) is not supported; load an unquantised (bf16/fp32) one")
-        if declared and _FLOATS[have] != declared and not (have == "F32" and declared in ("bfloat16",
-                                                                                          "float16")):
-            problem(f"{where}: tensor {key!r} is {_FLOATS[have]} but config.json declares {declared}")
-
+    checks = _Checks(tensors, _declared_dtype(raw), strict)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
     names = hf_param_names(config)
-    target_dtype = config.jnp_param_dtype
     used: set[str] = set()
     new_leaves = []
     counts: list[tuple[str, jax.Array]] = []
-    for path, var in flat:
+    for path, var in nnx.to_flat_state(state):
         if path not in names:
             raise KeyError(f"load_hf: model variable {_path_str(path)} has no Hugging Face tensor name")
         name, transpose = names[path]
@@ -589,48 +605,102 @@ def load_hf(
             key = next((k for k in _LM_HEAD_KEYS if k in tensors), key)
         expected = tuple(var.get_value().shape)
         if transpose in ("gate_up", "down"):
-            arr = tensors.get(key) if key in tensors else None
-            if arr is not None:
-                check_dtype(key)
-                arr = _to_ours(arr, transpose)
-                used.add(key)
-            else:
-                before = set(used)
-                arr = _read_experts(tensors, key, transpose, config.num_experts, used)
-                for k in sorted(used - before):
-                    check_dtype(k)
-            if arr is None:
-                raise KeyError(f"load_hf: missing tensor {key!r} (or its per-expert form "
-                               f"{_per_expert_keys(key, transpose, 0)}) in {directory}")
-            if tuple(arr.shape) != expected:
-                raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {directory}: checkpoint "
-                                 f"gives {tuple(arr.shape)} in model layout but the model expects {expected} "
-                                 f"for "
-                                 f"{_path_str(path)}")
-            placed = _place(arr.astype(target_dtype, copy=False), var, expected, mesh, rules)
-            counts.append((key, _nonfinite_count(placed)))
-            new_leaves.append((path, var.replace(placed)))
-            continue
-        if key not in tensors:
-            hf_expected = expected[::-1] if transpose else expected
-            raise KeyError(
-                f"load_hf: missing tensor {key!r} (expected HF shape {hf_expected}, model shape {expected}) "
-                f"in {directory}"
-            )
-        hf_shape = tensors.shape(key)
-        ours = hf_shape[::-1] if transpose and len(hf_shape) == 2 else hf_shape
-        if ours != expected:
-            raise ValueError(
-                f"load_hf: shape mismatch for tensor {key!r} in {tensors.file_of[key]}: checkpoint shape "
-                f"{hf_shape} (as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
-            )
-        check_dtype(key)
-        host = _to_ours(tensors.get(key), transpose).astype(target_dtype, copy=False)
-        used.add(key)
-        placed = _place(host, var, expected, mesh, rules)
+            host = _read_moe_tensor(tensors, key, transpose, expected, path, config, checks, used)
+        else:
+            host = _read_tensor(tensors, key, transpose, expected, path, checks, used)
+        placed = _place(host.astype(config.jnp_param_dtype, copy=False), var, expected, mesh, rules)
         counts.append((key, _nonfinite_count(placed)))
         new_leaves.append((path, var.replace(placed)))
+    _check_unused(tensors, used, config, prefix, checks)
+    _check_finite(tensors, counts, allow_nonfinite)
+    model = nnx.merge(graphdef, nnx.from_flat_state(new_leaves))
+    if mesh is not None and config.num_experts:
+        bind_mesh(model, mesh, rules)
+    logging.info("load_hf: %s (%s, %d layers) from %s", config.model_type, config.param_dtype,
+                 config.num_layers, directory)
+    return model
 
+
+class _Checks:
+    """`load_hf`'s checks of a tensor against what config.json declares: a problem raises (`strict`) or
+    warns."""
+
+    def __init__(self, tensors: _Tensors, declared: str | None, strict: bool):
+        self.tensors, self.declared, self.strict = tensors, declared, strict
+
+    def problem(self, msg: str) -> None:
+        if self.strict:
+            raise HFLoadError(f"load_hf: {msg}")
+        logging.warning("load_hf (strict=False): %s", msg)
+
+    def dtype(self, key: str) -> None:
+        """A float weight of the declared dtype (float32 in a bfloat16/float16 checkpoint allowed: a
+        loss-free widening); a quantised or non-float one is refused, strict or not."""
+        have = self.tensors.dtype(key)
+        where = self.tensors.file_of[key]
+        if have in _QUANTISED or have not in _FLOATS:
+            raise HFLoadError(f"load_hf: {where}: tensor {key!r} is {have}: a quantised checkpoint (or a "
+                              "non-float weight) is not supported; load an unquantised (bf16/fp32) one")
+        declared = self.declared
+        if declared and _FLOATS[have] != declared and not (have == "F32" and declared in ("bfloat16",
+                                                                                          "float16")):
+            self.problem(f"{where}: tensor {key!r} is {_FLOATS[have]} but config.json declares {declared}")
+
+
+def _read_moe_tensor(tensors: _Tensors, key: str, transpose: str, expected: tuple[int, ...], path: Any,
+                     config: ModelConfig, checks: _Checks, used: set[str]) -> np.ndarray:
+    """An MoE layer's stacked expert weights (`gate_up` / `down`) in our layout: one fused tensor, or the
+    per-expert tensors stacked; every tensor read is added to `used`."""
+    arr = tensors.get(key) if key in tensors else None
+    if arr is not None:
+        checks.dtype(key)
+        arr = _to_ours(arr, transpose)
+        used.add(key)
+    else:
+        before = set(used)
+        arr = _read_experts(tensors, key, transpose, config.num_experts, used)
+        for k in sorted(used - before):
+            checks.dtype(k)
+    if arr is None:
+        raise KeyError(f"load_hf: missing tensor {key!r} (or its per-expert form "
+                       f"{_per_expert_keys(key, transpose, 0)}) in {tensors.directory}")
+    if tuple(arr.shape) != expected:
+        raise ValueError(f"load_hf: shape mismatch for tensor {key!r} in {tensors.directory}: checkpoint "
+                         f"gives {tuple(arr.shape)} in model layout but the model expects {expected} "
+                         f"for "
+                         f"{_path_str(path)}")
+    return arr
+
+
+def _read_tensor(tensors: _Tensors, key: str, transpose: Any, expected: tuple[int, ...], path: Any,
+                 checks: _Checks, used: set[str]) -> np.ndarray:
+    """One tensor in our layout (2-D ones transposed where `transpose`), its shape and dtype checked first;
+    added to `used`."""
+    if key not in tensors:
+        hf_expected = expected[::-1] if transpose else expected
+        raise KeyError(
+            f"load_hf: missing tensor {key!r} (expected HF shape {hf_expected}, model shape {expected}) "
+            f"in {tensors.directory}"
+        )
+    hf_shape = tensors.shape(key)
+    ours = hf_shape[::-1] if transpose and len(hf_shape) == 2 else hf_shape
+    if ours != expected:
+        raise ValueError(
+            f"load_hf: shape mismatch for tensor {key!r} in {tensors.file_of[key]}: checkpoint shape "
+            f"{hf_shape} (as model layout {ours}) but the model expects {expected} for {_path_str(path)}"
+        )
+    checks.dtype(key)
+    host = _to_ours(tensors.get(key), transpose)
+    used.add(key)
+    return host
+
+
+def _check_unused(tensors: _Tensors, used: set[str], config: ModelConfig, prefix: str,
+                  checks: _Checks) -> None:
+    """The checkpoint's tensors the model did not read: the text model's are a problem (layers beyond
+    `num_hidden_layers`, a bias the config turns off), the rest (a vision tower, `mtp.`) an INFO line. Not
+    weights, so never reported: a tied LM head, rotary inverse frequencies, a width-0 shared expert."""
+    directory = tensors.directory
     ignored = [k for k in tensors.keys() if k not in used]
     if config.tie_embeddings:
         ignored = [k for k in ignored if k not in _LM_HEAD_KEYS]
@@ -644,30 +714,29 @@ def load_hf(
     beyond = {k: i for k in ours if (i := _layer_index(k, prefix)) is not None and i >= config.num_layers}
     if beyond:
         k = min(beyond, key=beyond.get)
-        problem(f"{tensors.file_of[k]} holds layers {min(beyond.values())}..{max(beyond.values())} (e.g. "
-                f"tensor {k!r}) but {os.path.join(directory, 'config.json')} has "
-                f"num_hidden_layers={config.num_layers}")
+        checks.problem(f"{tensors.file_of[k]} holds layers {min(beyond.values())}..{max(beyond.values())} "
+                       f"(e.g. tensor {k!r}) but {os.path.join(directory, 'config.json')} has "
+                       f"num_hidden_layers={config.num_layers}")
     elif ours:
-        problem(f"{tensors.file_of[ours[0]]}: tensor {ours[0]!r} is not used by the model config.json "
-                f"describes ({len(ours)} such tensor(s); e.g. a bias with attention_bias=false)")
+        checks.problem(f"{tensors.file_of[ours[0]]}: tensor {ours[0]!r} is not used by the model config.json "
+                       f"describes ({len(ours)} such tensor(s); e.g. a bias with attention_bias=false)")
     other = [k for k in ignored if k not in ours]
     if other:
         logging.info("load_hf: skipped %d tensors outside the text model (e.g. %s) in %s",
                      len(other), other[0], directory)
+
+
+def _check_finite(tensors: _Tensors, counts: list[tuple[str, jax.Array]], allow_nonfinite: bool) -> None:
+    """Refuses (or, `allow_nonfinite`, warns about) tensors holding NaN/inf: `counts` are each placed
+    tensor's non-finite entries, counted on device and fetched here at once."""
     bad = [(k, int(n)) for (k, _), n in zip(counts, jax.device_get([c for _, c in counts]), strict=True) if n]
-    if bad:
-        msg = (f"load_hf: {len(bad)} tensor(s) hold non-finite values, e.g. {bad[0][0]!r} in "
-               f"{tensors.file_of.get(bad[0][0], directory)} ({bad[0][1]} NaN/inf entries)")
-        if not allow_nonfinite:
-            raise HFLoadError(msg + "; refused (allow_nonfinite=True loads them anyway)")
-        logging.warning("%s; loaded anyway (allow_nonfinite=True)", msg)
-    state = nnx.from_flat_state(new_leaves)
-    model = nnx.merge(graphdef, state)
-    if mesh is not None and config.num_experts:
-        bind_mesh(model, mesh, rules)
-    logging.info("load_hf: %s (%s, %d layers) from %s", config.model_type, config.param_dtype,
-                 config.num_layers, directory)
-    return model
+    if not bad:
+        return
+    msg = (f"load_hf: {len(bad)} tensor(s) hold non-finite values, e.g. {bad[0][0]!r} in "
+           f"{tensors.file_of.get(bad[0][0], tensors.directory)} ({bad[0][1]} NaN/inf entries)")
+    if not allow_nonfinite:
+        raise HFLoadError(msg + "; refused (allow_nonfinite=True loads them anyway)")
+    logging.warning("%s; loaded anyway (allow_nonfinite=True)", msg)
 
 
 # ----------------------------------------------------------------------------------------------- save
