@@ -185,9 +185,19 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def report_markdown(results: dict[str, Any]) -> str:
-    """report.md: setup, accuracy, cost curves, pass@k, ablation, the accounting rule, the timing."""
+    """report.md: setup, protocol, accuracy, the paper's reading counts, cost curves, pass@k, ablation,
+    workspace shapes, the accounting rule, the timing (a function per section)."""
+    parts = _md_setup(results)
+    for section in (_md_protocol, _md_accuracy, _md_paper_reading, _md_cost, _md_pass_at_k, _md_ablation,
+                    _md_shapes, _md_tail):
+        parts += section(results)
+    return "\n".join(parts)
+
+
+def _md_setup(results: dict[str, Any]) -> list[str]:
+    """The title and one paragraph: run, step, corpora, methods, answerer, sampling."""
     s = results.get("setup", {})
-    parts = [
+    return [
         f"# Evaluation: {s.get('name', '')}",
         "",
         f"Run `{s.get('run', '')}` step {s.get('step', '')}; {len(results['corpora'])} held-out corpora "
@@ -196,6 +206,11 @@ def report_markdown(results: dict[str, Any]) -> str:
         f"{s.get('samples', 1)} sample(s) per question.",
         "",
     ]
+
+
+def _md_protocol(results: dict[str, Any]) -> list[str]:
+    """Every role of the evaluation against the training run's (`protocol.json`): overrides, differences."""
+    parts: list[str] = []
     proto = results.get("protocol")
     if proto:
         diffs = proto.get("differences", [])
@@ -214,6 +229,12 @@ def report_markdown(results: dict[str, Any]) -> str:
             "```",
             "",
         ]
+    return parts
+
+
+def _md_accuracy(results: dict[str, Any]) -> list[str]:
+    """Figure 4: each method's accuracy with its CI and difference to the base builder, and its costs."""
+    parts: list[str] = []
     parts += [
         "## Accuracy (Figure 4)",
         "",
@@ -260,6 +281,12 @@ def report_markdown(results: dict[str, Any]) -> str:
         "![accuracy](accuracy.png)",
         "",
     ]
+    return parts
+
+
+def _md_paper_reading(results: dict[str, Any]) -> list[str]:
+    """Table 2: files and tokens per question counted as the paper counts them."""
+    parts: list[str] = []
     parts += [
         "## Reading per question as the paper counts it (Table 2)",
         "",
@@ -274,6 +301,12 @@ def report_markdown(results: dict[str, Any]) -> str:
                     f"{r['answer_tokens_per_query']:.0f}"] for m, r in results["accuracy"].items()]),
         "",
     ]
+    return parts
+
+
+def _md_cost(results: dict[str, Any]) -> list[str]:
+    """Figure 6 / Appendix A.4: the reuse cost ratios and crossover of each method against its base."""
+    parts: list[str] = []
     parts += [
         "## Reuse cost (Figure 6, Appendix A.4)",
         "",
@@ -297,6 +330,12 @@ def report_markdown(results: dict[str, Any]) -> str:
     if not results.get("cost"):
         parts += ["(no method with construction tokens to compare with the base builder)", ""]
     parts += ["![cost curves](cost_curves.png)", ""]
+    return parts
+
+
+def _md_pass_at_k(results: dict[str, Any]) -> list[str]:
+    """Table 3: pass@k per method."""
+    parts: list[str] = []
     parts += [
         "## pass@k (Table 3)",
         "",
@@ -310,6 +349,12 @@ def report_markdown(results: dict[str, Any]) -> str:
         for k, v in t.items()
     ]
     parts += [_md_table(["method", "k", "pass@k %", "n"], rows), ""]
+    return parts
+
+
+def _md_ablation(results: dict[str, Any]) -> list[str]:
+    """Table 7: the trained builder's workspaces as built, flattened and shuffled (when run)."""
+    parts: list[str] = []
     if results.get("ablation"):
         parts += [
             "## Hierarchy ablation (Table 7)",
@@ -335,6 +380,12 @@ def report_markdown(results: dict[str, Any]) -> str:
             "![ablation](ablation.png)",
             "",
         ]
+    return parts
+
+
+def _md_shapes(results: dict[str, Any]) -> list[str]:
+    """Each method's workspaces: files, directories, nested and empty shares (when recorded)."""
+    parts: list[str] = []
     if results.get("shapes"):
         parts += [
             "## Workspace shapes",
@@ -347,11 +398,17 @@ def report_markdown(results: dict[str, Any]) -> str:
                  f"{100 * s['empty']:.0f}"] for m, s in results["shapes"].items()]),
             "",
         ]
+    return parts
+
+
+def _md_tail(results: dict[str, Any]) -> list[str]:
+    """The accounting rule and the time each phase took."""
+    parts: list[str] = []
     parts += ["## Accounting", "", results.get("accounting", ""), ""]
     t = results.get("timing", {})
     if t:
         parts += ["## Time", "", _md_table(["phase", "seconds"], [[k, f"{v:.1f}"] for k, v in t.items()]), ""]
-    return "\n".join(parts)
+    return parts
 
 
 def plot(out_dir: str, results: dict[str, Any]) -> list[str]:
