@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # module -> (smoke flags, a string its output must contain)
 SMOKE: dict[str, tuple[list[str], str]] = {
+    "cache_layout": (["--slots=8", "--max_len=1024", "--layers=1", "--head_dim=128", "--steps=2"],
+                     "| keys |"),
     "checkpoint": (["--preset=tiny", "--num_layers=1", "--rows=2", "--seq=16", "--steps=2", "--repeats=1",
                     "--project=tiny", "--hosts=2"], "| digests on the writer |"),
     "compile": (["--depths=2", "--batch=1", "--prompt_len=4", "--new_tokens=2", "--rows=2", "--seq=16",
