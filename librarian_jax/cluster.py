@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -515,7 +516,7 @@ class Cluster:
         cluster = cls(config, mode, o, specs, rollouts, tokenizer, templates, engine_mesh, base,
                       base if policy is None else policy, localizer, abstract)
         cluster.reset()
-        logging.info("protocol:\n%s", protocol_table(cluster.protocol()))
+        logging.info("protocol:\n%s", textwrap.indent(protocol_table(cluster.protocol()), "  "))
         return cluster
 
     @property
