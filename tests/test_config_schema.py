@@ -160,3 +160,102 @@ def test_a_retired_rollout_key_in_an_older_run_config_still_reads():
     assert S.RolloutSection.parse(old).config == RolloutConfig.from_dict(
         {k: v for k, v in old.items() if k not in S.ROLLOUT_ENGINE_KEYS})
     assert "dedupe_greedy_repeats" not in S.GRPOConfig().to_config_dict().rollout
+
+
+# ------------------------------------------------------------------ one home per default
+
+PRESET_MODULES = {"grpo": S.GRPOConfig, "sft": S.SFTConfig, "eval": S.EvalConfig, "build": S.BuildConfig}
+
+
+def _field(default, name):
+    """The default of key `name` of section `default` (a schema section or a rollout dataclass)."""
+    if isinstance(default, S.RolloutSection) and name not in S.ROLLOUT_ENGINE_KEYS:
+        default = default.config
+    return getattr(default, name)
+
+
+def set_leaves(overrides: dict, default, prefix: str = ""):
+    """(key, value, schema default) of every value a preset sets: a section's keys one by one, a
+    dict-valued key (`mesh.shape`, `demos.mix`) whole."""
+    for name, value in overrides.items():
+        sub = _field(default, name)
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+            yield from set_leaves(value, sub, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value, sub
+
+
+def preset_overrides():
+    for name, schema in PRESET_MODULES.items():
+        mod = importlib.import_module(f"librarian_jax.presets.{name}")
+        for preset, overrides in mod.PRESETS.items():
+            yield pytest.param(overrides, schema, id=f"{name}:{preset}")
+
+
+@pytest.mark.parametrize("overrides,schema", list(preset_overrides()))
+def test_a_preset_states_only_what_differs_from_the_schema(overrides, schema):
+    same = [key for key, value, default in set_leaves(overrides, schema()) if value == default]
+    assert not same, f"keys set to the schema's default (state only what differs): {same}"
+
+
+def test_a_planted_redundant_key_is_caught():
+    """The check above fails on a preset that restates a default."""
+    grpo = importlib.import_module("librarian_jax.presets.grpo")
+    planted = {**grpo.EMBEDDED, "train": {**grpo.EMBEDDED["train"], "grad_clip": 1.0}}
+    same = [k for k, v, d in set_leaves(planted, S.GRPOConfig()) if v == d]
+    assert same == ["train.grad_clip"]
+
+
+@pytest.mark.parametrize("name", list(PRESET_MODULES))
+def test_the_default_preset_is_the_schema_defaults(name):
+    """What `--config=configs/<name>.py` runs (no preset) is the schema's defaults, key for key."""
+    mod = importlib.import_module(f"librarian_jax.presets.{name}")
+    schema = PRESET_MODULES[name]
+    default = {"grpo": "noisy", "sft": "noisy", "eval": "embedded", "build": "default"}[name]
+    assert mod.PRESETS[default] == {}
+    assert schema.parse(mod.get_config()).to_dict() == schema().to_dict()
+
+
+def test_a_preset_key_the_schema_does_not_declare_names_it():
+    with pytest.raises(S.ConfigError, match=r"config\.rollout\.builder\.max_turn: not a key of the schema"):
+        S.GRPOConfig.preset_config({"rollout": {"builder": {"max_turn": 3}}})
+
+
+def test_the_rollout_defaults_name_every_rollout_key():
+    """A command builds its RolloutConfig from `ROLLOUT_DEFAULTS` and the config alone: every field of the
+    rollout dataclasses has a schema default, so none of theirs is ever read by a command."""
+    from librarian_jax.agents import AnswererConfig
+    from librarian_jax.agents.builder import BuilderConfig
+    from librarian_jax.rollout import RolloutConfig
+
+    d = S.ROLLOUT_DEFAULTS
+    assert set(d) == {f.name for f in dataclasses.fields(RolloutConfig)}
+    assert set(d["builder"]) == {f.name for f in dataclasses.fields(BuilderConfig)}
+    assert set(d["answerer"]) == {f.name for f in dataclasses.fields(AnswererConfig)}
+    # a partial section (an older config.json) takes the schema's defaults, not the dataclasses'
+    parsed = S.RolloutSection.parse({"builder": {"max_turns": 7}}).config
+    assert parsed.builder.max_turns == 7
+    assert parsed.builder.executor == d["builder"]["executor"] != BuilderConfig().executor
+    assert parsed.answerer.kind == d["answerer"]["kind"] != AnswererConfig().kind
+    assert parsed.probe_min_gap == d["probe_min_gap"] != RolloutConfig().probe_min_gap
+
+
+@pytest.mark.parametrize("section", [S.TrainSection, S.SFTTrainSection])
+def test_the_train_step_config_takes_every_key_from_the_schema(section):
+    """`trainer_config` passes each `train` key the step reads, so rl's own defaults are never a run's."""
+    t = section()
+    tc = t.trainer_config(1.0) if section is S.TrainSection else t.trainer_config()
+    renamed = {"loss": ("loss", "name"), "num_steps": ("optim", "total_steps")}
+    fixed = {"loss", "aggregation", "tis_cap", "dual_clip", "old_logprobs"} if section is S.SFTTrainSection \
+        else set()  # SFT's loss is `nll`
+    rows = {"advantage", "step_weight", "step_gamma", "max_seq_len"}  # rl.RowsConfig (training.build)
+    checked = 0
+    for f in dataclasses.fields(section):
+        if f.name in rows | fixed or f.name in ("batch_rows", "group_by_length", "log_every"):
+            continue
+        part, attr = renamed.get(f.name, (None, f.name))
+        holders = [getattr(tc, part)] if part else [tc, tc.loss, tc.optim]
+        found = [getattr(h, attr) for h in holders if hasattr(h, attr)]
+        assert found == [getattr(t, f.name)], f"train.{f.name} does not reach rl's config: {found}"
+        checked += 1
+    assert checked >= 15
