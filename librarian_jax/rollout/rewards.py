@@ -23,9 +23,7 @@ Repeats (`repeat_mode`): R greedy answerer runs of one question are R copies of 
 paid R times. `"greedy_once"` (default; the paper's answerer is greedy): with a greedy answerer (temperature
 0) each question is answered once and the run counted R times (the copies carry `"copy": True` and no
 tokens); an answerer with temperature > 0 samples all R. `"sample"`: the R runs sample at
-`repeat_temperature`, so the mean estimates the answerer's expected correctness. (`dedupe_greedy_repeats`,
-an older name of greedy_once that changed nothing, is gone; a run's older config.json holding it still
-reads: `RETIRED_KEYS`.)
+`repeat_temperature`, so the mean estimates the answerer's expected correctness.
 
 Cost-aware utility (paper §2.3, Equations 1-4; all zero by default, as in the main run): a correct answer's
 score is `1 - token_cost * tokens_read - read_cost * files_read` (the penalties apply to correct answers
@@ -48,13 +46,15 @@ TERMINAL_SETS = ("reuse_if_any", "hidden", "reuse", "hidden+reuse")
 REPEAT_MODES = ("greedy_once", "sample")
 
 
-# keys an older run's config.json may hold that nothing reads any more: dropped when read back
+# keys a run's config.json may hold that no setting reads: dropped when read back, so it still reads
 RETIRED_KEYS = frozenset({"dedupe_greedy_repeats"})
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Every rollout term; defaults are the paper's main run (see the module docstring)."""
+    """Every rollout term (the module docstring). The defaults here and in `BuilderConfig` /
+    `AnswererConfig` are the paper's main run, for code that builds an episode directly; a command's
+    values are the config's, over the schema's defaults (`config_schema.ROLLOUT_DEFAULTS`)."""
 
     builder: BuilderConfig = BuilderConfig()
     answerer: AnswererConfig = AnswererConfig()
