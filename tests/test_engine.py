@@ -527,3 +527,42 @@ def test_compile_ahead_leaves_the_engine_nothing_to_compile(qwen):
     assert clock.since(before).programs == 0, clock.since(before)
     for s in [*sessions, long]:
         s.close()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_keys_cache_layout_samples_what_the_heads_layout_does(family):
+    """The "keys" K/V layout (the TPU's, `[slot, position, kv_heads, head_dim]`) and the CPU's "heads" one
+    give the same sampled tokens and log-probs over two turns of sessions of several lengths, looped and
+    scanned; and the layout an engine keeps is the one asked for."""
+    model = testing.tiny_model(FAMILIES[family](), scale=4.0)
+    runs = {}
+    for layout in ("heads", "keys"):
+        for scan in (False, True):
+            eng = Engine(model, 4, 64, cache_layout=layout, scan_layers=scan, round_steps=8,
+                         prefill_buckets=(16,))
+            sessions = [eng.new_session(list(range(1 + i, 6 + 7 * i))) for i in range(4)]  # 5..26 tokens
+            reqs = [eng.submit(s, 10, SamplingParams(temperature=0.8, seed=1, stream=i))
+                    for i, s in enumerate(sessions)]
+            eng.run_until_done()
+            for s in sessions[:2]:
+                s.append([3, 4, 5])
+            reqs += [eng.submit(s, 6) for s in sessions[:2]]
+            eng.run_until_done()
+            attention = [x for x in eng.cache.layers if "v" in x or "values" in x] if not scan else None
+            if attention:
+                assert set(attention[0]) == ({"keys", "values"} if layout == "keys" else {"k", "v"})
+            assert eng.cache_layout == layout
+            runs[(layout, scan)] = ([list(r.result.tokens) for r in reqs],
+                                    [np.asarray(r.result.logprobs) for r in reqs])
+    want_tokens, want_lp = runs[("heads", False)]
+    for key, (tokens, lps) in runs.items():
+        assert tokens == want_tokens, key
+        for a, b in zip(lps, want_lp, strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=str(key))
+
+
+def test_an_engine_keeps_the_heads_layout_on_cpu_and_refuses_an_unknown_one():
+    model = testing.tiny_model(FAMILIES["qwen3"]())
+    assert Engine(model, 2, 32).cache_layout == "heads"  # "auto" on CPU devices
+    with pytest.raises(ValueError, match="cache_layout"):
+        Engine(model, 2, 32, cache_layout="rows")

@@ -75,8 +75,10 @@ def test_live_lengths():
     assert cache_lib.live_lens(144) == [None] and cache_lib.live_len(10, 144) is None
 
 
-def test_live_attention_equals_whole_cache(whole_cache, live):
-    _same(_run(Engine(testing.tiny_model(CONFIG, scale=4.0), **KW)), whole_cache)
+@pytest.mark.parametrize("layout", ["heads", "keys"])
+def test_live_attention_equals_whole_cache(whole_cache, live, layout):
+    """In either K/V layout (`models.cache.LAYOUTS`): the whole-cache run is the "heads" layout's."""
+    _same(_run(Engine(testing.tiny_model(CONFIG, scale=4.0), cache_layout=layout, **KW)), whole_cache)
     assert {16, 32, None} <= set(live)  # every length was used
 
 

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from librarian_jax import cluster, config_validation, models
-from librarian_jax.config_schema import ConfigError, PlanSection
+from librarian_jax.config_schema import ConfigError, MeshSection, PlanSection
 from librarian_jax.engine import Engine, make_mesh
 from librarian_jax.models import partitioning
 from librarian_jax.planning import plan as plan_lib
@@ -260,7 +260,7 @@ def test_copying_split_slots_compiles_without_gathering_the_cache():
     mesh = make_mesh({"fsdp": 4}, devices=accel.devices())
     engine = Engine(cluster.abstract_model(models.get_preset("tiny")), 8, 1024, mesh)
     cache = engine.resident_bytes()["cache"]
-    assert engine.cache.layers[0]["k"].sharding.spec[0] == "fsdp"
+    assert engine.cache.layers[0]["keys"].sharding.spec[0] == "fsdp"  # the TPU engine's "keys" layout
     (job,) = [fn for name, fn in engine.programs_ahead() if name == "copy[8]"]
     stats = job().compile().memory_analysis()
     # one-hot chunks: 0.68x the cache here; the gather it replaced: 4.2x (6.0x at 64 slots)
@@ -292,3 +292,26 @@ def test_a_scanned_abstract_engine_lays_out_its_stack():
     la, lb = jax.tree.leaves(real._stacked), jax.tree.leaves(shaped._stacked)
     assert [(x.shape, x.dtype, x.sharding) for x in la] == [(x.shape, x.dtype, x.sharding) for x in lb]
     assert real.resident_bytes() == shaped.resident_bytes()
+
+
+@pytest.mark.parametrize("layout,most", [("keys", 0.2), ("heads", None)])
+def test_the_tpu_decode_round_keeps_the_keys_layout_cache_in_place(layout, most):
+    """The engine's decode round compiled for a v5p-8 (one attention layer of 4 K/V heads x 256, 16 slots x
+    2,048 positions): in the "keys" layout an engine on TPU devices keeps by default, the compiler updates the
+    cache in place (temporaries under a fifth of it: the logits and the MLP); in the CPU's "heads" layout
+    it copies the layer's K/V into its own layout around the loop (`bench.cache_layout`)."""
+    cfg = models.get_preset("qwen3_4b", num_layers=1, layer_types=("full_attention",), vocab_size=512,
+                            hidden_size=256, intermediate_size=256, num_heads=8, num_kv_heads=4, head_dim=256)
+    mesh = cluster.mesh_over(MeshSection({"data": 1, "fsdp": -1, "tensor": 1}),
+                             list(topology.parse("v5p-8").devices()), "mesh")
+    engine = Engine(cluster.abstract_model(cfg), 16, 2048, mesh, cache_layout="auto" if most else layout,
+                    round_steps=8, prefill_buckets=(64,), share_prefix=0)
+    assert engine.cache_layout == layout
+    jobs = dict(engine.programs_ahead())
+    (lower,) = [job for name, job in jobs.items() if name.startswith("decode[16") and "all" in name]
+    temp = lower().compile().memory_analysis().temp_size_in_bytes
+    cache = engine.resident_bytes()["cache"]
+    if most:
+        assert temp < most * cache, (temp, cache)
+    else:
+        assert temp > 0.5 * cache, (temp, cache)

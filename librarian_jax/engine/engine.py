@@ -35,6 +35,7 @@ from librarian_jax.engine import slots as slot_programs
 from librarian_jax.engine.mesh import make_mesh
 from librarian_jax.engine.sampling import GREEDY, SamplingParams
 from librarian_jax.engine.session import Request, Session, TurnResult
+from librarian_jax.models import cache as cache_lib
 from librarian_jax.models.cache import live_len, live_lens, stack_cache
 from librarian_jax.models.moe import bind_mesh
 from librarian_jax.models.partitioning import (
@@ -103,20 +104,21 @@ class _Lane:
     upto: int | None = None  # prefill only this many record tokens for now (a prefix-sharing leader)
 
 
-def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any, plan: ScanPlan | None = None) -> Any:
-    cache = models.init_cache(config, num_slots, capacity, *([] if dtype is None else [dtype]))
+def _make_cache(config: Any, num_slots: int, capacity: int, dtype: Any, layout: str,
+                plan: ScanPlan | None = None) -> Any:
+    cache = models.init_cache(config, num_slots, capacity, dtype, layout)
     return cache if plan is None else stack_cache(cache, plan.period, plan.periods)
 
 
 @functools.lru_cache(maxsize=64)
 def _cache_allocator(
-    config: Any, num_slots: int, capacity: int, dtype: Any, shardings: tuple, treedef: Any,
+    config: Any, num_slots: int, capacity: int, dtype: Any, layout: str, shardings: tuple, treedef: Any,
     plan: ScanPlan | None = None,
 ) -> Callable[[], Any]:
     """A jitted function allocating the slot cache straight into its shardings (cached: one compile per
     layout, so short-lived engines such as ``generate``'s do not recompile)."""
     return jax.jit(
-        functools.partial(_make_cache, config, num_slots, capacity, dtype, plan),
+        functools.partial(_make_cache, config, num_slots, capacity, dtype, layout, plan),
         out_shardings=jax.tree.unflatten(treedef, shardings),
     )
 
@@ -165,6 +167,10 @@ class Engine:
       round_steps: the most decode steps per ``step()``; the host admits new work between rounds.
       max_stop_ids: the most stop ids one turn may give.
       cache_dtype: dtype of the K/V cache (default: the model's choice in ``init_cache``).
+      cache_layout: the K/V cache's layout (``models.cache.LAYOUTS``): "heads" (XLA:CPU's in-place one) or
+        "keys" (``[slot, position, kv_heads, head_dim]``, the one the TPU compiler keeps a decode loop's cache
+        in; in another it copies every layer's K/V around the loop); "auto": "heads" on CPU devices, "keys"
+        on any other. Same tokens either way.
       stats_window: how many of the latest ``StepStats`` ``engine.stats`` keeps (oldest dropped first), so a
         long run's stats stay bounded; ``engine.total_steps`` counts every step.
       processed_logprobs: also return each turn's log-probs under the truncated (top-k / top-p) distribution
@@ -198,6 +204,7 @@ class Engine:
         processed_logprobs: bool = False,
         share_prefix: int = 32,
         scan_layers: bool = SCAN_LAYERS,
+        cache_layout: str = "auto",
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"Engine: num_slots must be >= 1, got {num_slots}")
@@ -260,9 +267,17 @@ class Engine:
                 jax.tree.structure(abstract_stack), jax.tree.leaves(shardings))) if self.abstract else \
                 self._stacker(self.params)
 
-        make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype)
+        if cache_layout == "auto":
+            cache_layout = cache_lib.default_layout(self.mesh.devices.flat[0].platform)
+        if cache_layout not in cache_lib.LAYOUTS:
+            raise ValueError(f"Engine: cache_layout must be 'auto' or one of {cache_lib.LAYOUTS}, "
+                             f"got {cache_layout!r}")
+        self.cache_layout = cache_layout
+        make = functools.partial(_make_cache, config, self.num_slots, self.capacity, cache_dtype,
+                                 cache_layout)
         abstract = jax.eval_shape(make)
-        shardings = tree_shardings(abstract, models.cache_logical_axes(config), self.mesh, self.rules)
+        shardings = tree_shardings(abstract, models.cache_logical_axes(config, cache_layout), self.mesh,
+                                   self.rules)
         if self._plan is not None:
             shardings = stack_cache(shardings, self._plan.period, self._plan.periods, stacked_sharding)
             abstract = jax.eval_shape(functools.partial(make, plan=self._plan))
@@ -272,8 +287,8 @@ class Engine:
             self.cache = place(abstract, jax.tree.unflatten(self._cache_treedef, self._cache_sharding))
         else:
             self.cache = _cache_allocator(
-                config, self.num_slots, self.capacity, cache_dtype, self._cache_sharding, self._cache_treedef,
-                self._plan,
+                config, self.num_slots, self.capacity, cache_dtype, cache_layout, self._cache_sharding,
+                self._cache_treedef, self._plan,
             )()
         # what `programs_ahead` lowers with
         self._cache_spec = jax.tree.map(compile_cache.abstract, self.cache)

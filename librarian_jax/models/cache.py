@@ -14,6 +14,39 @@ from librarian_jax.models.gated_deltanet import GatedDeltaNet
 
 K_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
 V_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+KEYS_AXES = ("cache_batch", "cache_seq", "kv_heads", "head_dim")  # "keys" and "values" in the keys layout
+
+# An attention layer's K/V leaves by layout (`init_cache(layout=...)`), each with its position axis:
+# - "heads" (`k` `[batch, kv_heads, head_dim, max_len]`, keys transposed, and `v` `[batch, kv_heads, max_len,
+#   head_dim]`): the layouts in which XLA:CPU reads decode attention's two matmuls in place;
+# - "keys" (`keys` and `values`, both `[batch, max_len, kv_heads, head_dim]`): the layout the TPU compiler
+#   keeps a decode loop's cache in; stored any other way it copies every layer's K/V into it around the
+#   loop (temporaries as large as the cache: `python -m librarian_jax.bench.cache_layout`).
+LAYOUTS = ("heads", "keys")
+SEQ_AXIS = {"k": -1, "v": -2, "keys": -3, "values": -3}
+
+
+def layout_of(layer: dict[str, Any]) -> str | None:
+    """The K/V layout of one layer's cache dict ("heads", "keys"), None for a linear-attention layer."""
+    if "v" in layer:
+        return "heads"
+    if "values" in layer:
+        return "keys"
+    return None
+
+
+def layer_max_len(layer: dict[str, Any]) -> int | None:
+    """The positions an attention layer's cache holds (None: not an attention layer)."""
+    for name in ("v", "values"):
+        if name in layer:
+            return int(layer[name].shape[SEQ_AXIS[name]])
+    return None
+
+
+def default_layout(platform: str) -> str:
+    """The K/V layout an engine keeps on `platform` ("cpu", "tpu", "gpu"): "heads" on the CPU, "keys"
+    elsewhere."""
+    return "heads" if platform == "cpu" else "keys"
 
 
 @struct.dataclass
@@ -21,9 +54,9 @@ class Cache:
     """lengths int32 `[batch]` (tokens already in each row); layers: one dict per layer.
 
     Attention layers: {"k": `[batch, kv_heads, head_dim, max_len]` (keys transposed), "v": `[batch, kv_heads,
-    max_len, head_dim]`}: the layouts in which decode attention's two matmuls read them in place.
-    Linear-attention layers: {"conv": `[batch, conv_dim, kernel - 1]`, "state": `[batch, v_heads, k_head_dim,
-    v_head_dim]` float32}.
+    max_len, head_dim]`} in the "heads" layout, {"keys", "values": `[batch, max_len, kv_heads, head_dim]`} in
+    the "keys" layout (`LAYOUTS`). Linear-attention layers: {"conv": `[batch, conv_dim, kernel - 1]`,
+    "state": `[batch, v_heads, k_head_dim, v_head_dim]` float32}.
     """
 
     lengths: Any
@@ -32,8 +65,8 @@ class Cache:
     @property
     def max_len(self) -> int:
         for layer in self.layers:
-            if "v" in layer:
-                return int(layer["v"].shape[2])
+            if (n := layer_max_len(layer)) is not None:
+                return n
         raise ValueError("Cache has no attention layer, so no max_len")
 
 
@@ -62,8 +95,8 @@ class ScanCache:
     @property
     def max_len(self) -> int:
         for layer in (*self.groups, *self.rest):
-            if "v" in layer:
-                return int(layer["v"].shape[-2])
+            if (n := layer_max_len(layer)) is not None:
+                return n
         raise ValueError("Cache has no attention layer, so no max_len")
 
 
@@ -89,11 +122,15 @@ def unstack_cache(cache: ScanCache) -> Cache:
     return Cache(lengths=cache.lengths, layers=(*layers, *cache.rest))
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None,
+               layout: str = "heads") -> Cache:
     """An empty cache (all lengths 0) for `batch_size` rows of up to `max_len` tokens.
 
-    K/V in `dtype` (default `config.dtype`); linear-attention state in the dtypes its layer declares.
+    K/V in `dtype` (default `config.dtype`) and `layout` (`LAYOUTS`); linear-attention state in the dtypes
+    its layer declares.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"init_cache: layout must be one of {LAYOUTS}, got {layout!r}")
     dtype = jnp.dtype(dtype or config.dtype)
     layers: list[dict[str, jax.Array]] = []
     for t in config.layer_types:
@@ -102,19 +139,25 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
             layers.append({name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()})
         else:
             kvh, d = config.num_kv_heads, config.head_dim
-            layers.append({"k": jnp.zeros((batch_size, kvh, d, max_len), dtype),
-                           "v": jnp.zeros((batch_size, kvh, max_len, d), dtype)})
+            if layout == "keys":
+                layers.append({"keys": jnp.zeros((batch_size, max_len, kvh, d), dtype),
+                               "values": jnp.zeros((batch_size, max_len, kvh, d), dtype)})
+            else:
+                layers.append({"k": jnp.zeros((batch_size, kvh, d, max_len), dtype),
+                               "v": jnp.zeros((batch_size, kvh, max_len, d), dtype)})
     return Cache(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
 
 
-def cache_logical_axes(config: ModelConfig) -> Cache:
-    """Same tree as `init_cache(config, ...)` with tuples of logical axis names in the leaves."""
+def cache_logical_axes(config: ModelConfig, layout: str = "heads") -> Cache:
+    """Same tree as `init_cache(config, ..., layout=layout)` with tuples of logical axis names in the
+    leaves."""
     layers: list[dict[str, tuple[str, ...]]] = []
     for t in config.layer_types:
         if t == "linear_attention":
             layers.append(dict(GatedDeltaNet.cache_axes()))
         else:
-            layers.append({"k": K_AXES, "v": V_AXES})
+            layers.append({"keys": KEYS_AXES, "values": KEYS_AXES} if layout == "keys" else
+                          {"k": K_AXES, "v": V_AXES})
     return Cache(lengths=("cache_batch",), layers=tuple(layers))
 
 
@@ -151,7 +194,12 @@ def live_lens(capacity: int) -> list[int | None]:
 
 def _is_kv(path: tuple) -> str | None:
     name = getattr(path[-1], "key", None)
-    return name if name in ("k", "v") else None
+    return name if name in SEQ_AXIS else None
+
+
+def _positions(kind: str, stop: int, lead: Any = slice(None)) -> tuple:
+    """The index of positions `[:stop]` on `kind`'s position axis (`SEQ_AXIS`), `lead` on axis 0."""
+    return (lead, Ellipsis, slice(None, stop)) + (slice(None),) * (-SEQ_AXIS[kind] - 1)
 
 
 def live_view(cache: Cache | ScanCache, length: int | None) -> Cache | ScanCache:
@@ -166,11 +214,7 @@ def live_view(cache: Cache | ScanCache, length: int | None) -> Cache | ScanCache
 
     def cut(path: tuple, x: jax.Array) -> jax.Array:
         kind = _is_kv(path)
-        if kind == "k":
-            return x[..., :length]  # [batch, (layers,) kv_heads, head_dim, length]
-        if kind == "v":
-            return x[..., :length, :]  # [batch, (layers,) kv_heads, length, head_dim]
-        return x
+        return x if kind is None else x[_positions(kind, length)]
 
     return jax.tree_util.tree_map_with_path(cut, cache)
 
@@ -194,10 +238,8 @@ def merge_live(full: Cache | ScanCache, part: Cache | ScanCache,
             if kind is None or p.shape == f.shape:
                 return p
             return jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
-        if kind == "k":
-            return f.at[slots, ..., : p.shape[-1]].set(p, mode="drop")
-        if kind == "v":
-            return f.at[slots, ..., : p.shape[-2], :].set(p, mode="drop")
+        if kind is not None:
+            return f.at[_positions(kind, p.shape[SEQ_AXIS[kind]], slots)].set(p, mode="drop")
         return f.at[slots].set(p, mode="drop")
 
     return jax.tree_util.tree_map_with_path(put, full, part)

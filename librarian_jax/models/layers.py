@@ -144,11 +144,12 @@ class MLP(nnx.Module):
 Q_BLOCK = 512  # queries per block when a call has more than this many new tokens
 
 
-def _attend_dense(q, kt, v, q_key_idx, key_valid, window, scale):
+def _attend_dense(q, kt, v, q_key_idx, key_valid, window, scale, keys_major=False):
     """One query block; q `[batch, seq, heads, head_dim]`, kt `[batch, kv_heads, head_dim, keys]`, v `[batch,
-    kv_heads, keys, head_dim]`."""
+    kv_heads, keys, head_dim]`; with `keys_major` both `[batch, keys, kv_heads, head_dim]`."""
     b, s, h, d = q.shape
-    kvh, t = v.shape[1], v.shape[2]
+    t, kvh = (v.shape[1], v.shape[2]) if keys_major else (v.shape[2], v.shape[1])
+    kin, vin = ("btkd", "btkd") if keys_major else ("bkdt", "bktd")
     k_idx = jnp.arange(t, dtype=jnp.int32)
     allowed = k_idx[None, None, :] <= q_key_idx[:, :, None]  # [batch, seq, keys]
     if window is not None:
@@ -164,15 +165,15 @@ def _attend_dense(q, kt, v, q_key_idx, key_valid, window, scale):
         # Decode: `[batch, kv_heads, group, head_dim]` x keys is one plain matmul per (batch, kv_head); on CPU
         # ~3x faster than the 5-d form below, whose extra unit dim XLA lowers to a slow batched dot.
         qg = q.reshape(b, kvh, g, d)
-        scores = jnp.einsum("bkgd,bkdt->bkgt", qg, kt, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum(f"bkgd,{kin}->bkgt", qg, kt, preferred_element_type=jnp.float32) * scale
         scores = jnp.where(allowed[:, None, :, :], scores, _NEG)  # allowed [batch, 1, keys]
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgt,bktd->bkgd", probs, v).reshape(b, 1, h, d)
+        return jnp.einsum(f"bkgt,{vin}->bkgd", probs, v).reshape(b, 1, h, d)
     qg = q.reshape(b, s, kvh, g, d)
-    scores = jnp.einsum("bskgd,bkdt->bksgt", qg, kt, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum(f"bskgd,{kin}->bksgt", qg, kt, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed[:, None, :, None, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bksgt,bktd->bskgd", probs, v).reshape(b, s, h, d)
+    return jnp.einsum(f"bksgt,{vin}->bskgd", probs, v).reshape(b, s, h, d)
 
 
 def attend(
@@ -185,11 +186,13 @@ def attend(
     window: int | None = None,
     scale: float,
     block: int = Q_BLOCK,
+    keys_major: bool = False,
 ) -> jax.Array:
     """Causal grouped-query softmax attention.
 
     q `[batch, seq, heads, head_dim]`; kt (keys, transposed) `[batch, kv_heads, head_dim, keys]`; v `[batch,
-    kv_heads, keys, head_dim]` (the cache layouts); q_key_idx int32 `[batch, seq]`
+    kv_heads, keys, head_dim]` (the cache's "heads" layout), or with `keys_major` both `[batch, keys,
+    kv_heads, head_dim]` (its "keys" layout); q_key_idx int32 `[batch, seq]`
     is each query's own index on the key axis: query s of row b sees key t iff t <= q_key_idx[b, s], and
     q_key_idx[b, s] - t < window (sliding layers), and key_valid[b, t] (bool `[batch, keys]`, optional).
     Returns `[batch, seq, heads, head_dim]`. Scores and softmax in float32, probabilities cast to v's dtype.
@@ -200,7 +203,7 @@ def attend(
     """
     b, s, h, d = q.shape
     if s <= block:
-        return _attend_dense(q, kt, v, q_key_idx, key_valid, window, scale)
+        return _attend_dense(q, kt, v, q_key_idx, key_valid, window, scale, keys_major)
     nb = -(-s // block)
     pad = nb * block - s
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -211,7 +214,7 @@ def attend(
     @jax.checkpoint
     def one(args):
         qi, ii = args
-        return _attend_dense(qi, kt, v, ii, key_valid, window, scale)
+        return _attend_dense(qi, kt, v, ii, key_valid, window, scale, keys_major)
 
     out = jax.lax.map(one, (qb, ib))  # [blocks, batch, block, heads, head_dim]
     return out.swapaxes(0, 1).reshape(b, nb * block, h, d)[:, :s]
@@ -419,14 +422,24 @@ class Attention(nnx.Module):
             out = attend_causal(q, k, v, key_valid=mask, window=self.window, scale=self.scale)
             return self._output(out, gate), None
 
-        max_len = cache["v"].shape[-2]
+        keys_major = "values" in cache  # the "keys" layout (models.cache.LAYOUTS)
+        max_len = cache["values"].shape[-3] if keys_major else cache["v"].shape[-2]
         q_key_idx = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [batch, seq]
         write_idx = jnp.where(mask, q_key_idx, max_len)  # padded tokens -> out of range -> dropped
         rows = jnp.arange(b)[:, None]
         # cache[b, :, (:,) write_idx[b, t]] = k[b, t]: the advanced indices (rows, write_idx) lead, so the
-        # update is k as computed, `[batch, seq, kv_heads, head_dim]`, for both layouts.
+        # update is k as computed, `[batch, seq, kv_heads, head_dim]`, for every layout.
         layer = cache.get("layer")
-        if layer is None:
+        if keys_major:
+            at = (rows, write_idx) if layer is None else (rows, layer, write_idx)
+            new_cache = {name: cache[name].at[at].set(x.astype(cache[name].dtype), mode="drop")
+                         for name, x in (("keys", k), ("values", v))}
+            k, v = new_cache["keys"], new_cache["values"]
+            if layer is not None:
+                new_cache["layer"] = layer
+                k = jax.lax.dynamic_index_in_dim(k, layer, 1, keepdims=False)
+                v = jax.lax.dynamic_index_in_dim(v, layer, 1, keepdims=False)
+        elif layer is None:
             new_cache = {
                 "k": cache["k"].at[rows, :, :, write_idx].set(k.astype(cache["k"].dtype), mode="drop"),
                 "v": cache["v"].at[rows, :, write_idx].set(v.astype(cache["v"].dtype), mode="drop"),
@@ -443,7 +456,7 @@ class Attention(nnx.Module):
         if k.dtype != q.dtype:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         # every index <= q_key_idx was written by a real token of this row: no key_valid
-        out = attend(q, k, v, q_key_idx, window=self.window, scale=self.scale)
+        out = attend(q, k, v, q_key_idx, window=self.window, scale=self.scale, keys_major=keys_major)
         return self._output(out, gate), new_cache
 
     def _output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:

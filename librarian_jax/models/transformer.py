@@ -272,16 +272,16 @@ def _layer_slot(group: dict[str, jax.Array], j: jax.Array) -> dict[str, jax.Arra
     """What a scanned layer gets as its cache from the stacked `group` at iteration `j`: attention layers the
     whole stacked K/V and the index (`Attention` writes its new tokens in place and reads its own slice);
     other layers (Gated DeltaNet, whose state is rewritten whole each call) their slice."""
-    if "v" in group:
-        return {"k": group["k"], "v": group["v"], "layer": j}
+    if "v" in group or "values" in group:
+        return {**group, "layer": j}
     return {name: jax.lax.dynamic_index_in_dim(a, j, 1, keepdims=False) for name, a in group.items()}
 
 
 def _put_layer_slot(group: dict[str, jax.Array], new: dict[str, jax.Array],
                     j: jax.Array) -> dict[str, jax.Array]:
     """The stacked `group` after the layer at iteration `j` returned `new` (from a `_layer_slot` cache)."""
-    if "v" in group:
-        return {"k": new["k"], "v": new["v"]}
+    if "v" in group or "values" in group:
+        return {name: new[name] for name in group}
     return {name: jax.lax.dynamic_update_index_in_dim(a, new[name].astype(a.dtype), j, 1)
             for name, a in group.items()}
 
