@@ -6,6 +6,7 @@ parser then raises an `AttributeError` from deep inside `ConfigDict`, and the us
 
     error: config.train.num_stepz: unknown key (did you mean config.train.num_steps?)
     error: config.trian: unknown key (did you mean config.train?)
+    error: config.train.max_seq_len: renamed to train.max_row_len
     error: flag --config.train.num_steps=abc: ...
 
 The bad override is found by walking each `--config.a.b.c` path through the config file's own ConfigDict
@@ -22,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from absl import flags
+
+from librarian_jax import config_schema
 
 _OVERRIDE = re.compile(r"^--?(config(?:\.[^=\s]+)+)(?:=.*)?$")
 
@@ -68,6 +71,9 @@ def unknown_key(config: Any, path: str) -> str | None:
         if keys is None:  # past a leaf: `--config.train.num_steps.x`
             return f"{'.'.join(done)}: is a value, not a section (no key {part!r})"
         if part not in keys:
+            renamed = config_schema.renamed_key_message(".".join([*done[1:], part]))
+            if renamed:
+                return renamed
             close = difflib.get_close_matches(part, keys, n=1, cutoff=0.6)
             hint = f" (did you mean {'.'.join([*done, close[0]])}?)" if close else f" (known: {sorted(keys)})"
             return f"{'.'.join([*done, part])}: unknown key{hint}"

@@ -50,6 +50,10 @@ POOLINGS = ("last", "mean")  # an embedding model's pooling: Qwen3-Embedding's l
 RETRIEVAL_INDEXES = ("bm25", "embedding")  # what `rerank` re-scores and `agentic`'s search tool searches
 RETRIEVAL_INSTRUCTION = "Given a question, retrieve passages of the documents that answer it"
 EVAL_ANSWERER_KINDS = ("", *ANSWERER_KINDS)  # "" = the run's
+# keys a config no longer has, each with the key that took its place; a config setting one is a ConfigError
+# naming that key, a run's recorded config.json is read with them translated (`upgrade_recorded`)
+RENAMED_KEYS: dict[str, str] = {"train.max_seq_len": "train.max_row_len",
+                                "rollout.builder.context_budget": "rollout.max_seq_len"}
 ROLLOUT_ENGINE_KEYS = ("group_size", "policy_slots", "frozen_slots", "max_seq_len", "round_steps",
                        "scan_layers", "compile_ahead")
 
@@ -139,6 +143,7 @@ class Section:
         d = _as_dict(mapping, key or "config")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
+        _refuse_renamed(key, unknown)
         if unknown:
             raise ConfigError(f"config{'.' + key if key else ''}: unknown keys {unknown}; known: {names}")
         token = _PLANNING.set(True) if not key and d.get("topology") else None
@@ -183,11 +188,45 @@ class Section:
         return c
 
 
+def renamed_key_message(key: str) -> str | None:
+    """What a config setting the retired `key` (a dotted path below `config.`) is told, or None."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return None
+    if key == "rollout.builder.context_budget":
+        return (f"config.{key}: removed; the tokens a builder session may hold are the builder engine's "
+                f"context, {new}")
+    return f"config.{key}: renamed to {new}"
+
+
+def _refuse_renamed(key: str, names: typing.Iterable[str]) -> None:
+    for name in names:
+        msg = renamed_key_message(key_of(key, name))
+        if msg:
+            raise ConfigError(msg)
+
+
+def upgrade_recorded(recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's recorded config (its config.json) with the keys written before `RENAMED_KEYS` translated:
+    `train.max_seq_len` read as `train.max_row_len`; `rollout.builder.context_budget` (0 there: the builder
+    engine's context) dropped."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in recorded.items()}
+    train = out.get("train")
+    if isinstance(train, dict) and "max_seq_len" in train:
+        value = train.pop("max_seq_len")
+        train.setdefault("max_row_len", value)
+    rollout = out.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("builder"), Mapping):
+        rollout["builder"] = {k: v for k, v in rollout["builder"].items() if k != "context_budget"}
+    return out
+
+
 def _set_values(c: ml_collections.ConfigDict, overrides: Mapping[str, Any], key: str) -> None:
     """Sets `overrides` (nested: a section's keys one by one) on `c`; an unknown key is a ConfigError."""
     for name, value in overrides.items():
         k = key_of(key, name)
         if name not in c:
+            _refuse_renamed(key, [name])
             raise config_error(k, f"not a key of the schema; known: {sorted(c)}")
         if isinstance(value, Mapping) and isinstance(c[name], ml_collections.ConfigDict):
             _set_values(c[name], value, k)
@@ -334,7 +373,9 @@ class SFTDataSection(DataSection):
 # Every `rollout.RolloutConfig` key's default (its `builder` and `answerer` parts are `agents.BuilderConfig`
 # and `agents.AnswererConfig`): the embedded run's. A command builds its RolloutConfig only from these and
 # the config's values (`RolloutSection.parse`), never from the dataclasses' own defaults; the meaning of
-# each term: `rollout.rewards` (the schedule and rewards), `agents.builder`, `agents.answer_start`.
+# each term: `rollout.rewards` (the schedule and rewards), `agents.builder`, `agents.answer_start`. One
+# field is no key (`DERIVED_ROLLOUT_FIELDS`): the tokens a builder session may hold are its engine's
+# context, `rollout.max_seq_len`, set by `cluster.mode_rollout`.
 ROLLOUT_DEFAULTS: dict[str, Any] = {
     "builder": {
         "max_turns": 4,
@@ -347,7 +388,6 @@ ROLLOUT_DEFAULTS: dict[str, Any] = {
         "max_reads_per_turn": 8,
         "max_calls_per_turn": 16,
         "observation_max_chars": 48_000,
-        "context_budget": 0,  # tokens one session may hold; 0 = the builder engine's (rollout.max_seq_len)
         # the model-free executor that writes what the sources state about what a file's title names
         "executor": "statements",
         "executor_max_new_tokens": 512,
@@ -403,6 +443,10 @@ ROLLOUT_DEFAULTS: dict[str, Any] = {
     "edit_cost": 0.0,
     "record_conversations": False,
 }
+
+
+# RolloutConfig fields that are no config key: set from the engines (`cluster.mode_rollout`)
+DERIVED_ROLLOUT_FIELDS = ("builder.context_budget",)
 
 
 # (field, lowest value, strictly above it) of the builder's and answerer's sampling and length settings,
@@ -463,7 +507,9 @@ class RolloutSection(Section):
         kwargs = {f.name: _check_value(hints[f.name], d.pop(f.name), key_of(key, f.name), f.metadata)
                   for f in dataclasses.fields(cls) if f.name in ROLLOUT_ENGINE_KEYS and f.name in d}
         for part in ("builder", "answerer"):  # a section's missing keys take the schema's defaults
-            d[part] = {**ROLLOUT_DEFAULTS[part], **_as_dict(d.get(part, {}), key_of(key, part))}
+            given = _as_dict(d.get(part, {}), key_of(key, part))
+            _refuse_renamed(key_of(key, part), given)
+            d[part] = {**ROLLOUT_DEFAULTS[part], **given}
         try:
             rollout = RolloutConfig.from_dict({**ROLLOUT_DEFAULTS, **d})
         except KeyError as e:
@@ -477,7 +523,11 @@ class RolloutSection(Section):
         return cls(**kwargs, config=rollout)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in ROLLOUT_ENGINE_KEYS}, **self.config.to_dict()}
+        d = self.config.to_dict()
+        for field in DERIVED_ROLLOUT_FIELDS:
+            part, name = field.split(".")
+            d[part].pop(name)
+        return {**{k: getattr(self, k) for k in ROLLOUT_ENGINE_KEYS}, **d}
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -516,7 +566,8 @@ class OptimSection(Section):
     # > 0: models with at least this many decoder layers scan them anyway; 0: only with scan_layers (the
     # scanned CPU step is 5-11% slower at every depth; deep ones compile 1.6-2.3x faster: rl.TrainConfig)
     scan_min_layers: int = spec(0, lo=0)
-    max_seq_len: int = spec(2048, lo=16)  # training rows longer than this are truncated
+    # the longest training row: a longer one (an episode segment, an SFT conversation) is cut to it
+    max_row_len: int = spec(2048, lo=16)
     # this many updates in a row skipped for a non-finite loss or gradient stop the run; 0 = never
     max_skipped_in_a_row: int = spec(3, lo=0)
 

@@ -265,10 +265,6 @@ def check_budgets(rollout: RolloutConfig, lengths: Mapping[Role, int]) -> None:
                    f"{a.context_budget} exceeds the answerer engine's max_seq_len {answerer} "
                    "(config.roles.answerer.max_seq_len); raise that or lower this (it is never clamped "
                    "silently)")
-    if b.context_budget > policy:
-        raise _err("rollout.builder.context_budget",
-                   f"{b.context_budget} exceeds the builder engine's max_seq_len {policy} "
-                   "(config.rollout.max_seq_len); raise that or lower this (it is never clamped silently)")
     if b.compaction != "none" and b.compaction_budget + b.max_new_tokens > policy:
         raise _err("rollout.builder.compaction_budget",
                    f"{b.compaction_budget} + builder.max_new_tokens {b.max_new_tokens} exceeds "

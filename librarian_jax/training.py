@@ -208,7 +208,7 @@ def build(settings: GRPOConfig) -> Run:
     logging.info("trainer: %d trainable params (%s)", trainer.num_trainable,
                  "LoRA" if trainer.lora else "full")
     rows_config = rows_lib.RowsConfig(advantage=t.advantage, step_weight=t.step_weight,
-                                      step_gamma=t.step_gamma, max_seq_len=t.max_seq_len,
+                                      step_gamma=t.step_gamma, max_row_len=t.max_row_len,
                                       row_multiple=trainer.row_multiple())
     # Every process iterates the same global pipeline (data.tasks_per_batch tasks a step) and rolls out its
     # own contiguous share of each batch (`distributed.process_slice`): the global batch is the one a single

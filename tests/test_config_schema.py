@@ -8,9 +8,11 @@ import ast
 import dataclasses
 import importlib
 import pathlib
+import re
 
 import pytest
 
+from librarian_jax import cli_flags
 from librarian_jax import config_schema as S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -162,6 +164,53 @@ def test_a_retired_rollout_key_in_an_older_run_config_still_reads():
     assert "dedupe_greedy_repeats" not in S.GRPOConfig().to_config_dict().rollout
 
 
+@pytest.mark.parametrize("schema,old,new", [
+    (S.GRPOConfig, "train.max_seq_len", r"renamed to train\.max_row_len"),
+    (S.SFTConfig, "train.max_seq_len", r"renamed to train\.max_row_len"),
+    (S.GRPOConfig, "rollout.builder.context_budget", r"removed; .* context, rollout\.max_seq_len"),
+    (S.SFTConfig, "rollout.builder.context_budget", r"removed; .* context, rollout\.max_seq_len"),
+])
+def test_a_renamed_key_names_the_key_that_took_its_place(schema, old, new):
+    """Each name means one thing: `max_seq_len` an engine's context, `max_row_len` a training row's cut, and
+    the builder's context has one key. A config (a dict, a preset, a flag) setting an old key is told the
+    new one; a run's config.json written before reads back with the old keys translated."""
+    section, name = old.rsplit(".", 1)
+    d = schema().to_dict()
+    node = d
+    for part in section.split("."):
+        node = node[part]
+    assert name not in node  # gone from the schema
+    node[name] = 2048
+    with pytest.raises(S.ConfigError, match=rf"config\.{re.escape(old)}: {new}"):
+        schema.parse(d)
+    preset: dict = {}
+    leaf = preset
+    for part in section.split("."):
+        leaf = leaf.setdefault(part, {})
+    leaf[name] = 2048
+    with pytest.raises(S.ConfigError, match=rf"config\.{re.escape(old)}: {new}"):
+        schema.preset_config(preset)
+    assert re.search(new, cli_flags.unknown_key(schema().to_config_dict(), old))
+
+
+def test_an_older_run_config_with_the_old_keys_reads_back(tmp_path):
+    """A run recorded before the renames (`train.max_seq_len`, `rollout.builder.context_budget` = 0) reads
+    back through `eval.restore.load_run_config`, its row length as `train.max_row_len`."""
+    import json
+
+    from librarian_jax.eval import restore
+
+    d = S.GRPOConfig().to_dict()
+    d["train"]["max_seq_len"] = d["train"].pop("max_row_len") + 512
+    d["rollout"]["builder"]["context_budget"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    run = restore.load_run_config(str(tmp_path))
+    assert run.train.max_row_len == S.GRPOConfig().train.max_row_len + 512
+    assert run.rollout.config.builder.context_budget == 0  # set from the engine by cluster.mode_rollout
+    assert "context_budget" not in run.to_dict()["rollout"]["builder"]  # a new record never carries it
+    assert "max_seq_len" not in run.to_dict()["train"]
+
+
 # ------------------------------------------------------------------ one home per default
 
 PRESET_MODULES = {"grpo": S.GRPOConfig, "sft": S.SFTConfig, "eval": S.EvalConfig, "build": S.BuildConfig}
@@ -230,7 +279,9 @@ def test_the_rollout_defaults_name_every_rollout_key():
 
     d = S.ROLLOUT_DEFAULTS
     assert set(d) == {f.name for f in dataclasses.fields(RolloutConfig)}
-    assert set(d["builder"]) == {f.name for f in dataclasses.fields(BuilderConfig)}
+    # the builder's context budget is no key: its engine's context (rollout.max_seq_len) sets it
+    assert S.DERIVED_ROLLOUT_FIELDS == ("builder.context_budget",)
+    assert set(d["builder"]) == {f.name for f in dataclasses.fields(BuilderConfig)} - {"context_budget"}
     assert set(d["answerer"]) == {f.name for f in dataclasses.fields(AnswererConfig)}
     # a partial section (an older config.json) takes the schema's defaults, not the dataclasses'
     parsed = S.RolloutSection.parse({"builder": {"max_turns": 7}}).config
@@ -248,7 +299,7 @@ def test_the_train_step_config_takes_every_key_from_the_schema(section):
     renamed = {"loss": ("loss", "name"), "num_steps": ("optim", "total_steps")}
     fixed = {"loss", "aggregation", "tis_cap", "dual_clip", "old_logprobs"} if section is S.SFTTrainSection \
         else set()  # SFT's loss is `nll`
-    rows = {"advantage", "step_weight", "step_gamma", "max_seq_len"}  # rl.RowsConfig (training.build)
+    rows = {"advantage", "step_weight", "step_gamma", "max_row_len"}  # rl.RowsConfig (training.build)
     checked = 0
     for f in dataclasses.fields(section):
         if f.name in rows | fixed or f.name in ("batch_rows", "group_by_length", "log_every"):

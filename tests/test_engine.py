@@ -412,7 +412,7 @@ def test_turn_results_and_training_rows_are_the_session_record(engine, qwen):
     ep = EpisodeRecord("t", 0, 0, [seg], turn_rewards=[0.0, 1.0, 0.0], terminal_reward=0.0, total_reward=1.0,
                        num_turns=3, tool_calls=[[]] * 3, tool_errors=[[]] * 3, replies=[""] * 3)
     other = dataclasses.replace(ep, episode_index=1, turn_rewards=[0.0] * 3, total_reward=0.0)
-    cfg = rows_lib.RowsConfig(advantage="grpo", step_weight=1.0, seq_buckets=(64,), max_seq_len=96)
+    cfg = rows_lib.RowsConfig(advantage="grpo", step_weight=1.0, seq_buckets=(64,), max_row_len=96)
     batch, _ = rows_lib.build_rows([ep, other], cfg)
     n = len(rec.tokens)
     np.testing.assert_array_equal(batch.tokens[0, :n], rec.tokens)

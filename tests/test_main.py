@@ -139,7 +139,7 @@ def tiny_run_config(workdir: str, num_steps: int):
     c.rollout.builder.update(max_turns=1, max_new_tokens=16, compaction_budget=1500)
     c.rollout.answerer.update(max_turns=1, max_new_tokens=8, forced_max_new_tokens=8)
     # no warmup and some weight decay: every step moves the weights (the hand-off test relies on it)
-    c.train.update(num_steps=num_steps, max_seq_len=2048, warmup_steps=0, weight_decay=0.1)
+    c.train.update(num_steps=num_steps, max_row_len=2048, warmup_steps=0, weight_decay=0.1)
     return c
 
 

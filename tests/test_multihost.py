@@ -50,7 +50,7 @@ def _flags(workdir: str) -> list[str]:
         "--config.rollout.group_size=4", "--config.rollout.policy_slots=4", "--config.rollout.frozen_slots=4",
         "--config.rollout.max_seq_len=2048", "--config.rollout.record_snapshots=False",
         "--config.rollout.builder.max_turns=1", "--config.rollout.builder.max_new_tokens=64",
-        f"--config.train.num_steps={STEPS}", "--config.train.max_seq_len=2048",
+        f"--config.train.num_steps={STEPS}", "--config.train.max_row_len=2048",
         "--config.mesh.shape.data=-1",  # the trainer's mesh: all 8 devices of all processes
         # fixed micro-batches of one row per device (8 global rows: 4 from each process), as many as the
         # step's rows need: the host loop of micro-batch programs and their collectives across processes
@@ -218,7 +218,7 @@ def _fast_flags(workdir: str) -> list[str]:
             "--config.rollout.round_steps=16", "--config.rollout.builder.max_new_tokens=32",
             "--config.rollout.builder.compaction_budget=900",
             "--config.rollout.answerer.max_turns=1", "--config.rollout.answerer.max_new_tokens=8",
-            "--config.rollout.answerer.forced_max_new_tokens=8", "--config.train.max_seq_len=1024",
+            "--config.rollout.answerer.forced_max_new_tokens=8", "--config.train.max_row_len=1024",
             # only the programs it runs (~20 CPU-s less a test run): compiling ahead on 2 processes and
             # reading it back is test_compile_cache's
             "--config.rollout.compile_ahead=False"]
@@ -341,7 +341,7 @@ def _sft_flags(workdir: str) -> list[str]:
         "--config.rollout.builder.max_turns=2", "--config.rollout.builder.max_new_tokens=160",
         f"--config.train.num_steps={STEPS}", "--config.train.batch_rows=8",
         "--config.train.learning_rate=3e-3", "--config.train.warmup_steps=0", "--config.train.log_every=1",
-        "--config.train.max_seq_len=1024",
+        "--config.train.max_row_len=1024",
         "--config.demos.num_tasks=6", "--config.checkpoint.every=2", "--config.checkpoint.keep=3",
         "--config.checkpoint.async_save=False", "--config.mesh.shape.data=-1",
     ]

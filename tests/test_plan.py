@@ -32,7 +32,7 @@ from librarian_jax.planning import topology
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the tiny preset, small enough that each of its programs compiles in seconds for TPU, with a model answerer
-SMALL = ["--config.mesh.shape.fsdp=-1", "--config.warm_start.enabled=False", "--config.train.max_seq_len=128",
+SMALL = ["--config.mesh.shape.fsdp=-1", "--config.warm_start.enabled=False", "--config.train.max_row_len=128",
          "--config.rollout.max_seq_len=512", "--config.rollout.policy_slots=2",
          "--config.rollout.frozen_slots=2",
          "--config.rollout.builder.compaction_budget=256", "--config.rollout.builder.max_new_tokens=64",

@@ -73,7 +73,7 @@ def test_build_rows_weights_advantages_padding():
         _Rec("t1", 1, [_seg(2, [2])], [0.5], 0.5),
         _Rec("t1", 1, [_seg(2, [2])], [0.5], 0.5),
     ]
-    cfg = rows_lib.RowsConfig(advantage="paper", seq_buckets=(8, 16), max_seq_len=16, row_multiple=4,
+    cfg = rows_lib.RowsConfig(advantage="paper", seq_buckets=(8, 16), max_row_len=16, row_multiple=4,
                               step_weight=0.5)
     batch, m = rows_lib.build_rows(recs, cfg)
     assert batch.shape == (8, 8)  # 5 rows -> padded to 8; longest row 7 -> bucket 8

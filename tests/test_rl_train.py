@@ -250,7 +250,7 @@ def test_grpo_learns_target_token_with_engine_sampling():
     groups, group_size, new_tokens = 4, 8, 12
     engine = Engine(model, num_slots=groups * group_size, max_seq_len=32, round_steps=new_tokens)
     trainer = ts.Trainer(model, TRAIN)
-    rows_cfg = rows_lib.RowsConfig(advantage="grpo", seq_buckets=(32,), max_seq_len=32,
+    rows_cfg = rows_lib.RowsConfig(advantage="grpo", seq_buckets=(32,), max_row_len=32,
                                    row_multiple=trainer.row_multiple())
     prompt = [1, 2, 3, 4]
     mean_rewards, tis = [], []

@@ -95,9 +95,9 @@ def test_loss_only_on_assistant_content_and_its_end_of_turn():
 def test_rows_cut_and_pack():
     a = sft.Example(np.arange(1, 11, dtype=np.int32), np.ones(10, np.float32))
     b = sft.Example(np.arange(1, 5, dtype=np.int32), np.ones(4, np.float32))
-    tokens, valid, mask, counts = sft.make_rows([a, b], max_seq_len=8, packing="none", multiple=4)
+    tokens, valid, mask, counts = sft.make_rows([a, b], max_row_len=8, packing="none", multiple=4)
     assert tokens.shape == (2, 8) and counts["cut_loss_tokens"] == 2 and valid.sum() == 12
-    tokens, valid, mask, counts = sft.make_rows([b, b, a], max_seq_len=12, packing="concat", multiple=4)
+    tokens, valid, mask, counts = sft.make_rows([b, b, a], max_row_len=12, packing="concat", multiple=4)
     assert counts["rows"] == 2 and valid[0].sum() == 8 and valid[1].sum() == 10
     with pytest.raises(ValueError, match="packing"):
         sft.make_rows([a], 8, packing="zip")
@@ -154,7 +154,7 @@ def _sft_config(workdir: str, steps: int):
                   heldout_fraction=0.25)
     c.rollout.builder.update(max_turns=2, max_new_tokens=160)
     c.train.update(num_steps=steps, batch_rows=4, learning_rate=3e-3, warmup_steps=0, log_every=5,
-                   max_seq_len=1024)
+                   max_row_len=1024)
     c.demos.update(num_tasks=6, per_task=1, calls_per_turn=2)
     c.checkpoint.update(every=4, keep=2, async_save=False)
     return c

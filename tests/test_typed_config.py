@@ -120,7 +120,7 @@ def _tiny_sft_preset(monkeypatch) -> None:
 
     def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         c = real(preset)
-        c.train.update(num_steps=1, batch_rows=2, log_every=1, warmup_steps=0, max_seq_len=1024)
+        c.train.update(num_steps=1, batch_rows=2, log_every=1, warmup_steps=0, max_row_len=1024)
         c.demos.update(num_tasks=2, per_task=1)
         c.checkpoint.async_save = False
         return c

@@ -123,7 +123,9 @@ class BuilderConfig:
     max_reads_per_turn: int = 8
     max_calls_per_turn: int = 16
     observation_max_chars: int = 48_000
-    context_budget: int = 0  # tokens one session may hold (0: no limit; run_batch sets the engine's)
+    # tokens one session may hold: the builder engine's context (rollout.max_seq_len), set by
+    # `cluster.mode_rollout` / `scheduler.fit_to_engines`, never a config key; 0: no limit
+    context_budget: int = 0
     executor: str = "model"  # agents.executor.EXECUTOR_KINDS: "model", or the model-free "extractive",
     # "focused" (on what the title names), "statements" (focused, on the sentences stating something about it)
     executor_max_new_tokens: int = 512

@@ -27,7 +27,7 @@ from absl import logging
 from flax import nnx
 
 from librarian_jax import checkpoint, cluster, inputs, models, storage, tokenizers
-from librarian_jax.config_schema import RUN_SCHEMAS, RunConfig, require_typed, schema_for
+from librarian_jax.config_schema import RUN_SCHEMAS, RunConfig, require_typed, schema_for, upgrade_recorded
 from librarian_jax.config_validation import ConfigError
 from librarian_jax.models.placement import placed_copy
 from librarian_jax.rl.train_step import apply_lora
@@ -42,7 +42,8 @@ def _err(key: str, msg: str) -> ConfigError:
 def load_run_config(run_dir: str, key: str = "run") -> RunConfig:
     """The config a training run recorded in `run_dir/config.json`, read through its schema (`GRPOConfig`,
     or `SFTConfig` for an SFT run; keys it leaves out take their defaults): typed and checked, or a
-    ConfigError naming the file and the bad key."""
+    ConfigError naming the file and the bad key. Keys an older run recorded under a name since retired are
+    read under the new one (`config_schema.upgrade_recorded`)."""
     path = storage.join(run_dir, "config.json")
     if not storage.isdir(run_dir):
         raise _err(key, f"training workdir {run_dir!r} does not exist")
@@ -58,7 +59,7 @@ def load_run_config(run_dir: str, key: str = "run") -> RunConfig:
         schema = schema_for(recorded)
         if schema not in RUN_SCHEMAS:
             raise ConfigError(f"config.command: {recorded.get('command')!r} is not a training command")
-        return schema.parse(recorded)
+        return schema.parse(upgrade_recorded(recorded))
     except ConfigError as e:
         raise _err(key, f"{path!r}: {e}") from None
 

@@ -118,10 +118,10 @@ def host_mesh(mesh: Any, process: int = 0) -> Any:
     return make_mesh(share, devices=devices)
 
 
-def _sequence_buckets(trainer: Any, max_seq_len: int) -> list[tuple[int, int]]:
+def _sequence_buckets(trainer: Any, max_row_len: int) -> list[tuple[int, int]]:
     """The update's `(seq, loss-position capacity)` shapes a run reaches: each sequence bucket up to
-    `max_seq_len` (`rl.rows` pads rows to them) at its largest capacity."""
-    return list(dict.fromkeys(trainer.update_shape(seq, seq) for seq in rows_lib.seq_buckets(max_seq_len)))
+    `max_row_len` (`rl.rows` pads rows to them) at its largest capacity."""
+    return list(dict.fromkeys(trainer.update_shape(seq, seq) for seq in rows_lib.seq_buckets(max_row_len)))
 
 
 def _lora(settings: RunConfig) -> tuple[int, float, str] | None:
@@ -158,7 +158,7 @@ def build(settings: RunConfig, accel: topology_lib.Accelerator, *, with_sft: boo
     mesh, emesh, the_cluster, policy = _abstract_cluster(settings, accel, "planning.plan.build")
     rollout = the_cluster.rollout
     trainer = train_step.Trainer(policy, training.train_config(settings), mesh=mesh)
-    trainers[TRAINER] = (trainer, _sequence_buckets(trainer, settings.train.max_seq_len), 0)
+    trainers[TRAINER] = (trainer, _sequence_buckets(trainer, settings.train.max_row_len), 0)
     if with_sft and settings.warm_start.enabled:
         trainers[SFT] = _sft_trainer(warm_start_sft.warm_start_config(settings), mesh, arch, _lora(settings))
     return Built(accel, mesh, emesh, the_cluster, the_cluster.engines_in_use(rollout), trainers, rollout)
@@ -170,7 +170,7 @@ def _sft_trainer(sft_settings: Any, mesh: Any, arch: Any,
     trainer = train_step.Trainer(cluster.abstract_model(arch, lora), t.trainer_config(), mesh=mesh)
     multiple = trainer.row_multiple()
     rows = -(-t.batch_rows // multiple) * multiple
-    return trainer, [trainer.update_shape(t.max_seq_len, t.max_seq_len)], rows
+    return trainer, [trainer.update_shape(t.max_row_len, t.max_row_len)], rows
 
 
 def build_eval(run_cfg: RunConfig, overrides: cluster.Overrides, accel: topology_lib.Accelerator,

@@ -104,7 +104,7 @@ def _paper(model_preset: str) -> dict[str, Any]:
         # (+17.4 GiB a chip for this preset), which does not fit
         "train": {"num_steps": 200, "learning_rate": 2e-5, "warmup_steps": 5, "decay": "constant",
                   "eps_high": 0.2, "dual_clip": 0.0, "tis_cap": 0.0, "kl_beta": 0.0,
-                  "old_logprobs": "sampler", "micro_batch_rows": 1, "remat": "layer", "max_seq_len": 16384},
+                  "old_logprobs": "sampler", "micro_batch_rows": 1, "remat": "layer", "max_row_len": 16384},
         "eval": {"every": 20, "num_tasks": 16, "repeats": 4, "final_methods": "", "select": "last",
                  "validation_tasks": 0},
         "warm_start": {"enabled": False, "sft_preset": "embedded"},

@@ -38,7 +38,7 @@ def _preset(name: str) -> dict[str, Any]:
     if name != grpo.DEFAULT_PRESET:
         out["demos"] = CLASSIC_DEMOS
     row_len = g.get("rollout", {}).get("max_seq_len")
-    train: dict[str, Any] = {"max_seq_len": row_len} if row_len else {}  # rows as long as a session
+    train: dict[str, Any] = {"max_row_len": row_len} if row_len else {}  # rows as long as a session
     if name not in ("embedded", grpo.DEFAULT_PRESET):
         train.update(num_steps=500, batch_rows=32, learning_rate=1e-5, warmup_steps=20, micro_batches=8,
                      remat="full")

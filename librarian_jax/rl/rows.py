@@ -37,13 +37,13 @@ DEFAULT_SEQ_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536
 
 @dataclasses.dataclass(frozen=True)
 class RowsConfig:
-    """How episodes become rows. `max_seq_len` truncates longer segments (with a warning)."""
+    """How episodes become rows. `max_row_len` truncates longer segments (with a warning)."""
 
     advantage: str = "paper"
     step_weight: float = 0.0
     step_gamma: float = 1.0
     step_normalize_std: bool = False
-    max_seq_len: int = 4096
+    max_row_len: int = 4096
     seq_buckets: tuple[int, ...] = DEFAULT_SEQ_BUCKETS
     row_multiple: int = 1
 
@@ -152,7 +152,7 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
         raise NoTrainableTokens("build_rows: no segment holds a generated token (every loss_mask is zero)")
     per_episode = collections.Counter(i for i, _ in rows)
     longest = max(len(seg.tokens) for _, seg in rows)
-    seq = pick_bucket(longest, config.seq_buckets, config.max_seq_len)
+    seq = pick_bucket(longest, config.seq_buckets, config.max_row_len)
     n_rows = -(-len(rows) // config.row_multiple) * config.row_multiple
     batch = TrainBatch(
         tokens=np.zeros((n_rows, seq), np.int32), valid=np.zeros((n_rows, seq), bool),
@@ -178,7 +178,7 @@ def build_rows(records: Sequence[Any], config: RowsConfig) -> tuple[TrainBatch, 
         batch.row_weights[r] = 1.0 / per_episode[i]
         batch.episode_ids[r] = i
     if truncated:
-        logging.warning("build_rows: %d of %d rows were longer than max_seq_len=%d and were truncated",
+        logging.warning("build_rows: %d of %d rows were longer than max_row_len=%d and were truncated",
                         truncated, len(rows), seq)
     metrics.update({
         "rows/num_rows": float(len(rows)),

@@ -9,11 +9,11 @@ aside, e.g. a demonstration's style). Token in, token out: each message is
 encoded on its own with the run's chat template (`start(system)`, `turn(role, content)`), exactly the ids the
 builder's session holds at rollout time, and the loss covers only assistant tokens: each reply's content ids
 and its end-of-turn id (the id the sampler must produce to end the turn), never the prompt, observations or
-template headers. A conversation longer than `train.max_seq_len` is cut there (its loss tokens beyond it are
+template headers. A conversation longer than `train.max_row_len` is cut there (its loss tokens beyond it are
 dropped, counted in the log).
 
 Rows: `data.packing = "none"` gives one conversation per row; `"concat"` packs several conversations into
-one row of `max_seq_len` tokens (first fit in data order). The model has no per-segment attention mask, so a
+one row of `max_row_len` tokens (first fit in data order). The model has no per-segment attention mask, so a
 packed conversation attends to the ones before it in its row (the common "naive" packing); use it for short
 conversations, where it saves most padding.
 
@@ -107,12 +107,12 @@ def encode_conversation(messages: Sequence[Mapping[str, str]], template: Any, to
     return Example(np.asarray(tokens, np.int32), np.asarray(mask, np.float32))
 
 
-def make_rows(examples: Sequence[Example], max_seq_len: int, packing: str = "none",
+def make_rows(examples: Sequence[Example], max_row_len: int, packing: str = "none",
               multiple: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
     """Rows `(tokens [R, S] int32, valid [R, S] bool, loss_mask [R, S] float32)` and counts.
 
-    Each example is cut to `max_seq_len`; `S` is the longest row rounded up to `multiple` (at most
-    `max_seq_len`). `packing="concat"` fills each row with consecutive examples while they fit.
+    Each example is cut to `max_row_len`; `S` is the longest row rounded up to `multiple` (at most
+    `max_row_len`). `packing="concat"` fills each row with consecutive examples while they fit.
     """
     if packing not in PACKING:
         raise ValueError(f"sft packing must be one of {PACKING}, got {packing!r}")
@@ -120,17 +120,17 @@ def make_rows(examples: Sequence[Example], max_seq_len: int, packing: str = "non
     rows: list[list[Example]] = []
     used = 0
     for ex in examples:
-        if len(ex.tokens) > max_seq_len:
-            cut_tokens += int(ex.loss_mask[max_seq_len:].sum())
-            ex = Example(ex.tokens[:max_seq_len], ex.loss_mask[:max_seq_len])
-        if packing == "concat" and rows and used + len(ex.tokens) <= max_seq_len:
+        if len(ex.tokens) > max_row_len:
+            cut_tokens += int(ex.loss_mask[max_row_len:].sum())
+            ex = Example(ex.tokens[:max_row_len], ex.loss_mask[:max_row_len])
+        if packing == "concat" and rows and used + len(ex.tokens) <= max_row_len:
             rows[-1].append(ex)
             used += len(ex.tokens)
         else:
             rows.append([ex])
             used = len(ex.tokens)
     longest = max(sum(len(e.tokens) for e in r) for r in rows)
-    seq = min(max_seq_len, -(-longest // multiple) * multiple)
+    seq = min(max_row_len, -(-longest // multiple) * multiple)
     tokens = np.zeros((len(rows), seq), np.int32)
     valid = np.zeros((len(rows), seq), bool)
     mask = np.zeros((len(rows), seq), np.float32)

@@ -65,8 +65,8 @@ def train(model: Any, tokenizer: Any, conversations: Sequence[Mapping[str, Any]]
     t, c = settings.train, settings.checkpoint
     template = template or builder_template(settings, tokenizer)
     examples = [sft.encode_conversation(c_["messages"], template, tokenizer) for c_ in conversations]
-    tokens, valid, mask, counts = sft.make_rows(examples, t.max_seq_len, settings.data.packing)
-    logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_seq_len)",
+    tokens, valid, mask, counts = sft.make_rows(examples, t.max_row_len, settings.data.packing)
+    logging.info("sft: %d conversations -> %d rows of %d tokens, %d loss tokens (%d cut by max_row_len)",
                  len(examples), counts["rows"], tokens.shape[1], counts["loss_tokens"],
                  counts["cut_loss_tokens"])
     tcfg = t.trainer_config()
