@@ -113,7 +113,10 @@ def _paper(model_preset: str) -> dict[str, Any]:
         "roles": {"answerer": {**answerer, "max_seq_len": 32768},
                   "executor": {**executor, "max_seq_len": 8192},
                   "compaction": {"init": "executor", **frozen}, "judge": {"init": "executor", **frozen}},
-        "mesh": {"shape": {"data": 1, "fsdp": -1, "tensor": 1}},
+        # the trainer: FSDP over one host's 4 chips (a v5p host; ICI), data-parallel across hosts. Over
+        # every chip of a v5p-64 (fsdp 32) the update's temporaries were 56.6 GiB a chip and the plan did not
+        # fit (107.7 of 95 GiB); data 8 x fsdp 4: 25.2 GiB, 78.1 of 95 (BENCHMARKS.md)
+        "mesh": {"shape": {"data": -1, "fsdp": 4, "tensor": 1}},
         "checkpoint": {"every": 10, "keep": 3},
     }
 
