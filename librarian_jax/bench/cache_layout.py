@@ -18,7 +18,6 @@ copies every layer's K and V into it before the loop and back after: the tempora
 from __future__ import annotations
 
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,6 +27,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from librarian_jax.bench.common import compile_seconds, load_average  # noqa: E402
 from librarian_jax.planning import topology  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -92,9 +92,8 @@ def measure(layout: str, mesh: Mesh) -> dict[str, float]:
     q = jax.ShapeDtypeStruct((FLAGS.slots, 1, FLAGS.heads, FLAGS.head_dim), jnp.bfloat16, sharding=sharded)
     pos = jax.ShapeDtypeStruct((FLAGS.slots,), jnp.int32, sharding=sharded)
     fn = jax.jit(decode_round(layout, FLAGS.heads, FLAGS.steps), donate_argnums=0)
-    t0 = time.perf_counter()
-    mem = fn.lower(caches, q, pos).compile().memory_analysis()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = compile_seconds(fn, caches, q, pos)
+    mem = compiled.memory_analysis()
     cache = FLAGS.layers * (np.prod(kshape) + np.prod(vshape)) * 2 / chips
     return {"cache": cache / 2**30, "args": mem.argument_size_in_bytes / 2**30,
             "temp": mem.temp_size_in_bytes / 2**30, "compile_s": compile_s}
@@ -106,7 +105,7 @@ def main(argv: list[str]) -> None:
     mesh = Mesh(np.array(accel.devices()), ("fsdp",))
     print(f"decode round on {accel.name} ({mesh.devices.size} devices): {FLAGS.slots} slots x "
           f"{FLAGS.max_len} positions, {FLAGS.layers} layers of {FLAGS.kv_heads} K/V heads x "
-          f"{FLAGS.head_dim}, bf16, {FLAGS.steps} steps")
+          f"{FLAGS.head_dim}, bf16, {FLAGS.steps} steps; load {load_average()}")
     print("| layout | cache GiB a chip | arguments GiB | temporaries GiB | temporaries / cache | compile s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for layout in FLAGS.layouts.split(","):

@@ -26,7 +26,7 @@ from flax import struct
 from flax.nnx import graphlib
 from jax.sharding import Mesh
 
-from librarian_jax.models.cache import Cache, ScanCache, stack_cache, unstack_cache
+from librarian_jax.models.cache import Cache, ScanCache, layout_of, stack_cache, unstack_cache
 from librarian_jax.models.config import ModelConfig
 from librarian_jax.models.gated_deltanet import GatedDeltaNet
 from librarian_jax.models.layers import INIT_STD, MLP, Attention, RMSNorm, dense, rope_inv_freq, rope_tables
@@ -272,7 +272,7 @@ def _layer_slot(group: dict[str, jax.Array], j: jax.Array) -> dict[str, jax.Arra
     """What a scanned layer gets as its cache from the stacked `group` at iteration `j`: attention layers the
     whole stacked K/V and the index (`Attention` writes its new tokens in place and reads its own slice);
     other layers (Gated DeltaNet, whose state is rewritten whole each call) their slice."""
-    if "v" in group or "values" in group:
+    if layout_of(group) is not None:
         return {**group, "layer": j}
     return {name: jax.lax.dynamic_index_in_dim(a, j, 1, keepdims=False) for name, a in group.items()}
 
@@ -280,7 +280,7 @@ def _layer_slot(group: dict[str, jax.Array], j: jax.Array) -> dict[str, jax.Arra
 def _put_layer_slot(group: dict[str, jax.Array], new: dict[str, jax.Array],
                     j: jax.Array) -> dict[str, jax.Array]:
     """The stacked `group` after the layer at iteration `j` returned `new` (from a `_layer_slot` cache)."""
-    if "v" in group or "values" in group:
+    if layout_of(group) is not None:
         return {name: new[name] for name in group}
     return {name: jax.lax.dynamic_update_index_in_dim(a, new[name].astype(a.dtype), j, 1)
             for name, a in group.items()}
